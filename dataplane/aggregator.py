@@ -1,0 +1,319 @@
+"""Sans-I/O aggregation core of one data-plane core: datagrams in, datagrams to send out.
+
+No sockets, no clock: the transport hands in a decoded header, the payload length it received
+into `rx_view()`, the sender's address, and gets back a list of `Send` decisions to apply.
+
+Slot protocol (after SwitchML, without its limits):
+
+* A segment is named by its tag (round, offset). Workers put it in a job-relative slot and only
+  send the next segment for a slot after they received the result of the previous one, so when a
+  new tag arrives for a slot, every worker already has the slot's previous result.
+* Each slot has two copies. The newest use fills one copy while the other keeps the previous
+  result, so a late retransmission of a finished segment is answered (unicast, to that worker)
+  from the stored result: that worker missed the multicast.
+* A rank bitmap per copy gives exactly-once accumulation: a duplicate never adds twice.
+* Deterministic mode sums in rank order: a contribution that arrives ahead of its turn is held
+  in its receive buffer (no copy, ownership moves) until the ranks before it are in. Results are
+  then bitwise identical whatever the arrival order.
+* Contributions of unknown jobs, wrong cookies, ranks, slots, lengths, or stale tags are counted
+  and dropped. A newer round arriving at a slot still filling an older round means that round was
+  abandoned by its workers (they timed out); the slot is recycled and `ABANDONED` counted.
+
+Slot states per copy (the table the code follows)::
+
+    EMPTY   --first contribution of a newer tag-->  FILLING
+    FILLING --contribution, count < world------->   FILLING
+    FILLING --last contribution----------------->   COMPLETE   (send result once)
+    COMPLETE --retransmission of the same tag--->   COMPLETE   (resend result to that worker)
+    COMPLETE/FILLING --reused for a newer tag--->   FILLING
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .counters import Counter, Counters
+from .errors import AdmissionError
+from .reduce import KernelTable, SegmentKernel
+from .slots import SlotArena
+from .wire import HEADER_SIZE, DType, Flags, Header, Kind, Op, pack_into
+
+__all__ = ["Address", "Aggregator", "JobSpec", "Send"]
+
+Address = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What one core needs to know about a job. `multicast` None means unicast fan-out."""
+
+    job_id: int
+    cookie: int
+    world_size: int
+    slots: int
+    deterministic: bool = False
+    multicast: Address | None = None
+
+
+class Send(NamedTuple):
+    """One datagram to transmit: header then payload, gathered by the transport."""
+
+    dest: Address
+    header: bytes | bytearray
+    payload: memoryview | bytes
+
+
+class _Copy:
+    """One of a slot's two copies."""
+
+    __slots__ = (
+        "acc", "arrived", "complete", "count", "dtype", "header", "held", "kernel", "length",
+        "next_rank", "offset", "op", "out", "result", "round", "slot",
+    )
+
+    def __init__(self, slot: int, acc: NDArray[np.float32], out: NDArray[np.uint8]) -> None:
+        self.slot = slot  # job-relative index, echoed in the result header
+        self.acc = acc
+        self.out = out
+        self.header = bytearray(HEADER_SIZE)
+        self.round = -1
+        self.offset = -1
+        self.dtype = DType.FLOAT32
+        self.op = Op.SUM
+        self.kernel: SegmentKernel | None = None
+        self.length = 0
+        self.arrived = 0  # rank bitmap
+        self.count = 0
+        self.next_rank = 0  # deterministic mode: ranks [0, next_rank) are summed into acc
+        self.held: dict[int, int] = {}  # deterministic mode: rank -> receive buffer index
+        self.complete = False
+        self.result: memoryview = memoryview(b"")
+
+
+class _Slot:
+    __slots__ = ("copies", "latest")
+
+    def __init__(self, copies: tuple[_Copy, _Copy]) -> None:
+        self.copies = copies
+        self.latest = 0
+
+
+class _Job:
+    __slots__ = ("addresses", "all_ranks", "arena_slots", "slots", "spec")
+
+    def __init__(self, spec: JobSpec, arena_slots: list[int], slots: list[_Slot]) -> None:
+        self.spec = spec
+        self.arena_slots = arena_slots
+        self.slots = slots
+        self.addresses: list[Address | None] = [None] * spec.world_size
+        self.all_ranks = (1 << spec.world_size) - 1
+
+
+class Aggregator:
+    """All jobs of one core. Single-threaded: the core's poll loop is the only caller."""
+
+    def __init__(self, arena: SlotArena, kernels: KernelTable, counters: Counters) -> None:
+        self._arena = arena
+        self._pool = arena.rx
+        self._kernels = kernels
+        self.counters = counters
+        self._jobs: dict[int, _Job] = {}
+        self._cells = counters.cells
+        rx = self._pool.take()
+        assert rx is not None
+        self._rx = rx
+
+    # ---- job table (driven by the control plane through the mailbox) ----
+    def add_job(self, spec: JobSpec) -> None:
+        if spec.job_id in self._jobs:
+            raise AdmissionError(f"job {spec.job_id} already exists on this core")
+        if spec.world_size < 1 or spec.slots < 1:
+            raise AdmissionError(f"job {spec.job_id}: world size and slots must be >= 1")
+        arena_slots = self._arena.allocate(spec.slots)
+        slots = [
+            _Slot((
+                _Copy(i, self._arena.accumulator(s, 0), self._arena.result_buffer(s, 0)),
+                _Copy(i, self._arena.accumulator(s, 1), self._arena.result_buffer(s, 1)),
+            ))
+            for i, s in enumerate(arena_slots)
+        ]
+        self._jobs[spec.job_id] = _Job(spec, arena_slots, slots)
+        self._cells[Counter.SLOTS_IN_USE] += spec.slots
+
+    def remove_job(self, job_id: int) -> None:
+        job = self._jobs.pop(job_id, None)
+        if job is None:
+            return
+        for slot in job.slots:
+            for copy in slot.copies:
+                self._release_held(copy)
+        self._arena.release(job.arena_slots)
+        self._cells[Counter.SLOTS_IN_USE] -= job.spec.slots
+
+    @property
+    def job_ids(self) -> list[int]:
+        return list(self._jobs)
+
+    def waiting_ranks(self, job_id: int) -> dict[int, list[int]]:
+        """For diagnostics: slot -> ranks not yet arrived, for every filling copy."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return {}
+        out: dict[int, list[int]] = {}
+        for i, slot in enumerate(job.slots):
+            copy = slot.copies[slot.latest]
+            if copy.round >= 0 and not copy.complete:
+                missing = job.all_ranks & ~copy.arrived
+                out[i] = [r for r in range(job.spec.world_size) if missing >> r & 1]
+        return out
+
+    # ---- datagram path ----
+    def rx_view(self) -> memoryview:
+        """Where the transport must receive the next payload."""
+        return self._pool.views[self._rx]
+
+    def on_contribution(self, h: Header, received: int, source: Address) -> list[Send]:
+        """`received` payload bytes of the datagram headed `h` now sit in `rx_view()`."""
+        cells = self._cells
+        job = self._jobs.get(h.job_id)
+        if job is None:
+            cells[Counter.DROP_UNKNOWN_JOB] += 1
+            return []
+        spec = job.spec
+        if h.cookie != spec.cookie:
+            cells[Counter.DROP_BAD_COOKIE] += 1
+            return []
+        if h.kind is not Kind.CONTRIBUTION or h.rank >= spec.world_size:
+            cells[Counter.DROP_BAD_RANK] += 1
+            return []
+        if h.slot >= spec.slots:
+            cells[Counter.DROP_BAD_SLOT] += 1
+            return []
+        if (received != h.length or received == 0 or received % h.dtype.itemsize
+                or received > self._arena.max_payload):
+            cells[Counter.DROP_BAD_LENGTH] += 1
+            return []
+        if job.addresses[h.rank] != source:
+            job.addresses[h.rank] = source
+
+        slot = job.slots[h.slot]
+        latest = slot.copies[slot.latest]
+        other = slot.copies[1 - slot.latest]
+        if latest.round == h.round and latest.offset == h.offset:
+            copy = latest
+        elif other.round == h.round and other.offset == h.offset:
+            copy = other
+        else:
+            return self._start_use(job, slot, h, source)
+
+        if copy.complete:
+            cells[Counter.RESULTS_RESENT] += 1
+            return [Send(source, copy.header, copy.result)]
+        if copy.arrived >> h.rank & 1:
+            cells[Counter.DUPLICATES] += 1
+            if h.flags & Flags.RETRANSMIT:
+                return [self._pending(job, copy, h, source)]
+            return []
+        if copy.dtype is not h.dtype or copy.op is not h.op or copy.length != received:
+            cells[Counter.DROP_MISMATCH] += 1
+            return []
+        return self._accumulate(job, copy, h.rank)
+
+    def _start_use(self, job: _Job, slot: _Slot, h: Header, source: Address) -> list[Send]:
+        latest = slot.copies[slot.latest]
+        if (h.round, h.offset) < (latest.round, latest.offset):
+            self._cells[Counter.DROP_STALE] += 1
+            return []
+        if latest.round >= 0 and not latest.complete:
+            if h.round == latest.round:
+                # Workers never start a slot's next segment before its previous result: a
+                # peer out of protocol. Dropping keeps the filling segment intact.
+                self._cells[Counter.DROP_SLOT_BUSY] += 1
+                return []
+            self._cells[Counter.ABANDONED] += 1
+            self._release_held(latest)
+        slot.latest = 1 - slot.latest
+        copy = slot.copies[slot.latest]
+        self._release_held(copy)
+        copy.round = h.round
+        copy.offset = h.offset
+        copy.dtype = h.dtype
+        copy.op = h.op
+        copy.kernel = self._kernels.kernel(h.dtype, h.op)
+        copy.length = h.length
+        copy.arrived = 0
+        copy.count = 0
+        copy.next_rank = 0
+        copy.complete = False
+        return self._accumulate(job, copy, h.rank)
+
+    def _accumulate(self, job: _Job, copy: _Copy, rank: int) -> list[Send]:
+        kernel = copy.kernel
+        assert kernel is not None
+        n = copy.length // copy.dtype.itemsize
+        acc = copy.acc[:n]
+        if job.spec.deterministic and rank != copy.next_rank:
+            # Out of turn: keep the datagram's buffer until the ranks before it are summed.
+            fresh = self._pool.take()
+            if fresh is None:
+                self._cells[Counter.DROP_NO_BUFFER] += 1
+                return []  # not marked arrived: the worker's retransmission will bring it
+            copy.held[rank] = self._rx
+            self._rx = fresh
+        else:
+            payload = self._pool.buffers[self._rx][: copy.length]
+            if copy.count == 0 or (job.spec.deterministic and rank == 0):
+                kernel.first(acc, payload)
+            else:
+                kernel.add(acc, payload)
+            if job.spec.deterministic:
+                copy.next_rank = rank + 1
+                while copy.next_rank in copy.held:
+                    index = copy.held.pop(copy.next_rank)
+                    kernel.add(acc, self._pool.buffers[index][: copy.length])
+                    self._pool.release(index)
+                    copy.next_rank += 1
+        copy.arrived |= 1 << rank
+        copy.count += 1
+        if copy.count < job.spec.world_size:
+            return []
+        return self._finish(job, copy, kernel, acc)
+
+    def _finish(
+        self, job: _Job, copy: _Copy, kernel: SegmentKernel, acc: NDArray[np.float32]
+    ) -> list[Send]:
+        spec = job.spec
+        copy.result = memoryview(kernel.finish(acc, spec.world_size, copy.out))  # type: ignore[arg-type]
+        copy.complete = True
+        pack_into(copy.header, Header(
+            Kind.RESULT, copy.dtype, copy.op, 0, spec.job_id, 0, spec.cookie, copy.round,
+            copy.slot, copy.offset, copy.length,
+        ))
+        self._cells[Counter.SEGMENTS_REDUCED] += 1
+        self._cells[Counter.BYTES_REDUCED] += copy.length
+        if spec.multicast is not None:
+            return [Send(spec.multicast, copy.header, copy.result)]
+        return [Send(a, copy.header, copy.result) for a in job.addresses if a is not None]
+
+    def _pending(self, job: _Job, copy: _Copy, h: Header, source: Address) -> Send:
+        """Tell a retransmitting worker which ranks have arrived (its timeout error names the
+        missing ones). Rare by construction: only retransmissions of unfinished segments."""
+        self._cells[Counter.PENDING_SENT] += 1
+        world = job.spec.world_size
+        bitmap = copy.arrived.to_bytes((world + 7) // 8, "little")
+        header = bytearray(HEADER_SIZE)
+        pack_into(header, Header(
+            Kind.PENDING, copy.dtype, copy.op, 0, job.spec.job_id, h.rank, job.spec.cookie,
+            copy.round, h.slot, copy.offset, len(bitmap), copy.count,
+        ))
+        return Send(source, header, bitmap)
+
+    def _release_held(self, copy: _Copy) -> None:
+        for index in copy.held.values():
+            self._pool.release(index)
+        copy.held.clear()
+

@@ -1,0 +1,65 @@
+"""Per-core counters: one writer (the core's poll loop), any number of readers.
+
+The array lives in memory the caller provides (shared memory for a data-plane process, a plain
+array in tests). Readers take unsynchronised snapshots; 64-bit aligned stores cannot tear on the
+platforms we run on, so a snapshot is at worst a few packets behind.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = ["Counter", "Counters"]
+
+
+class Counter(IntEnum):
+    PACKETS_IN = 0
+    BYTES_IN = 1
+    PACKETS_OUT = 2
+    BYTES_OUT = 3
+    SEGMENTS_REDUCED = 4
+    BYTES_REDUCED = 5
+    RESULTS_RESENT = 6
+    PENDING_SENT = 7
+    DUPLICATES = 8
+    DROP_MALFORMED = 9
+    DROP_UNKNOWN_JOB = 10
+    DROP_BAD_COOKIE = 11
+    DROP_BAD_RANK = 12
+    DROP_BAD_SLOT = 13
+    DROP_BAD_LENGTH = 14
+    DROP_MISMATCH = 15
+    DROP_STALE = 16
+    DROP_SLOT_BUSY = 17
+    DROP_NO_BUFFER = 18
+    DROP_TRUNCATED = 19
+    ABANDONED = 20
+    POLL_LOOPS = 21
+    POLL_BUSY_LOOPS = 22
+    SEND_ERRORS = 23
+    SLOTS_IN_USE = 24
+
+
+N_COUNTERS = len(Counter)
+
+
+class Counters:
+    """Named view over a uint64 array of `N_COUNTERS` cells."""
+
+    __slots__ = ("cells",)
+
+    def __init__(self, cells: NDArray[np.uint64] | None = None) -> None:
+        self.cells: NDArray[np.uint64] = (
+            np.zeros(N_COUNTERS, np.uint64) if cells is None else cells
+        )
+        if self.cells.shape != (N_COUNTERS,):
+            raise ValueError(f"counter array must have shape ({N_COUNTERS},)")
+
+    def __getitem__(self, c: Counter) -> int:
+        return int(self.cells[c])
+
+    def snapshot(self) -> dict[str, int]:
+        return {c.name.lower(): int(self.cells[c]) for c in Counter}

@@ -1,0 +1,123 @@
+"""The preallocated slot arena of one data-plane core.
+
+One anonymous mapping, allocated once and never resized: it is the memory a RoCE transport
+registers as its memory region, so every view the aggregator hands out must point into it.
+
+Layout (each region page-aligned, each buffer 64-byte aligned)::
+
+    [ accumulators: capacity x 2 copies x (2 * max_payload) bytes, viewed as float32 ]
+    [ results:      capacity x 2 copies x max_payload bytes (narrowed fp16/bf16 results) ]
+    [ receive pool: rx_buffers x max_payload bytes (datagrams land here, zero copy)     ]
+
+An accumulator holds 2 * max_payload bytes because a 16-bit segment of max_payload bytes widens
+to float32 twice its size.
+"""
+
+from __future__ import annotations
+
+import mmap
+from types import TracebackType
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .errors import AdmissionError, ConfigError
+
+__all__ = ["RxPool", "SlotArena"]
+
+_ALIGN = 64
+_PAGE = mmap.PAGESIZE
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+class RxPool:
+    """Fixed receive buffers with a free list. The aggregator owns it: a buffer it keeps (a
+    contribution held back for rank-ordered summation) leaves the free list until released."""
+
+    __slots__ = ("_free", "buffers", "views")
+
+    def __init__(self, buffers: NDArray[np.uint8]) -> None:
+        self.buffers = buffers
+        # Made once: the receive path hands these to recvmsg_into without building new views.
+        self.views = [memoryview(b) for b in buffers]  # type: ignore[arg-type]
+        self._free = list(range(len(buffers) - 1, -1, -1))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def release(self, index: int) -> None:
+        self._free.append(index)
+
+
+class SlotArena:
+    """`capacity` slot pairs of `max_payload` bytes plus a receive pool, in one mapping."""
+
+    def __init__(self, capacity: int, max_payload: int, rx_buffers: int) -> None:
+        if capacity < 1 or rx_buffers < 2 or max_payload < _ALIGN:
+            raise ConfigError(
+                f"slot arena needs capacity >= 1, rx_buffers >= 2 and max_payload >= {_ALIGN}; "
+                f"got {capacity}, {rx_buffers}, {max_payload}"
+            )
+        self.capacity = capacity
+        self.max_payload = max_payload
+        stride = _round_up(max_payload, _ALIGN)
+        acc_bytes = _round_up(capacity * 2 * 2 * stride, _PAGE)
+        out_bytes = _round_up(capacity * 2 * stride, _PAGE)
+        rx_bytes = _round_up(rx_buffers * stride, _PAGE)
+        self.nbytes = acc_bytes + out_bytes + rx_bytes
+        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        whole = np.frombuffer(self._map, dtype=np.uint8)
+        self._acc = whole[:acc_bytes].view(np.float32)[: capacity * 2 * (stride // 2)].reshape(
+            capacity, 2, stride // 2
+        )
+        self._out = whole[acc_bytes : acc_bytes + out_bytes][: capacity * 2 * stride].reshape(
+            capacity, 2, stride
+        )
+        rx = whole[acc_bytes + out_bytes :][: rx_buffers * stride].reshape(rx_buffers, stride)
+        self.rx = RxPool(rx[:, :max_payload])
+        self._free_slots = list(range(capacity - 1, -1, -1))
+
+    # -- slot allocation (one job takes a set of slot pairs; any indices will do) --
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free_slots):
+            raise AdmissionError(
+                f"job needs {count} slots but only {len(self._free_slots)} of {self.capacity} "
+                "are free on this core"
+            )
+        return [self._free_slots.pop() for _ in range(count)]
+
+    def release(self, slots: list[int]) -> None:
+        self._free_slots.extend(slots)
+
+    def accumulator(self, slot: int, copy: int) -> NDArray[np.float32]:
+        return self._acc[slot, copy]
+
+    def result_buffer(self, slot: int, copy: int) -> NDArray[np.uint8]:
+        return self._out[slot, copy][: self.max_payload]
+
+    # -- resource lifetime --
+    def close(self) -> None:
+        # Views into the mapping may outlive us in tests; the mapping then closes when they go.
+        try:
+            self._map.close()
+        except BufferError:
+            pass
+
+    def __enter__(self) -> SlotArena:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, v: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

@@ -1,0 +1,143 @@
+"""The one wire format shared by workers and the appliance.
+
+Every datagram is a fixed 48-byte header followed by the payload (a segment of a tensor in the
+dtype named by the header, or a rank bitmap for PENDING). All fields are in network byte order::
+
+     0                   1                   2                   3
+     0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 0 1
+    +-------------------------------+---------------+---------------+
+    |         magic 0x5241 "RA"     |    version    |     kind      |   0
+    +---------------+---------------+---------------+---------------+
+    |     dtype     |      op       |     flags     |   (zero)      |   4
+    +---------------+---------------+---------------+---------------+
+    |                            job id                             |   8
+    +-------------------------------+-------------------------------+
+    |             rank              |            (zero)             |  12
+    +-------------------------------+-------------------------------+
+    |                                                               |  16
+    +                      cookie (64 bits)                         +
+    |                                                               |  20
+    +---------------------------------------------------------------+
+    |                  round (allreduce generation)                 |  24
+    +---------------------------------------------------------------+
+    |                  slot (job-relative, per core)                |  28
+    +---------------------------------------------------------------+
+    |                                                               |  32
+    +              segment offset in the tensor (bytes)             +
+    |                                                               |  36
+    +---------------------------------------------------------------+
+    |                    payload length (bytes)                     |  40
+    +---------------------------------------------------------------+
+    |     aux (PENDING: ranks arrived so far; otherwise zero)       |  44
+    +---------------------------------------------------------------+
+
+A segment is named by (job, round, offset); the slot says where the appliance aggregates it.
+Packing and unpacking work on caller-owned buffers with one precompiled struct, so the hot path
+never builds intermediate bytes objects.
+"""
+
+from __future__ import annotations
+
+import struct
+from enum import IntEnum, IntFlag
+from typing import NamedTuple
+
+__all__ = [
+    "HEADER",
+    "HEADER_SIZE",
+    "MAGIC",
+    "VERSION",
+    "DType",
+    "Flags",
+    "Header",
+    "Kind",
+    "Op",
+    "WireError",
+    "pack_into",
+    "unpack",
+]
+
+MAGIC = 0x5241
+VERSION = 1
+
+HEADER = struct.Struct("!HBBBBBxIHxxQIIQII")
+HEADER_SIZE = HEADER.size
+assert HEADER_SIZE == 48
+
+
+class Kind(IntEnum):
+    """What a datagram is."""
+
+    CONTRIBUTION = 1  # worker -> appliance: one rank's segment
+    RESULT = 2  # appliance -> workers: the reduced segment
+    PENDING = 3  # appliance -> one worker: segment not finished; payload = arrived-rank bitmap
+
+
+class DType(IntEnum):
+    FLOAT32 = 1
+    FLOAT16 = 2
+    BFLOAT16 = 3
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self is DType.FLOAT32 else 2
+
+
+class Op(IntEnum):
+    SUM = 1
+    AVG = 2
+    MIN = 3
+    MAX = 4
+
+
+class Flags(IntFlag):
+    NONE = 0
+    RETRANSMIT = 1  # the worker has sent this segment before (counted, not trusted)
+
+
+class WireError(ValueError):
+    """A datagram that is not ours or is malformed: the peer's fault, counted and dropped."""
+
+
+class Header(NamedTuple):
+    kind: Kind
+    dtype: DType
+    op: Op
+    flags: int
+    job_id: int
+    rank: int
+    cookie: int
+    round: int
+    slot: int
+    offset: int
+    length: int
+    aux: int = 0
+
+
+_KINDS = frozenset(int(k) for k in Kind)
+_DTYPES = frozenset(int(d) for d in DType)
+_OPS = frozenset(int(o) for o in Op)
+
+
+def pack_into(buf: bytearray | memoryview, h: Header, at: int = 0) -> None:
+    """Write `h` into `buf[at:at + HEADER_SIZE]`."""
+    HEADER.pack_into(
+        buf, at, MAGIC, VERSION, h.kind, h.dtype, h.op, h.flags, h.job_id, h.rank,
+        h.cookie, h.round, h.slot, h.offset, h.length, h.aux,
+    )
+
+
+def unpack(buf: bytes | bytearray | memoryview, at: int = 0) -> Header:
+    """Decode and validate a header; raise `WireError` for anything we would not have sent."""
+    if len(buf) - at < HEADER_SIZE:
+        raise WireError(f"datagram of {len(buf) - at} bytes is shorter than the header")
+    (magic, version, kind, dtype, op, flags, job_id, rank, cookie, rnd, slot, offset, length,
+     aux) = HEADER.unpack_from(buf, at)
+    if magic != MAGIC:
+        raise WireError(f"bad magic {magic:#06x}")
+    if version != VERSION:
+        raise WireError(f"unsupported version {version}")
+    if kind not in _KINDS or dtype not in _DTYPES or op not in _OPS:
+        raise WireError(f"unknown kind/dtype/op {kind}/{dtype}/{op}")
+    return Header(Kind(kind), DType(dtype), Op(op), flags, job_id, rank, cookie, rnd, slot,
+                  offset, length, aux)

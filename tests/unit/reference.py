@@ -1,0 +1,44 @@
+"""The numpy reference every reduction is checked against: fp32 accumulation in rank order,
+then the result narrowed to the input dtype (what deterministic mode promises bit for bit)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+from numpy.typing import NDArray
+
+from dataplane.wire import DType, Op
+
+NUMPY_DTYPE = {
+    DType.FLOAT32: np.dtype(np.float32),
+    DType.FLOAT16: np.dtype(np.float16),
+    DType.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
+}
+
+
+def reference(arrays: list[NDArray[np.generic]], op: Op) -> NDArray[np.generic]:
+    acc = arrays[0].astype(np.float32)
+    for a in arrays[1:]:
+        x = a.astype(np.float32)
+        if op in (Op.SUM, Op.AVG):
+            np.add(acc, x, out=acc)
+        elif op is Op.MIN:
+            np.minimum(acc, x, out=acc)
+        else:
+            np.maximum(acc, x, out=acc)
+    if op is Op.AVG:
+        np.divide(acc, np.float32(len(arrays)), out=acc)
+    return acc.astype(arrays[0].dtype)
+
+
+def integer_valued(rng: np.random.Generator, n: int, dtype: DType) -> NDArray[np.generic]:
+    """Values whose sums are exact in any order (small integers): for arrival-order modes."""
+    return rng.integers(-64, 64, n).astype(NUMPY_DTYPE[dtype])
+
+
+def random_values(rng: np.random.Generator, n: int, dtype: DType) -> NDArray[np.generic]:
+    return (rng.standard_normal(n) * 10).astype(NUMPY_DTYPE[dtype])
+
+
+def same_bits(a: NDArray[np.generic], b: NDArray[np.generic]) -> bool:
+    return a.dtype == b.dtype and a.tobytes() == b.tobytes()

@@ -1,0 +1,225 @@
+"""Aggregator scenarios: values in, decisions out; no sockets, no clock."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dataplane.aggregator import Aggregator, JobSpec, Send
+from dataplane.counters import Counter, Counters
+from dataplane.errors import AdmissionError
+from dataplane.reduce import select_kernels
+from dataplane.slots import SlotArena
+from dataplane.wire import HEADER_SIZE, DType, Flags, Header, Kind, Op, unpack
+
+from .reference import NUMPY_DTYPE, integer_valued, random_values, reference, same_bits
+
+KERNELS = select_kernels()
+GROUP = ("239.255.0.9", 7100)
+COOKIE = 0x1234_5678_9ABC_DEF0
+
+
+@pytest.fixture
+def arena() -> Iterator[SlotArena]:
+    with SlotArena(capacity=8, max_payload=1024, rx_buffers=32) as a:
+        yield a
+
+
+def make(arena: SlotArena, world: int = 3, deterministic: bool = False,
+         multicast: bool = True) -> Aggregator:
+    agg = Aggregator(arena, KERNELS, Counters())
+    agg.add_job(JobSpec(5, COOKIE, world, 2, deterministic, GROUP if multicast else None))
+    return agg
+
+
+def contribute(agg: Aggregator, rank: int, data: np.ndarray, *, round_no: int = 1,
+               slot: int = 0, offset: int = 0, op: Op = Op.SUM, cookie: int = COOKIE,
+               job: int = 5, flags: int = 0, dtype: DType | None = None,
+               length: int | None = None) -> list[Send]:
+    payload = data.reshape(-1).view(np.uint8)
+    agg.rx_view()[:len(payload)] = payload
+    dt = dtype or {v: k for k, v in NUMPY_DTYPE.items()}[data.dtype]
+    h = Header(Kind.CONTRIBUTION, dt, op, flags, job, rank, cookie, round_no, slot, offset,
+               len(payload) if length is None else length)
+    return agg.on_contribution(h, len(payload), ("198.18.0.10" if rank == 0 else f"198.18.0.{10 + rank}", 9000 + rank))
+
+
+def result_of(sends: list[Send], dtype: np.dtype) -> np.ndarray:
+    assert len(sends) == 1
+    h = unpack(bytes(sends[0].header))
+    assert h.kind is Kind.RESULT
+    return np.frombuffer(bytes(sends[0].payload), dtype)
+
+
+def test_complete_segment_is_multicast_once(arena: SlotArena) -> None:
+    agg = make(arena)
+    xs = [np.full(16, r + 1, np.float32) for r in range(3)]
+    assert contribute(agg, 0, xs[0]) == []
+    assert contribute(agg, 1, xs[1]) == []
+    sends = contribute(agg, 2, xs[2])
+    assert sends[0].dest == GROUP
+    assert np.array_equal(result_of(sends, np.float32), np.full(16, 6, np.float32))
+    h = unpack(bytes(sends[0].header))
+    assert (h.job_id, h.round, h.slot, h.offset, h.length, h.cookie) == (5, 1, 0, 0, 64, COOKIE)
+    assert agg.counters[Counter.SEGMENTS_REDUCED] == 1
+
+
+def test_unicast_fallback_sends_to_every_rank(arena: SlotArena) -> None:
+    agg = make(arena, multicast=False)
+    for r in range(2):
+        contribute(agg, r, np.ones(4, np.float32))
+    sends = contribute(agg, 2, np.ones(4, np.float32))
+    assert sorted(s.dest[1] for s in sends) == [9000, 9001, 9002]
+
+
+def test_duplicate_never_adds_twice(arena: SlotArena) -> None:
+    agg = make(arena)
+    contribute(agg, 0, np.ones(8, np.float32))
+    assert contribute(agg, 0, np.ones(8, np.float32)) == []
+    contribute(agg, 1, np.ones(8, np.float32))
+    sends = contribute(agg, 2, np.ones(8, np.float32))
+    assert np.array_equal(result_of(sends, np.float32), np.full(8, 3, np.float32))
+    assert agg.counters[Counter.DUPLICATES] == 1
+
+
+def test_retransmission_of_unfinished_segment_gets_pending_bitmap(arena: SlotArena) -> None:
+    agg = make(arena, world=4)
+    contribute(agg, 0, np.ones(8, np.float32))
+    contribute(agg, 2, np.ones(8, np.float32))
+    (reply,) = contribute(agg, 2, np.ones(8, np.float32), flags=Flags.RETRANSMIT)
+    h = unpack(bytes(reply.header))
+    assert h.kind is Kind.PENDING and h.aux == 2
+    assert int.from_bytes(bytes(reply.payload), "little") == 0b0101
+    assert agg.waiting_ranks(5) == {0: [1, 3]}
+
+
+def test_lost_result_is_resent_unicast_from_the_stored_copy(arena: SlotArena) -> None:
+    agg = make(arena)
+    for r in range(3):
+        sends = contribute(agg, r, np.full(8, 2, np.float32))
+    # Rank 1 missed the multicast and retransmits: only rank 1 gets the stored result.
+    (resend,) = contribute(agg, 1, np.full(8, 2, np.float32), flags=Flags.RETRANSMIT)
+    assert resend.dest == ("198.18.0.11", 9001)
+    assert bytes(resend.payload) == bytes(sends[0].payload)
+    assert agg.counters[Counter.RESULTS_RESENT] == 1
+
+
+def test_late_retransmission_answered_while_the_other_copy_fills(arena: SlotArena) -> None:
+    agg = make(arena, world=2)
+    for r in range(2):
+        first = contribute(agg, r, np.full(8, 1, np.float32), offset=0)
+    stored = bytes(first[0].payload)
+    # Rank 0 got the result and moved on to the slot's next segment ...
+    contribute(agg, 0, np.full(8, 5, np.float32), offset=4096)
+    # ... while rank 1 lost it and retransmits the old one: answered from the shadow copy.
+    (resend,) = contribute(agg, 1, np.full(8, 1, np.float32), offset=0, flags=Flags.RETRANSMIT)
+    assert bytes(resend.payload) == stored
+    sends = contribute(agg, 1, np.full(8, 5, np.float32), offset=4096)
+    assert np.array_equal(result_of(sends, np.float32), np.full(8, 10, np.float32))
+
+
+def test_stale_round_is_dropped(arena: SlotArena) -> None:
+    agg = make(arena, world=2)
+    for r in range(2):
+        contribute(agg, r, np.ones(4, np.float32), round_no=1, offset=0)
+    for r in range(2):
+        contribute(agg, r, np.ones(4, np.float32), round_no=2, offset=0)
+    for r in range(2):
+        contribute(agg, r, np.ones(4, np.float32), round_no=3, offset=0)
+    assert contribute(agg, 0, np.ones(4, np.float32), round_no=1, offset=0) == []
+    assert agg.counters[Counter.DROP_STALE] == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "counter"),
+    [
+        ({"cookie": 1}, Counter.DROP_BAD_COOKIE),
+        ({"job": 99}, Counter.DROP_UNKNOWN_JOB),
+        ({"slot": 2}, Counter.DROP_BAD_SLOT),
+        ({"length": 12}, Counter.DROP_BAD_LENGTH),
+    ],
+)
+def test_bad_datagrams_are_counted_and_dropped(arena: SlotArena, kwargs: dict[str, int],
+                                               counter: Counter) -> None:
+    agg = make(arena, world=1)
+    assert contribute(agg, 0, np.ones(4, np.float32), **kwargs) == []
+    assert agg.counters[counter] == 1
+    assert agg.counters[Counter.SEGMENTS_REDUCED] == 0
+
+
+def test_bad_rank_and_mismatched_dtype_are_dropped(arena: SlotArena) -> None:
+    agg = make(arena, world=2)
+    assert contribute(agg, 2, np.ones(4, np.float32)) == []
+    assert agg.counters[Counter.DROP_BAD_RANK] == 1
+    contribute(agg, 0, np.ones(4, np.float32))
+    assert contribute(agg, 1, np.ones(8, np.float16)) == []  # same bytes, other dtype
+    assert agg.counters[Counter.DROP_MISMATCH] == 1
+
+
+def test_next_segment_before_slot_finished_is_refused(arena: SlotArena) -> None:
+    agg = make(arena, world=2)
+    contribute(agg, 0, np.ones(4, np.float32), offset=0)
+    assert contribute(agg, 0, np.ones(4, np.float32), offset=4096) == []
+    assert agg.counters[Counter.DROP_SLOT_BUSY] == 1
+    # A newer round means the old one was abandoned by its workers: the slot is recycled.
+    contribute(agg, 0, np.ones(4, np.float32), round_no=2)
+    sends = contribute(agg, 1, np.ones(4, np.float32), round_no=2)
+    assert np.array_equal(result_of(sends, np.float32), np.full(4, 2, np.float32))
+    assert agg.counters[Counter.ABANDONED] == 1
+
+
+def test_slot_budget_is_enforced(arena: SlotArena) -> None:
+    agg = Aggregator(arena, KERNELS, Counters())
+    agg.add_job(JobSpec(1, 1, 2, 8))
+    with pytest.raises(AdmissionError, match="slots"):
+        agg.add_job(JobSpec(2, 1, 2, 1))
+    agg.remove_job(1)
+    agg.add_job(JobSpec(2, 1, 2, 1))
+
+
+@pytest.mark.parametrize("dtype", list(DType))
+@pytest.mark.parametrize("op", list(Op))
+def test_every_dtype_and_op_matches_reference(arena: SlotArena, dtype: DType, op: Op) -> None:
+    rng = np.random.default_rng(int(dtype) * 10 + int(op))
+    agg = make(arena, world=3, deterministic=True)
+    xs = [random_values(rng, 200, dtype) for _ in range(3)]
+    for r in (2, 0, 1):
+        sends = contribute(agg, r, xs[r], op=op)
+    got = result_of(sends, NUMPY_DTYPE[dtype])
+    assert same_bits(got, reference(xs, op))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.permutations(range(6)), st.sampled_from(list(DType)), st.sampled_from(list(Op)))
+def test_deterministic_mode_is_bitwise_identical_in_any_arrival_order(
+    order: list[int], dtype: DType, op: Op
+) -> None:
+    rng = np.random.default_rng(42)
+    xs = [random_values(rng, 96, dtype) for _ in range(6)]
+    with SlotArena(capacity=2, max_payload=1024, rx_buffers=16) as arena:
+        agg = make(arena, world=6, deterministic=True)
+        for r in order:
+            sends = contribute(agg, r, xs[r], op=op)
+        got = result_of(sends, NUMPY_DTYPE[dtype])
+        assert same_bits(got, reference(xs, op))
+        assert arena.rx.free == 15  # every held buffer went back to the pool
+
+
+def test_arrival_order_mode_is_exact_on_integer_values(arena: SlotArena) -> None:
+    rng = np.random.default_rng(3)
+    xs = [integer_valued(rng, 64, DType.BFLOAT16) for _ in range(4)]
+    for order in itertools.islice(itertools.permutations(range(4)), 6):
+        agg = make(arena, world=4)
+        for r in order:
+            sends = contribute(agg, r, xs[r])
+        assert same_bits(result_of(sends, NUMPY_DTYPE[DType.BFLOAT16]), reference(xs, Op.SUM))
+        agg.remove_job(5)
+
+
+def test_header_size_is_what_the_wire_says() -> None:
+    assert HEADER_SIZE == 48

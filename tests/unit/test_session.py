@@ -1,0 +1,124 @@
+"""Worker sessions against real aggregators over an in-memory lossy network, simulated time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dataplane.errors import AllreduceTimeout
+from dataplane.reduce import select_kernels
+from dataplane.wire import DType, Kind, Op
+from plugin.session import AllreduceRound, Endpoint, RttEstimator, Timing
+
+from .reference import integer_valued, random_values, reference, same_bits
+from .simnet import Faults, SimNet
+
+KERNELS = select_kernels()
+
+
+def endpoints(n: int = 2, slots: int = 2) -> tuple[Endpoint, ...]:
+    return tuple(Endpoint(("a", i), 1, 99, slots, f"appliance core {i}") for i in range(n))
+
+
+def test_window_releases_a_slot_only_after_its_result() -> None:
+    rnd = AllreduceRound(endpoints(2, 2), 0, 2, 1, DType.FLOAT32, Op.SUM, 10 * 64, 64,
+                         RttEstimator(), 0.0)
+    first = rnd.due(0.0)
+    assert [t.segment for t in first] == [0, 1, 2, 3]  # 2 endpoints x 2 slots
+    assert [(t.endpoint, t.header.slot) for t in first] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert rnd.due(0.001) == []
+    h = first[2].header._replace(kind=Kind.RESULT)
+    assert rnd.accept(h) == 2
+    rnd.stored(2, 0.002)
+    (nxt,) = rnd.due(0.002)
+    assert (nxt.segment, nxt.endpoint, nxt.header.slot) == (6, 0, 1)
+    assert rnd.accept(h) is None  # a duplicate result is not wanted twice
+
+
+def test_unanswered_segments_are_retransmitted_with_backoff() -> None:
+    timing = Timing(rto_initial=0.1, rto_min=0.01, rto_max=0.4, deadline=5.0)
+    rnd = AllreduceRound(endpoints(1, 1), 0, 2, 1, DType.FLOAT32, Op.SUM, 64, 64,
+                         RttEstimator(timing), 0.0)
+    rnd.due(0.0)
+    times = []
+    now = 0.0
+    for _ in range(4):
+        now = rnd.wakeup()
+        (t,) = rnd.due(now)
+        assert t.header.flags == 1  # marked as a retransmission
+        times.append(round(now, 3))
+    assert times == [0.1, 0.3, 0.7, 1.1]  # 0.1, 0.2, 0.4, then capped at 0.4
+
+
+def test_deadline_raises_naming_silent_cores_and_missing_ranks() -> None:
+    timing = Timing(rto_initial=0.1, rto_min=0.01, rto_max=0.4, deadline=2.0)
+    rnd = AllreduceRound(endpoints(2, 1), 1, 4, 3, DType.FLOAT16, Op.AVG, 256, 64,
+                         RttEstimator(timing), 0.0)
+    sent = rnd.due(0.0)
+    rnd.stored(rnd.accept(sent[1].header._replace(kind=Kind.RESULT)) or 0, 0.01)
+    pending = sent[0].header._replace(kind=Kind.PENDING, aux=2)
+    rnd.on_pending(pending, bytes([0b0110]))
+    with pytest.raises(AllreduceTimeout) as err:
+        while True:
+            rnd.due(rnd.wakeup())
+    text = str(err.value)
+    assert "appliance core 0" in text and "ranks [0, 3]" in text
+    assert "appliance core 1 (" in text and "round 3" in text and "rank 1" in text
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("dtype", list(DType))
+def test_clean_network_all_ops(dtype: DType, deterministic: bool) -> None:
+    net = SimNet(KERNELS, world=4, deterministic=deterministic)
+    rng = np.random.default_rng(int(dtype))
+    try:
+        for op in Op:
+            make = random_values if deterministic else integer_valued
+            xs = [make(rng, 1000, dtype) for _ in range(4)]
+            want = reference(xs, op)
+            arrays = [x.copy() for x in xs]
+            net.allreduce(arrays, dtype, op)
+            for a in arrays:
+                assert same_bits(a, want)
+    finally:
+        net.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    world=st.integers(1, 6),
+    cores=st.integers(1, 3),
+    slots=st.integers(1, 4),
+    elements=st.integers(1, 700),
+    drop=st.sampled_from([0.0, 0.05, 0.2, 0.4]),
+    duplicate=st.sampled_from([0.0, 0.1, 0.5]),
+    max_delay=st.sampled_from([0.0, 0.002, 0.05]),
+    deterministic=st.booleans(),
+    multicast=st.booleans(),
+    dtype=st.sampled_from(list(DType)),
+    op=st.sampled_from(list(Op)),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_lossy_network_is_always_exact(
+    world: int, cores: int, slots: int, elements: int, drop: float, duplicate: float,
+    max_delay: float, deterministic: bool, multicast: bool, dtype: DType, op: Op, seed: int,
+) -> None:
+    net = SimNet(KERNELS, world=world, cores=cores, slots=slots, deterministic=deterministic,
+                 multicast=multicast, faults=Faults(drop, duplicate, max_delay, seed))
+    rng = np.random.default_rng(seed)
+    try:
+        for _ in range(2):  # two rounds: slots are reused across rounds
+            make = random_values if deterministic else integer_valued
+            xs = [make(rng, elements, dtype) for _ in range(world)]
+            want = reference(xs, op)
+            arrays = [x.copy() for x in xs]
+            order = list(rng.permutation(world))
+            net.allreduce(arrays, dtype, op, order=order)
+            for a in arrays:
+                assert same_bits(a, want)
+        for agg in net.aggregators:  # no receive buffer leaked by held contributions
+            assert agg.waiting_ranks(7) == {}
+    finally:
+        net.close()
