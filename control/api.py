@@ -81,7 +81,7 @@ class Appliance:
 class _Handler(BaseHTTPRequestHandler):
     server: ApiServer
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args: Any) -> None:
         pass  # the API is polled by tools; access logs would drown the daemon's own log
 
     def _reply(self, status: HTTPStatus, body: object) -> None:

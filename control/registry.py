@@ -63,7 +63,8 @@ class Registry:
         self._next_id = 1
         groups = ipaddress.IPv4Network(cfg.multicast.groups)
         # Skip the range's first address: 239.x.0.0 style addresses confuse some switches.
-        self._groups = [str(groups.network_address + i) for i in range(1, min(groups.num_addresses, 65536))]
+        count = min(groups.num_addresses, 65536)
+        self._groups = [str(groups.network_address + i) for i in range(1, count)]
 
     @property
     def jobs(self) -> list[JobPlan]:

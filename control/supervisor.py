@@ -6,6 +6,7 @@ writes). `Supervisor` is a context manager: leaving it stops every core and free
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import threading
 from dataclasses import dataclass
@@ -113,10 +114,8 @@ class Supervisor:
     def stop(self) -> None:
         for core in self.cores:
             if core.process.is_alive():
-                try:
+                with contextlib.suppress(ReductionError, OSError):
                     self.ask(core, Stop())
-                except (ReductionError, OSError):
-                    pass
             core.process.join(timeout=5)
             if core.process.is_alive():
                 core.process.kill()

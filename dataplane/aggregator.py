@@ -40,7 +40,7 @@ from .counters import Counter, Counters
 from .errors import AdmissionError
 from .reduce import KernelTable, SegmentKernel
 from .slots import SlotArena
-from .wire import HEADER_SIZE, DType, Flags, Header, Kind, Op, pack_into
+from .wire import HEADER_SIZE, ITEMSIZE, DType, Flags, Header, Kind, Op, pack_into
 
 __all__ = ["Address", "Aggregator", "JobSpec", "Send"]
 
@@ -193,7 +193,7 @@ class Aggregator:
         if h.slot >= spec.slots:
             cells[Counter.DROP_BAD_SLOT] += 1
             return []
-        if (received != h.length or received == 0 or received % h.dtype.itemsize
+        if (received != h.length or received == 0 or received % ITEMSIZE[h.dtype]
                 or received > self._arena.max_payload):
             cells[Counter.DROP_BAD_LENGTH] += 1
             return []
@@ -254,7 +254,7 @@ class Aggregator:
     def _accumulate(self, job: _Job, copy: _Copy, rank: int) -> list[Send]:
         kernel = copy.kernel
         assert kernel is not None
-        n = copy.length // copy.dtype.itemsize
+        n = copy.length // ITEMSIZE[copy.dtype]
         acc = copy.acc[:n]
         if job.spec.deterministic and rank != copy.next_rank:
             # Out of turn: keep the datagram's buffer until the ranks before it are summed.

@@ -24,6 +24,7 @@ from .aggregator import Aggregator, JobSpec
 from .counters import N_COUNTERS, Counter, Counters
 from .reduce import select_kernels
 from .slots import SlotArena
+from .udp import DatagramBatcher, enlarge_buffers
 from .wire import HEADER_SIZE, Kind, WireError, unpack
 
 __all__ = ["AddJob", "CoreConfig", "QueryWaiting", "RemoveJob", "Stop", "run_core"]
@@ -31,7 +32,7 @@ __all__ = ["AddJob", "CoreConfig", "QueryWaiting", "RemoveJob", "Stop", "run_cor
 PollMode = Literal["busy", "adaptive"]
 _MAILBOX_EVERY = 256  # busy mode: loop iterations between mailbox checks
 _IDLE_BLOCK_S = 0.05  # adaptive mode: longest block, bounds mailbox latency
-_SOCKET_BUFFER = 32 * 1024 * 1024  # holds a few full windows of every worker
+_SOCKET_BUFFER = 64 * 1024 * 1024  # holds a few full windows of every worker
 
 
 @dataclass(frozen=True)
@@ -76,12 +77,7 @@ Message = AddJob | RemoveJob | QueryWaiting | Stop
 def open_socket(cfg: CoreConfig) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
-        for force, plain in ((getattr(socket, "SO_RCVBUFFORCE", 33), socket.SO_RCVBUF),
-                             (getattr(socket, "SO_SNDBUFFORCE", 32), socket.SO_SNDBUF)):
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, force, _SOCKET_BUFFER)
-            except PermissionError:  # not root: the kernel caps at rmem_max/wmem_max
-                sock.setsockopt(socket.SOL_SOCKET, plain, _SOCKET_BUFFER)
+        enlarge_buffers(sock, _SOCKET_BUFFER)
         sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, cfg.multicast_ttl)
         # Workers on the appliance's own host (loopback labs) must hear the multicast too.
         sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
@@ -105,6 +101,8 @@ class CoreLoop:
         self.arena = SlotArena(cfg.slot_capacity, cfg.max_payload, cfg.rx_buffers)
         self.aggregator = Aggregator(self.arena, select_kernels(cfg.kernels), counters)
         self.sock = open_socket(cfg)
+        self.batcher = DatagramBatcher(self.sock)
+        self._header = bytearray(HEADER_SIZE)
         self._running = True
 
     def close(self) -> None:
@@ -132,12 +130,14 @@ class CoreLoop:
             self.handle(self.mailbox.recv())
 
     def receive_burst(self) -> int:
-        """Receive and process up to `burst` datagrams; return how many arrived."""
+        """Receive and process up to `burst` datagrams, then send what they finished (results
+        of one burst to one group leave together, in GSO batches); return how many arrived."""
         sock = self.sock
         agg = self.aggregator
+        batcher = self.batcher
         cells = self.counters.cells
-        header = bytearray(HEADER_SIZE)
-        got = 0
+        header = self._header
+        got = nbytes_in = 0
         for _ in range(self.cfg.burst):
             try:
                 nbytes, _, flags, source = sock.recvmsg_into(
@@ -146,8 +146,7 @@ class CoreLoop:
             except BlockingIOError:
                 break
             got += 1
-            cells[Counter.PACKETS_IN] += 1
-            cells[Counter.BYTES_IN] += nbytes
+            nbytes_in += nbytes
             if flags & socket.MSG_TRUNC:
                 cells[Counter.DROP_TRUNCATED] += 1
                 continue
@@ -160,14 +159,16 @@ class CoreLoop:
                 cells[Counter.DROP_MALFORMED] += 1
                 continue
             for send in agg.on_contribution(h, nbytes - HEADER_SIZE, source):
-                try:
-                    sent = sock.sendmsg([send.header, send.payload], (), 0, send.dest)
-                except OSError:
-                    # The worker retransmits and gets the stored result: count, do not die.
-                    cells[Counter.SEND_ERRORS] += 1
-                    continue
-                cells[Counter.PACKETS_OUT] += 1
-                cells[Counter.BYTES_OUT] += sent
+                batcher.add(send.dest, send.header, send.payload)
+        if got:
+            # Counters move once per burst: one writer, readers see whole bursts.
+            batcher.flush()
+            sent, sent_bytes, errors = batcher.take_counts()
+            cells[Counter.PACKETS_IN] += got
+            cells[Counter.BYTES_IN] += nbytes_in
+            cells[Counter.PACKETS_OUT] += sent
+            cells[Counter.BYTES_OUT] += sent_bytes
+            cells[Counter.SEND_ERRORS] += errors
         return got
 
     def run(self) -> None:
@@ -194,7 +195,8 @@ class CoreLoop:
                 idle_since = now
             if now - idle_since < spin_s:
                 continue
-            readable, _, _ = select.select([self.sock, self.mailbox], [], [], _IDLE_BLOCK_S)
+            waitables: list[socket.socket | Connection] = [self.sock, self.mailbox]
+            readable, _, _ = select.select(waitables, [], [], _IDLE_BLOCK_S)
             if self.mailbox in readable:
                 self.drain_mailbox()
 
@@ -203,6 +205,14 @@ def run_core(cfg: CoreConfig, mailbox: Connection, counters_name: str) -> None:
     """Entry point of a data-plane process."""
     if cfg.cpu is not None:
         os.sched_setaffinity(0, {cfg.cpu})
+    # Overflow to inf and inf - inf are data, not errors: the kernels must not warn per packet.
+    np.seterr(all="ignore")
+    try:
+        import torch
+
+        torch.set_num_threads(1)  # one core is one thread; kernels are per-segment small
+    except ImportError:
+        pass
     shm = SharedMemory(name=counters_name)
     try:
         cells: np.ndarray = np.ndarray((N_COUNTERS,), np.uint64, buffer=shm.buf)

@@ -15,6 +15,7 @@ to float32 twice its size.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from types import TracebackType
 
@@ -42,7 +43,7 @@ class RxPool:
     def __init__(self, buffers: NDArray[np.uint8]) -> None:
         self.buffers = buffers
         # Made once: the receive path hands these to recvmsg_into without building new views.
-        self.views = [memoryview(b) for b in buffers]  # type: ignore[arg-type]
+        self.views = [memoryview(b) for b in buffers]
         self._free = list(range(len(buffers) - 1, -1, -1))
 
     @property
@@ -101,18 +102,18 @@ class SlotArena:
         self._free_slots.extend(slots)
 
     def accumulator(self, slot: int, copy: int) -> NDArray[np.float32]:
-        return self._acc[slot, copy]
+        acc: NDArray[np.float32] = self._acc[slot, copy]
+        return acc
 
     def result_buffer(self, slot: int, copy: int) -> NDArray[np.uint8]:
-        return self._out[slot, copy][: self.max_payload]
+        out: NDArray[np.uint8] = self._out[slot, copy][: self.max_payload]
+        return out
 
     # -- resource lifetime --
     def close(self) -> None:
         # Views into the mapping may outlive us in tests; the mapping then closes when they go.
-        try:
+        with contextlib.suppress(BufferError):
             self._map.close()
-        except BufferError:
-            pass
 
     def __enter__(self) -> SlotArena:
         return self

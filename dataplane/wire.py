@@ -45,6 +45,7 @@ from typing import NamedTuple
 __all__ = [
     "HEADER",
     "HEADER_SIZE",
+    "ITEMSIZE",
     "MAGIC",
     "VERSION",
     "DType",
@@ -80,7 +81,10 @@ class DType(IntEnum):
 
     @property
     def itemsize(self) -> int:
-        return 4 if self is DType.FLOAT32 else 2
+        return ITEMSIZE[self]
+
+
+ITEMSIZE = {DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2}
 
 
 class Op(IntEnum):
@@ -114,9 +118,10 @@ class Header(NamedTuple):
     aux: int = 0
 
 
-_KINDS = frozenset(int(k) for k in Kind)
-_DTYPES = frozenset(int(d) for d in DType)
-_OPS = frozenset(int(o) for o in Op)
+# Dict lookups, not Enum(value) calls: decoding runs once per datagram.
+_KINDS = {int(k): k for k in Kind}
+_DTYPES = {int(d): d for d in DType}
+_OPS = {int(o): o for o in Op}
 
 
 def pack_into(buf: bytearray | memoryview, h: Header, at: int = 0) -> None:
@@ -137,7 +142,7 @@ def unpack(buf: bytes | bytearray | memoryview, at: int = 0) -> Header:
         raise WireError(f"bad magic {magic:#06x}")
     if version != VERSION:
         raise WireError(f"unsupported version {version}")
-    if kind not in _KINDS or dtype not in _DTYPES or op not in _OPS:
+    k, d, o = _KINDS.get(kind), _DTYPES.get(dtype), _OPS.get(op)
+    if k is None or d is None or o is None:
         raise WireError(f"unknown kind/dtype/op {kind}/{dtype}/{op}")
-    return Header(Kind(kind), DType(dtype), Op(op), flags, job_id, rank, cookie, rnd, slot,
-                  offset, length, aux)
+    return Header(k, d, o, flags, job_id, rank, cookie, rnd, slot, offset, length, aux)

@@ -10,6 +10,7 @@ for retransmissions or unicast jobs, on the worker's own socket.
 from __future__ import annotations
 
 import contextlib
+import errno
 import select
 import socket
 import time
@@ -21,14 +22,20 @@ import numpy as np
 from numpy.typing import NDArray
 
 from dataplane.errors import ReductionError
-from dataplane.wire import HEADER_SIZE, DType, Header, Kind, Op, WireError, pack_into, unpack
+from dataplane.udp import DatagramBatcher, enlarge_buffers
+from dataplane.wire import HEADER_SIZE, DType, Header, Kind, Op, WireError, unpack
 
 from .rendezvous import JobInfo
-from .session import AllreduceRound, Endpoint, RttEstimator, Timing
+from .session import AllreduceRound, Endpoint, RttEstimator, Timing, Transmit
 
 __all__ = ["ApplianceClient", "dtype_of", "op_of"]
 
+
+def _by_endpoint(t: Transmit) -> tuple[int, int]:
+    return (t.endpoint, t.segment)
+
 _SOCKET_BUFFER = 32 * 1024 * 1024
+_TRANSIENT = {errno.ENOBUFS, errno.EAGAIN, errno.EWOULDBLOCK}  # a full queue: like a loss
 _RECV_SCRATCH = 65536
 
 _DTYPES = {
@@ -54,15 +61,6 @@ def op_of(op: str | Op) -> Op:
         return Op[op.upper()]
     except KeyError:
         raise ReductionError(f"unknown op {op!r}; choose sum, avg, min or max") from None
-
-
-def _big_buffers(sock: socket.socket) -> None:
-    for force, plain in ((getattr(socket, "SO_RCVBUFFORCE", 33), socket.SO_RCVBUF),
-                         (getattr(socket, "SO_SNDBUFFORCE", 32), socket.SO_SNDBUF)):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, force, _SOCKET_BUFFER)
-        except PermissionError:
-            sock.setsockopt(socket.SOL_SOCKET, plain, _SOCKET_BUFFER)
 
 
 class ApplianceClient:
@@ -100,9 +98,10 @@ class ApplianceClient:
         self._sockets: list[socket.socket] = []
         with contextlib.ExitStack() as stack:
             self.sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
-            _big_buffers(self.sock)
+            enlarge_buffers(self.sock, _SOCKET_BUFFER)
             self.sock.bind((local_address, 0))
             self._sockets.append(self.sock)
+            self._batcher = DatagramBatcher(self.sock)
             for group in {j.multicast for j in jobs if j.multicast is not None}:
                 self._sockets.append(stack.enter_context(self._join(group, local_address)))
             stack.pop_all()
@@ -113,7 +112,7 @@ class ApplianceClient:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            _big_buffers(sock)
+            enlarge_buffers(sock, _SOCKET_BUFFER)
             # Bound to the group address: this socket hears only that group, not unicast.
             sock.bind(group)
             interface = socket.inet_aton(local_address)
@@ -153,7 +152,7 @@ class ApplianceClient:
             self.endpoints, self.rank, self.world_size, self.round, dtype, op_of(op),
             array.nbytes, self.segment_bytes, self.rtt, now,
         )
-        view = memoryview(array.reshape(-1).view(np.uint8))
+        view = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
         try:
             self._run(rnd, view)
         finally:
@@ -162,18 +161,20 @@ class ApplianceClient:
         return array
 
     def _run(self, rnd: AllreduceRound, view: memoryview) -> None:
-        header = self._header
-        sock = self.sock
+        batcher = self._batcher
         endpoints = self.endpoints
         while not rnd.done:
             now = time.monotonic()
-            for t in rnd.due(now):
-                pack_into(header, t.header)
+            # Group by endpoint so consecutive segments to one core leave in one GSO send.
+            for t in sorted(rnd.due(now), key=_by_endpoint):
                 offset = t.header.offset
-                sock.sendmsg([header, view[offset:offset + t.header.length]], (), 0,
-                             endpoints[t.endpoint].address)
-            if rnd.done:
-                break
+                batcher.add_header(endpoints[t.endpoint].address, t.header,
+                                   view[offset:offset + t.header.length])
+            batcher.flush()
+            error = batcher.last_error
+            if error is not None and error.errno not in _TRANSIENT:
+                raise ReductionError(f"cannot send to the appliance from "
+                                     f"{self.sock.getsockname()[0]}: {error}") from error
             timeout = max(0.0, rnd.wakeup() - time.monotonic())
             readable, _, _ = select.select(self._sockets, [], [], timeout)
             for s in readable:

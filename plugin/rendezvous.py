@@ -19,6 +19,10 @@ from .session import Endpoint
 
 __all__ = ["JobInfo", "RendezvousError", "register"]
 
+# The appliance sits on the data network: never send its API traffic to an HTTP proxy that
+# the environment may name.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
 
 class RendezvousError(ReductionError):
     """The appliance's API could not be reached or refused the job; the message says which."""
@@ -57,7 +61,7 @@ def register(
                  **({"Authorization": f"Bearer {token}"} if token else {})},
     )
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        with _DIRECT.open(request, timeout=timeout_s) as response:
             reply = json.loads(response.read())
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")

@@ -40,7 +40,7 @@ class Endpoint:
 @dataclass(frozen=True)
 class Timing:
     rto_initial: float = 0.1
-    rto_min: float = 0.01
+    rto_min: float = 0.02
     rto_max: float = 1.0
     deadline: float = 60.0
 
@@ -52,20 +52,28 @@ class RttEstimator:
     timing: Timing = field(default_factory=Timing)
     srtt: float | None = None
     rttvar: float = 0.0
+    backoff: int = 0  # timeouts since the last valid sample: the RTO doubles for each
 
     def sample(self, rtt: float) -> None:
+        self.backoff = 0
         if self.srtt is None:
             self.srtt, self.rttvar = rtt, rtt / 2
         else:
             self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
             self.srtt = 0.875 * self.srtt + 0.125 * rtt
 
+    def timed_out(self) -> None:
+        """A segment went unanswered: like TCP, back the whole estimate off (not only that
+        segment's timer) until a fresh sample shows the path is fast again. Under CPU
+        contention RTTs have a heavy tail; without this, one stall retransmits every segment
+        in flight and the extra load makes the next stall longer."""
+        self.backoff = min(self.backoff + 1, 6)
+
     @property
     def rto(self) -> float:
-        if self.srtt is None:
-            return self.timing.rto_initial
         t = self.timing
-        return min(t.rto_max, max(t.rto_min, self.srtt + 4 * self.rttvar))
+        base = t.rto_initial if self.srtt is None else self.srtt + 4 * self.rttvar
+        return min(t.rto_max, max(t.rto_min, base) * (1 << self.backoff))
 
 
 class Transmit(NamedTuple):
@@ -158,7 +166,8 @@ class AllreduceRound:
                 continue  # answered, or superseded by a later timer
             self._retransmitted[k] = 1
             self.retransmissions += 1
-            self._rto[k] = min(self._rto[k] * 2, self._rtt.timing.rto_max)
+            self._rtt.timed_out()
+            self._rto[k] = min(max(self._rto[k] * 2, self._rtt.rto), self._rtt.timing.rto_max)
             self._arm(k, now)
             out.append(Transmit(k % len(self.endpoints), k, self._header(k, True)))
         rto = self._rtt.rto

@@ -10,14 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.reference import NUMPY_DTYPE, integer_valued, random_values, reference, same_bits
 from dataplane.aggregator import Aggregator, JobSpec, Send
 from dataplane.counters import Counter, Counters
 from dataplane.errors import AdmissionError
 from dataplane.reduce import select_kernels
 from dataplane.slots import SlotArena
 from dataplane.wire import HEADER_SIZE, DType, Flags, Header, Kind, Op, unpack
-
-from .reference import NUMPY_DTYPE, integer_valued, random_values, reference, same_bits
 
 KERNELS = select_kernels()
 GROUP = ("239.255.0.9", 7100)
@@ -46,7 +45,7 @@ def contribute(agg: Aggregator, rank: int, data: np.ndarray, *, round_no: int = 
     dt = dtype or {v: k for k, v in NUMPY_DTYPE.items()}[data.dtype]
     h = Header(Kind.CONTRIBUTION, dt, op, flags, job, rank, cookie, round_no, slot, offset,
                len(payload) if length is None else length)
-    return agg.on_contribution(h, len(payload), ("198.18.0.10" if rank == 0 else f"198.18.0.{10 + rank}", 9000 + rank))
+    return agg.on_contribution(h, len(payload), (f"198.18.0.{10 + rank}", 9000 + rank))
 
 
 def result_of(sends: list[Send], dtype: np.dtype) -> np.ndarray:

@@ -7,12 +7,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.reference import integer_valued, random_values, reference, same_bits
 from dataplane.errors import AllreduceTimeout
 from dataplane.reduce import select_kernels
 from dataplane.wire import DType, Kind, Op
 from plugin.session import AllreduceRound, Endpoint, RttEstimator, Timing
 
-from .reference import integer_valued, random_values, reference, same_bits
 from .simnet import Faults, SimNet
 
 KERNELS = select_kernels()

@@ -1,0 +1,1 @@
+"""Shipped benchmarks, runnable as ``python -m bench.<name>``."""

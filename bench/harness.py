@@ -1,0 +1,298 @@
+"""Run a real appliance and real worker processes on a network: the emulated rack or loopback.
+
+Shared by the demo, the benchmarks and the integration tests, so that all of them exercise the
+same `reductiond` and the same worker client the way an operator would: separate processes,
+configuration from a TOML file, registration over the API, data over UDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from deploy.testnet.lab import Lab
+from deploy.testnet.topology import Topology
+
+__all__ = [
+    "ApplianceProcess",
+    "HarnessError",
+    "LabNetwork",
+    "LoopbackNetwork",
+    "Network",
+    "api_get",
+    "run_workers",
+    "start_appliance",
+    "worker_argv",
+]
+
+REPO = Path(__file__).resolve().parent.parent
+_API_PORT = 7070
+_READY_TIMEOUT_S = 60.0
+
+
+class HarnessError(RuntimeError):
+    """A process of the run failed; the message carries its stderr."""
+
+
+class Network(Protocol):
+    """Where the run's processes live."""
+
+    multicast: bool  # can results be multicast here?
+
+    @property
+    def mtu(self) -> int: ...
+
+    def appliance_address(self, index: int) -> str: ...
+    def worker_address(self, rank: int) -> str: ...
+    def popen_appliance(
+        self, index: int, argv: Sequence[str], **kw: Any
+    ) -> subprocess.Popen[Any]: ...
+    def popen_worker(self, rank: int, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]: ...
+
+
+_GET_JSON = (
+    "import sys, urllib.request as u; "
+    "o = u.build_opener(u.ProxyHandler({})); "
+    "sys.stdout.write(o.open(sys.argv[1], timeout=10).read().decode())"
+)
+
+
+def api_get(net: Network, index: int, url: str) -> Any:
+    """GET a JSON document from appliance `index`'s API, from inside its own network namespace:
+    lab addresses exist only there, so the harness never sends them into the host's network."""
+    proc = net.popen_appliance(index, [sys.executable, "-c", _GET_JSON, url],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=30)
+    if proc.returncode != 0:
+        raise HarnessError(f"GET {url} failed: {err.strip()[-1000:]}")
+    return json.loads(out)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+@dataclass
+class LabNetwork:
+    """The emulated rack: one namespace per host on a bridge, shaped links."""
+
+    lab: Lab
+    multicast: bool = True
+
+    @property
+    def mtu(self) -> int:
+        return self.lab.topology.worker_link.mtu
+
+    @property
+    def workers(self) -> int:
+        return len(self.lab.topology.workers)
+
+    def appliance_address(self, index: int) -> str:
+        return self.lab.topology.appliances[index].address
+
+    def worker_address(self, rank: int) -> str:
+        return self.lab.topology.workers[rank].address
+
+    def popen_appliance(self, index: int, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
+        return self.lab.popen(self.lab.topology.appliances[index].name, argv, env=_env(), **kw)
+
+    def popen_worker(self, rank: int, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
+        return self.lab.popen(self.lab.topology.workers[rank].name, argv, env=_env(), **kw)
+
+    @classmethod
+    @contextlib.contextmanager
+    def rack(cls, workers: int, multicast: bool = True, **links: Any) -> Iterator[LabNetwork]:
+        with Lab(Topology.rack(workers=workers, **links)) as lab:
+            yield cls(lab, multicast)
+
+
+@dataclass
+class LoopbackNetwork:
+    """Everything on 127.0.0.1. As root, inside a private namespace whose loopback has
+    multicast switched on (the host's own loopback is left alone); otherwise on the host's
+    loopback with unicast results."""
+
+    multicast: bool = False
+    mtu: int = 65535
+    netns: str | None = None
+    _procs: list[subprocess.Popen[Any]] = field(default_factory=list)
+
+    def appliance_address(self, index: int) -> str:
+        return "127.0.0.1"
+
+    def worker_address(self, rank: int) -> str:
+        return "127.0.0.1"
+
+    def _popen(self, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
+        prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
+        kw.setdefault("start_new_session", True)
+        proc: subprocess.Popen[Any] = subprocess.Popen([*prefix, *argv], env=_env(), **kw)
+        self._procs.append(proc)
+        return proc
+
+    def popen_appliance(self, index: int, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
+        return self._popen(argv, **kw)
+
+    def popen_worker(self, rank: int, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
+        return self._popen(argv, **kw)
+
+    @classmethod
+    @contextlib.contextmanager
+    def create(cls, multicast: bool = True) -> Iterator[LoopbackNetwork]:
+        if os.geteuid() != 0 or not multicast:
+            net = cls(multicast=False)
+            try:
+                yield net
+            finally:
+                _stop_all(net._procs)
+            return
+        name = f"ra-lo-{os.getpid()}"
+        commands = [
+            ["ip", "netns", "add", name],
+            ["ip", "-n", name, "link", "set", "lo", "up"],
+            ["ip", "-n", name, "link", "set", "lo", "multicast", "on"],
+            ["ip", "-n", name, "route", "add", "239.255.0.0/16", "dev", "lo"],
+        ]
+        net = cls(multicast=True, netns=name)
+        try:
+            for command in commands:
+                subprocess.run(command, check=True, capture_output=True)
+            yield net
+        finally:
+            _stop_all(net._procs)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+
+
+def _stop_all(procs: list[subprocess.Popen[Any]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@dataclass
+class ApplianceProcess:
+    process: subprocess.Popen[str]
+    api: str  # host:port
+    config_path: Path
+    net: Network
+    index: int
+
+    def status(self) -> dict[str, Any]:
+        result: dict[str, Any] = api_get(self.net, self.index, f"http://{self.api}/v1/status")
+        return result
+
+    def counters(self) -> dict[str, int]:
+        """Counters summed over the data-plane cores."""
+        total: dict[str, int] = {}
+        for core in self.status()["cores"]:
+            for key, value in core["counters"].items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+
+def appliance_toml(address: str, *, cores: int, mtu: int, slots: int = 32,
+                   multicast: bool = True, poll: str = "adaptive",
+                   kernels: str = "auto") -> str:
+    return (
+        f'[dataplane]\naddress = "{address}"\ncores = {cores}\nmtu = {mtu}\n'
+        f'poll = "{poll}"\nkernels = "{kernels}"\nslot_capacity = {max(64, 2 * slots)}\n'
+        f'rx_buffers = 1024\n'
+        f'[multicast]\nenabled = {"true" if multicast else "false"}\n'
+        f'[jobs]\nslots = {slots}\n'
+        f'[api]\nlisten = "{address}:{_API_PORT}"\n'
+    )
+
+
+@contextlib.contextmanager
+def start_appliance(net: Network, index: int = 0, *, cores: int = 2, slots: int = 32,
+                    poll: str = "adaptive", kernels: str = "auto") -> Iterator[ApplianceProcess]:
+    """Run `reductiond` on appliance `index` until the block ends (then SIGTERM, then kill)."""
+    address = net.appliance_address(index)
+    with tempfile.TemporaryDirectory(prefix="reductiond-") as tmp:
+        path = Path(tmp) / "appliance.toml"
+        path.write_text(appliance_toml(address, cores=cores, mtu=net.mtu, slots=slots,
+                                       multicast=net.multicast, poll=poll, kernels=kernels))
+        proc = net.popen_appliance(
+            index, [sys.executable, "-m", "control.daemon", "--config", str(path)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            _await_ready(proc)
+            yield ApplianceProcess(proc, f"{address}:{_API_PORT}", path, net, index)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def _await_ready(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        line = proc.stdout.readline()
+        if line.startswith("reductiond ready"):
+            return
+        if not line and proc.poll() is not None:
+            stderr = proc.stderr.read() if proc.stderr else ""
+            raise HarnessError(f"reductiond exited with {proc.returncode}: {stderr.strip()}")
+    raise HarnessError(f"reductiond not ready within {_READY_TIMEOUT_S:g} s")
+
+
+def run_workers(net: Network, argv_of_rank: Sequence[Sequence[str]],
+                timeout_s: float = 600.0) -> list[list[dict[str, Any]]]:
+    """Run one worker process per rank to completion; return each one's JSON lines.
+    A worker that fails or outlives `timeout_s` fails the run with its stderr."""
+    procs = [
+        net.popen_worker(rank, [sys.executable, *argv], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for rank, argv in enumerate(argv_of_rank)
+    ]
+    deadline = time.monotonic() + timeout_s
+    outputs: list[list[dict[str, Any]]] = []
+    failures: list[str] = []
+    for rank, proc in enumerate(procs):
+        try:
+            out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            failures.append(f"rank {rank} still running after {timeout_s:g} s: {err[-2000:]}")
+            continue
+        if proc.returncode != 0:
+            failures.append(f"rank {rank} exited {proc.returncode}: {err.strip()[-2000:]}")
+        outputs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+    if failures:
+        raise HarnessError("; ".join(failures))
+    return outputs
+
+
+def worker_argv(net: Network, api: str, world: int, job: str,
+                options: Sequence[str] = ()) -> list[list[str]]:
+    """`bench.worker` command lines for every rank of a job on `net`."""
+    return [
+        ["-m", "bench.worker", "--appliance", api, "--job", job, "--world", str(world),
+         "--rank", str(rank), "--local", net.worker_address(rank), *options]
+        for rank in range(world)
+    ]

@@ -1,0 +1,135 @@
+"""One worker of an appliance run: register, allreduce every case, check, print JSON lines.
+
+    python -m bench.worker --appliance 198.18.0.1:7070 --job demo --world 4 --rank 0 \\
+        --local 198.18.0.101 --sizes 1KiB,64MiB --dtypes fp32,bf16 --ops sum
+
+Every rank builds every rank's input from the same seeds, so each can compute the numpy
+reference on its own and check its result bit for bit: integer-valued inputs in arrival-order
+mode (exact in any order), random floats in deterministic mode (rank-order fp32 summation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from dataplane.errors import ReductionError
+from dataplane.wire import DType, Op
+from plugin.client import ApplianceClient
+from plugin.rendezvous import register
+from plugin.session import Timing
+
+from .reference import NUMPY_DTYPE, integer_valued, random_values, reference, same_bits
+
+__all__ = ["DTYPE_NAMES", "main", "parse_size"]
+
+DTYPE_NAMES = {"fp32": DType.FLOAT32, "fp16": DType.FLOAT16, "bf16": DType.BFLOAT16}
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
+          "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().lower()
+    digits = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(digits):]
+    if not digits.isdigit() or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (e.g. 1KiB, 64MiB)")
+    return int(digits) * _UNITS[unit]
+
+
+def _list(kind: Callable[[str], Any], names: dict[str, Any] | None = None) -> Any:
+    def parse(text: str) -> list[Any]:
+        items = [x for x in text.split(",") if x]
+        if names is not None:
+            bad = [x for x in items if x not in names]
+            if bad:
+                raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {sorted(names)}")
+            return [names[x] for x in items]
+        return [kind(x) for x in items]
+    return parse
+
+
+def inputs(seed: int, case: int, rank: int, n: int, dtype: DType,
+           deterministic: bool) -> np.ndarray:
+    rng = np.random.default_rng([seed, case, rank])
+    return (random_values if deterministic else integer_valued)(rng, n, dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.worker", description=__doc__)
+    p.add_argument("--appliance", action="append", required=True, help="API HOST:PORT")
+    p.add_argument("--job", required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--local", default="0.0.0.0", help="this worker's data address")
+    p.add_argument("--sizes", type=_list(parse_size), default=[1 << 20])
+    p.add_argument("--dtypes", type=_list(str, DTYPE_NAMES), default=[DType.FLOAT32])
+    p.add_argument("--ops", type=_list(str, {o.name.lower(): o for o in Op}), default=[Op.SUM])
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--unicast", action="store_true", help="results by unicast fan-out")
+    p.add_argument("--deadline", type=float, default=60.0, help="seconds per allreduce")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--no-check", action="store_true", help="skip the reference (big sweeps)")
+    args = p.parse_args(argv)
+
+    try:
+        jobs = [register(a, args.job, args.world, deterministic=args.deterministic,
+                         multicast=not args.unicast) for a in args.appliance]
+        timing = Timing(deadline=args.deadline)
+        with ApplianceClient(jobs, args.rank, local_address=args.local, timing=timing) as client:
+            case = 0
+            for dtype in args.dtypes:
+                for size in args.sizes:
+                    for op in args.ops:
+                        case += 1
+                        print(json.dumps(_run_case(client, args, case, dtype, size, op)),
+                              flush=True)
+    except ReductionError as exc:
+        print(f"rank {args.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 3
+    return 0
+
+
+def _run_case(client: ApplianceClient, args: argparse.Namespace, case: int, dtype: DType,
+              size: int, op: Op) -> dict[str, Any]:
+    itemsize = dtype.itemsize
+    n = max(1, size // itemsize)
+    mine = inputs(args.seed, case, args.rank, n, dtype, args.deterministic)
+    want = None
+    if not args.no_check:
+        want = reference([
+            mine if r == args.rank else inputs(args.seed, case, r, n, dtype, args.deterministic)
+            for r in range(args.world)
+        ], op)
+    work = np.empty_like(mine)
+    times: list[float] = []
+    bad = 0
+    before = client.retransmissions
+    for i in range(args.warmup + args.iters):
+        np.copyto(work, mine)
+        start = time.perf_counter()
+        client.allreduce(work, op)
+        elapsed = time.perf_counter() - start
+        if i >= args.warmup:
+            times.append(elapsed)
+        if want is not None and not same_bits(work, want):
+            bad += 1
+    return {
+        "rank": args.rank, "size": n * itemsize, "dtype": dtype.name.lower(),
+        "op": op.name.lower(), "times": times, "checked": want is not None,
+        "ok": bad == 0, "bad_iterations": bad,
+        "retransmissions": client.retransmissions - before,
+        "numpy_dtype": str(NUMPY_DTYPE[dtype]),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Data plane: wire format, reduce kernels and aggregation of the reduction appliance."""

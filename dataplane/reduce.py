@@ -1,0 +1,405 @@
+"""Reduce kernels: fold one rank's contribution to a segment into an fp32 accumulator.
+
+The aggregator keeps one fp32 accumulator per slot and calls, per segment and round::
+
+    kernel.first(acc, payload)          # first contribution: widen into acc
+    kernel.add(acc, payload)            # every later one: acc = op(acc, widen(payload))
+    kernel.finish(acc, count, out)      # avg: divide; narrow back to the wire dtype
+
+Byte order: tensor payloads travel in the host's native element order, which is little-endian on
+every supported host (x86-64, aarch64); only the 48-byte header (``wire.py``) is big-endian.
+Swapping bytes would cost a full pass per contribution for no benefit, so ``select_kernels``
+refuses to run on a big-endian host instead of silently mis-reading tensors.
+
+Payloads are uint8 views into the receive arena. Views at any byte offset are handled correctly
+(numpy and torch both read unaligned elements), but only 64-byte-aligned slots get the measured
+speeds.
+
+Why the kernels look the way they do (numbers from design.md section 3, re-measure with
+``python -m bench.kernels``):
+
+- fp32 is ``np.add(acc, x, acc)`` on views: memory-bound like memcpy (three streams instead of
+  two), so no other library could beat it; at 64 KiB the per-call Python cost starts to show.
+- numpy converts float16 at ~1 GB/s, so fp16/bf16 are first widened into a per-kernel fp32
+  scratch chunk (torch ``copy_``: 20-60 GB/s; pure numpy: a 65536-entry table gather or a shift),
+  then folded with the same numpy ufunc as fp32. Chunks keep scratch in cache and bounded;
+  mixing dtypes inside ``torch.add_`` would instead allocate a full-size fp32 temporary per call
+  (torch's profiler shows ``aten::to`` allocating 4 MiB for a 1 Mi-element add; ``copy_`` into
+  our scratch allocates nothing), which is what makes it collapse on 16 MiB tensors.
+- Folding with numpy ufuncs in every backend makes MIN/MAX/NaN/-0 semantics identical to
+  ``np.minimum``/``np.maximum`` everywhere.
+
+Rounding: results are narrowed with round-to-nearest-even and are bit-identical to
+``acc.astype(np.float16)`` / ``acc.astype(ml_dtypes.bfloat16)`` for every non-NaN value
+(including inf, overflow to inf, -0 and subnormals). A NaN stays a NaN, but its sign and payload
+bits are unspecified: torch canonicalises bf16 NaN to 0xffff where ml_dtypes gives 0x7fc0.
+
+Process state this module deliberately leaves to its caller, the per-core data-plane process:
+a table (and every kernel in it) belongs to one thread, since kernels own scratch buffers;
+torch's intra-op thread pool should be one thread (``torch.set_num_threads(1)``); and numpy
+warns when a sum overflows or inf meets -inf (``np.seterr(all="ignore")`` once at start: such
+values are the trainer's business, e.g. its loss scaler's, and the appliance forwards them).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Protocol
+
+import numpy as np
+from numpy.typing import NDArray
+
+from dataplane.wire import DType, Op
+
+__all__ = [
+    "BACKENDS",
+    "KernelTable",
+    "SegmentKernel",
+    "available_backends",
+    "select_kernels",
+]
+
+#: Every backend this module knows, best first.
+BACKENDS = ("torch", "numpy+ml_dtypes", "numpy")
+
+# Elements per widening chunk. torch: 1 MiB of 2-byte input, the size up to which its casts were
+# measured at in-cache speed; smaller chunks measured slower (16 MiB fp16 add: 5.8 GB/s with
+# 64 Ki-element chunks, 8.1 with 512 Ki) as per-chunk Python overhead outweighs locality.
+# The shift-based bf16 widening behaves like torch's casts and uses the same chunk. numpy's fp16
+# table gather needs an intp index (8 bytes/element): 64 Ki elements keep index, scratch and the
+# 256 KiB table inside the 2 MiB L2.
+_WIDE_CHUNK = (1 << 20) // 2
+_GATHER_CHUNK = 1 << 16
+
+_FOLD: Mapping[Op, np.ufunc] = {
+    Op.SUM: np.add,
+    Op.AVG: np.add,
+    Op.MIN: np.minimum,
+    Op.MAX: np.maximum,
+}
+
+# bfloat16 is the top half of a float32; these name the bit fiddling below.
+_BF16_SHIFT = 16
+_BF16_ROUND_HALF = 0x7FFF  # + the kept LSB = round half to even
+_BF16_SIGN = 0x8000
+_BF16_QUIET_NAN = 0x7FC0  # what ml_dtypes produces for any NaN (sign kept)
+
+_F32 = np.dtype(np.float32)  # a dtype instance makes view() cheaper than the scalar type
+
+
+class SegmentKernel(Protocol):
+    """Folds contributions of one (dtype, op) into an fp32 accumulator, in place."""
+
+    def first(self, acc: NDArray[np.float32], payload: NDArray[np.uint8]) -> None:
+        """acc = widened copy of the first contribution; len(acc) == len(payload) // itemsize."""
+        ...
+
+    def add(self, acc: NDArray[np.float32], payload: NDArray[np.uint8]) -> None:
+        """acc = op(acc, widened payload) in place (sum/avg: add, min: minimum, max: maximum)."""
+        ...
+
+    def finish(
+        self, acc: NDArray[np.float32], count: int, out: NDArray[np.uint8]
+    ) -> NDArray[np.uint8]:
+        """Finalise acc in place (avg: divide by count); return the result bytes in the input
+        dtype. FLOAT32 returns ``acc.view(np.uint8)`` (``out`` unused); FLOAT16/BFLOAT16 narrow
+        into ``out[:len(acc) * 2]`` and return that view."""
+        ...
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    """One kernel per (dtype, op), all from one backend, chosen once at start."""
+
+    backend: str
+    _kernels: Mapping[tuple[DType, Op], SegmentKernel] = field(repr=False)
+
+    def kernel(self, dtype: DType, op: Op) -> SegmentKernel:
+        return self._kernels[(dtype, op)]
+
+
+# --- widen/narrow codecs for the 2-byte dtypes --------------------------------------------------
+
+
+class _HalfCodec(Protocol):
+    def widen(self, dst: NDArray[np.float32], src: NDArray[np.uint16]) -> None: ...
+
+    def narrow(self, dst: NDArray[np.uint16], src: NDArray[np.float32]) -> None: ...
+
+
+class _TorchCodec:
+    """fp16/bf16 <-> fp32 with torch's vectorised casts on zero-copy tensor views."""
+
+    def __init__(self, torch: ModuleType, half: Any) -> None:
+        self._from_numpy = torch.from_numpy
+        self._half = half
+        # The kernel hands us the same scratch view again and again: keep its tensor.
+        self._last: NDArray[np.float32] | None = None
+        self._last_t: Any = None
+
+    def _tensor(self, a: NDArray[np.float32]) -> Any:
+        if a is not self._last:
+            self._last, self._last_t = a, self._from_numpy(a)
+        return self._last_t
+
+    def widen(self, dst: NDArray[np.float32], src: NDArray[np.uint16]) -> None:
+        self._tensor(dst).copy_(self._from_numpy(src.view(np.int16)).view(self._half))
+
+    def narrow(self, dst: NDArray[np.uint16], src: NDArray[np.float32]) -> None:
+        self._from_numpy(dst.view(np.int16)).view(self._half).copy_(self._tensor(src))
+
+
+class _NumpyFloat16Codec:
+    """fp16 -> fp32 by table gather (~4 GB/s, vs ~1 GB/s for numpy's own cast)."""
+
+    def __init__(self, table: NDArray[np.float32]) -> None:
+        self._table = table
+        self._idx = np.empty(0, np.intp)  # grow-once; np.take would allocate it from uint16
+
+    def widen(self, dst: NDArray[np.float32], src: NDArray[np.uint16]) -> None:
+        n = len(src)
+        if len(self._idx) < n:
+            self._idx = np.empty(n, np.intp)
+        idx = self._idx[:n]
+        np.copyto(idx, src)
+        # mode="wrap" skips numpy's buffered bounds check; uint16 indices are always in range.
+        np.take(self._table, idx, out=dst, mode="wrap")
+
+    def narrow(self, dst: NDArray[np.uint16], src: NDArray[np.float32]) -> None:
+        # numpy's own cast is slow (~1.3 GB/s) but is the reference; runs once per segment.
+        np.copyto(dst.view(np.float16), src, casting="unsafe")
+
+
+def _widen_bf16_by_shift(dst: NDArray[np.float32], src: NDArray[np.uint16]) -> None:
+    wide = dst.view(np.uint32)
+    np.copyto(wide, src)
+    np.left_shift(wide, _BF16_SHIFT, out=wide)
+
+
+class _NumpyBfloat16Codec:
+    """bf16 <-> fp32 with integer ops only: widening is a shift, narrowing is the RNE bit trick."""
+
+    def __init__(self) -> None:
+        self._bits = np.empty(0, np.uint32)
+        self._nan = np.empty(0, np.bool_)
+
+    def widen(self, dst: NDArray[np.float32], src: NDArray[np.uint16]) -> None:
+        _widen_bf16_by_shift(dst, src)
+
+    def narrow(self, dst: NDArray[np.uint16], src: NDArray[np.float32]) -> None:
+        n = len(src)
+        if len(self._bits) < n:
+            self._bits, self._nan = np.empty(n, np.uint32), np.empty(n, np.bool_)
+        u, t, nan = src.view(np.uint32), self._bits[:n], self._nan[:n]
+        # t = (u + 0x7fff + lsb) >> 16, lsb = bit 16 of u: ties go to the even neighbour, and
+        # finite values past the largest bf16 carry into the exponent and become inf, as in
+        # ml_dtypes. Only NaN bit patterns can wrap around, and they are overwritten below.
+        np.right_shift(u, _BF16_SHIFT, out=t)
+        np.bitwise_and(t, 1, out=t)
+        np.add(t, _BF16_ROUND_HALF, out=t)
+        np.add(t, u, out=t)
+        np.right_shift(t, _BF16_SHIFT, out=t)
+        np.isnan(src, out=nan)
+        if nan.any():
+            np.right_shift(u, _BF16_SHIFT, out=t, where=nan)
+            np.bitwise_and(t, _BF16_SIGN, out=t, where=nan)
+            np.bitwise_or(t, _BF16_QUIET_NAN, out=t, where=nan)
+        np.copyto(dst, t, casting="unsafe")
+
+
+class _MlDtypesBfloat16Codec:
+    """bf16 narrowing through ml_dtypes' RNE cast (~5 GB/s, about twice the integer trick)."""
+
+    def __init__(self, bfloat16: Any) -> None:
+        self._bfloat16 = np.dtype(bfloat16)
+
+    def widen(self, dst: NDArray[np.float32], src: NDArray[np.uint16]) -> None:
+        # The shift runs 15-20 GB/s, faster than ml_dtypes' cast loop, and is exact.
+        _widen_bf16_by_shift(dst, src)
+
+    def narrow(self, dst: NDArray[np.uint16], src: NDArray[np.float32]) -> None:
+        np.copyto(dst.view(self._bfloat16), src, casting="unsafe")
+
+
+# --- kernels ------------------------------------------------------------------------------------
+
+
+class _Kernel:
+    """What every kernel shares: the fold ufunc, avg's divide, the input view and its checks."""
+
+    _view_dtype: type[np.generic] = np.uint8
+
+    def __init__(self, op: Op) -> None:
+        self._fold = _FOLD[op]
+        self._avg = op is Op.AVG
+
+    def _elements(self, payload: NDArray[np.uint8], n: int) -> NDArray[Any]:
+        # view() raises on a length that is not a whole number of elements.
+        x = payload.view(self._view_dtype)
+        if len(x) != n:
+            raise ValueError(f"payload holds {len(x)} elements, accumulator {n}")
+        return x
+
+    def _finalise(self, acc: NDArray[np.float32], count: int) -> None:
+        if self._avg:
+            if count < 1:
+                raise ValueError(f"average over {count} contributions")
+            np.divide(acc, np.float32(count), out=acc)
+
+
+class _Float32Kernel(_Kernel):
+    # add() is the hot path and at 64 KiB the ufunc itself takes ~1 us, so every ~100 ns of
+    # Python around it costs ~10% of throughput: inlined view, the cheapest exact length check
+    # (nbytes; comparing shapes costs twice as much), positional `out` (cheaper than keyword).
+    # The check stays: without it a one-element payload would silently broadcast.
+    _view_dtype = np.float32
+
+    def first(self, acc: NDArray[np.float32], payload: NDArray[np.uint8]) -> None:
+        np.copyto(acc, self._elements(payload, len(acc)))
+
+    def add(self, acc: NDArray[np.float32], payload: NDArray[np.uint8]) -> None:
+        if payload.nbytes != acc.nbytes:
+            raise ValueError(f"payload holds {payload.nbytes} bytes, accumulator {acc.nbytes}")
+        self._fold(acc, payload.view(_F32), acc)
+
+    def finish(
+        self, acc: NDArray[np.float32], count: int, out: NDArray[np.uint8]
+    ) -> NDArray[np.uint8]:
+        self._finalise(acc, count)
+        return acc.view(np.uint8)
+
+
+class _Float32ExtremumKernel(_Float32Kernel):
+    def add(self, acc: NDArray[np.float32], payload: NDArray[np.uint8]) -> None:
+        # numpy 2.4 deprecates a positional `out` for minimum/maximum (not for add).
+        if payload.nbytes != acc.nbytes:
+            raise ValueError(f"payload holds {payload.nbytes} bytes, accumulator {acc.nbytes}")
+        self._fold(acc, payload.view(_F32), out=acc)
+
+
+class _HalfKernel(_Kernel):
+    """fp16/bf16: widen chunk by chunk into fp32 scratch, then fold like fp32."""
+
+    _view_dtype = np.uint16
+
+    def __init__(self, op: Op, codec: _HalfCodec, chunk: int) -> None:
+        super().__init__(op)
+        self._codec = codec
+        self._chunk = chunk
+        self._buf = np.empty(0, np.float32)  # grows to at most `chunk` elements, once
+        self._view = self._buf
+
+    def _scratch(self, n: int) -> NDArray[np.float32]:
+        # Hand out the identical view for a repeated size so codecs can cache its tensor.
+        if len(self._view) != n:
+            if len(self._buf) < n:
+                self._buf = np.empty(n, np.float32)
+            self._view = self._buf[:n]
+        return self._view
+
+    def first(self, acc: NDArray[np.float32], payload: NDArray[np.uint8]) -> None:
+        x, n, step = self._elements(payload, len(acc)), len(acc), self._chunk
+        if n <= step:
+            self._codec.widen(acc, x)
+            return
+        for i in range(0, n, step):
+            self._codec.widen(acc[i : i + step], x[i : i + step])
+
+    def add(self, acc: NDArray[np.float32], payload: NDArray[np.uint8]) -> None:
+        x, n, step = self._elements(payload, len(acc)), len(acc), self._chunk
+        if n <= step:  # the common case: no slicing overhead
+            tmp = self._scratch(n)
+            self._codec.widen(tmp, x)
+            self._fold(acc, tmp, out=acc)
+            return
+        for i in range(0, n, step):
+            a = acc[i : i + step]
+            tmp = self._scratch(len(a))
+            self._codec.widen(tmp, x[i : i + step])
+            self._fold(a, tmp, out=a)
+
+    def finish(
+        self, acc: NDArray[np.float32], count: int, out: NDArray[np.uint8]
+    ) -> NDArray[np.uint8]:
+        n, step = len(acc), self._chunk
+        if len(out) < 2 * n:
+            raise ValueError(f"out holds {len(out)} bytes, result needs {2 * n}")
+        self._finalise(acc, count)
+        result = out[: 2 * n]
+        dst = result.view(np.uint16)
+        if n <= step:
+            self._codec.narrow(dst, acc)
+        else:
+            for i in range(0, n, step):
+                self._codec.narrow(dst[i : i + step], acc[i : i + step])
+        return result
+
+
+# --- selection ----------------------------------------------------------------------------------
+
+
+def _import(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except (ImportError, OSError):  # OSError: a wheel whose shared libraries fail to load
+        return None
+
+
+def available_backends() -> tuple[str, ...]:
+    """Backends usable in this process, best first ("numpy" is always last and always there)."""
+    usable = {"numpy": True, "numpy+ml_dtypes": _import("ml_dtypes") is not None}
+    usable["torch"] = _import("torch") is not None
+    return tuple(b for b in BACKENDS if usable[b])
+
+
+def _fp16_table() -> NDArray[np.float32]:
+    # Every fp16 bit pattern widened by numpy itself: exact, NaN payloads included.
+    return np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+
+def _build(backend: str) -> KernelTable:
+    # DType -> (zero-argument factory of a fresh codec, since codecs own scratch; chunk elements)
+    codecs: dict[DType, tuple[Callable[[], _HalfCodec], int]]
+    if backend == "torch":
+        torch = importlib.import_module("torch")
+        codecs = {
+            DType.FLOAT16: (lambda: _TorchCodec(torch, torch.float16), _WIDE_CHUNK),
+            DType.BFLOAT16: (lambda: _TorchCodec(torch, torch.bfloat16), _WIDE_CHUNK),
+        }
+    else:
+        table = _fp16_table()
+        codecs = {DType.FLOAT16: (lambda: _NumpyFloat16Codec(table), _GATHER_CHUNK)}
+        if backend == "numpy+ml_dtypes":
+            bfloat16 = importlib.import_module("ml_dtypes").bfloat16
+            codecs[DType.BFLOAT16] = (lambda: _MlDtypesBfloat16Codec(bfloat16), _WIDE_CHUNK)
+        else:
+            codecs[DType.BFLOAT16] = (_NumpyBfloat16Codec, _WIDE_CHUNK)
+    kernels: dict[tuple[DType, Op], SegmentKernel] = {}
+    for op in Op:
+        extremum = op in (Op.MIN, Op.MAX)
+        kernels[(DType.FLOAT32, op)] = (_Float32ExtremumKernel if extremum else _Float32Kernel)(op)
+        for dtype, (codec, chunk) in codecs.items():
+            kernels[(dtype, op)] = _HalfKernel(op, codec(), chunk)
+    return KernelTable(backend, kernels)
+
+
+def select_kernels(prefer: str | None = None) -> KernelTable:
+    """Build the kernel table once at start: the best available backend, or ``prefer``.
+
+    Raises ValueError (the operator's configuration is at fault) when ``prefer`` is unknown or
+    not installed here, naming the usable choices, and on a big-endian host, whose native element
+    order would disagree with the wire's little-endian payloads.
+    """
+    if sys.byteorder != "little":
+        raise ValueError("tensor payloads are little-endian; this host is big-endian")
+    usable = available_backends()
+    if prefer is None:
+        return _build(usable[0])
+    if prefer not in usable:
+        why = "unknown" if prefer not in BACKENDS else "not available here"
+        raise ValueError(f"kernel backend {prefer!r} is {why}; choose one of {', '.join(usable)}")
+    return _build(prefer)

@@ -1,0 +1,1 @@
+"""Deployment material: reference configuration and the emulated rack (``deploy.testnet``)."""

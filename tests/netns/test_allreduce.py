@@ -1,0 +1,109 @@
+"""The real `reductiond` and real worker processes on an emulated rack (namespaces, a bridge,
+MTU 9000 veth links, IP multicast), checked through the product's own interfaces: the workers'
+results against the numpy reference and the appliance's counters through its API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bench.harness import HarnessError, LabNetwork, run_workers, start_appliance, worker_argv
+
+SIZES_1K_TO_64M = "1KiB,64KiB,1MiB,64MiB"
+
+
+def reduce_on_rack(
+    workers: int,
+    options: list[str],
+    *,
+    unicast: bool = False,
+    cores: int = 2,
+    **links: Any,
+) -> tuple[list[list[dict[str, Any]]], dict[str, int]]:
+    """Run one job of `workers` ranks; return every rank's case reports and the appliance's
+    counters afterwards."""
+    with LabNetwork.rack(workers, multicast=not unicast, **links) as net, \
+            start_appliance(net, cores=cores) as appliance:
+        extra = ["--unicast"] if unicast else []
+        outputs = run_workers(net, worker_argv(net, appliance.api, workers, "test",
+                                               options + extra), timeout_s=300)
+        return outputs, appliance.counters()
+
+
+def assert_all_exact(outputs: list[list[dict[str, Any]]], cases: int) -> None:
+    assert all(len(rank_cases) == cases for rank_cases in outputs), outputs
+    wrong = [c for rank_cases in outputs for c in rank_cases if not (c["checked"] and c["ok"])]
+    assert wrong == []
+
+
+@pytest.mark.parametrize("workers", [2, 4, 8])
+def test_sizes_1k_to_64m_exact(workers: int) -> None:
+    outputs, counters = reduce_on_rack(
+        workers, ["--sizes", SIZES_1K_TO_64M, "--dtypes", "fp32", "--iters", "1"])
+    assert_all_exact(outputs, 4)
+    assert counters["drop_bad_cookie"] == counters["drop_malformed"] == 0
+
+
+def test_every_dtype_and_op_exact() -> None:
+    outputs, _ = reduce_on_rack(4, ["--sizes", "4KiB,1MiB", "--dtypes", "fp32,fp16,bf16",
+                                    "--ops", "sum,avg,min,max", "--iters", "1"])
+    assert_all_exact(outputs, 3 * 2 * 4)
+
+
+def test_deterministic_mode_is_bitwise_equal_to_rank_order_reference() -> None:
+    # Random (non-integer) floats: only a fixed summation order gives the reference's bits.
+    outputs, _ = reduce_on_rack(4, ["--deterministic", "--sizes", "64KiB,4MiB",
+                                    "--dtypes", "fp32,fp16,bf16", "--ops", "sum,avg",
+                                    "--iters", "2"])
+    assert_all_exact(outputs, 3 * 2 * 2)
+
+
+def test_loss_duplication_and_reordering_still_exact() -> None:
+    outputs, counters = reduce_on_rack(
+        4, ["--sizes", "1MiB,16MiB", "--dtypes", "fp32,bf16", "--iters", "2"],
+        loss_pct=1.0, duplicate_pct=1.0, reorder_pct=5.0)
+    assert_all_exact(outputs, 4)
+    # The faults really happened and were absorbed by the protocol, not by luck.
+    assert sum(c["retransmissions"] for rank in outputs for c in rank) > 0
+    assert counters["duplicates"] + counters["results_resent"] > 0
+
+
+def test_deterministic_mode_under_loss_is_bitwise_exact() -> None:
+    outputs, _ = reduce_on_rack(
+        4, ["--deterministic", "--sizes", "2MiB", "--dtypes", "fp32,fp16", "--iters", "2"],
+        loss_pct=1.0, duplicate_pct=1.0, reorder_pct=5.0)
+    assert_all_exact(outputs, 2)
+
+
+def test_multicast_sends_one_copy_per_segment_unicast_sends_n() -> None:
+    options = ["--sizes", "16MiB", "--iters", "2"]
+    outputs, multicast = reduce_on_rack(4, options)
+    assert_all_exact(outputs, 1)
+    outputs, unicast = reduce_on_rack(4, options, unicast=True)
+    assert_all_exact(outputs, 1)
+    def first_copies(c: dict[str, int]) -> float:
+        """Result datagrams sent per reduced segment, not counting the answers to
+        retransmissions (stored results resent, PENDING notes): those go to one worker."""
+        sent = c["packets_out"] - c["results_resent"] - c["pending_sent"]
+        assert c["segments_reduced"] > 0
+        return sent / c["segments_reduced"]
+
+    assert first_copies(multicast) == 1.0  # one datagram per segment, however many workers
+    assert first_copies(unicast) == 4.0  # the fan-out fallback sends one per worker
+    headers = 48 / (multicast["bytes_reduced"] / multicast["segments_reduced"])
+    resent_share = multicast["results_resent"] / multicast["segments_reduced"]
+    assert multicast["bytes_out"] / multicast["bytes_reduced"] <= 1 + headers + resent_share + 0.01
+
+
+def test_missing_rank_fails_with_a_clear_error_instead_of_hanging() -> None:
+    with LabNetwork.rack(3) as net, start_appliance(net) as appliance:
+        # A job of three ranks where rank 2 never shows up.
+        argv = worker_argv(net, appliance.api, 3, "stalled",
+                           ["--sizes", "64KiB", "--iters", "1", "--deadline", "3"])[:2]
+        with pytest.raises(HarnessError) as failure:
+            run_workers(net, argv, timeout_s=60)
+    text = str(failure.value)
+    assert "AllreduceTimeout" in text and "missed its 3 s deadline" in text
+    assert "still waits for ranks [2]" in text
+    assert "appliance 198.18.0.1:7070 core" in text

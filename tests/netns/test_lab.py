@@ -1,0 +1,387 @@
+"""The emulated rack itself: connectivity, jumbo MTU, multicast flooding, shaping, teardown."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from pyroute2 import netns
+
+from deploy.testnet import Lab, LabError, Link, Topology, clean, leftovers, unique_prefix
+from deploy.testnet.shaping import egress_ruleset
+from tests.waiting import wait_until
+
+MakeLab = Callable[[Topology], Lab]
+PY = sys.executable
+
+# Receivers write `ready` once bound, so senders never race them and tests never sleep.
+UDP_RECV = """
+import json, socket, sys
+port, ready, count, idle = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)  # SO_RCVBUFFORCE: no drops at our socket
+if len(sys.argv) > 6:  # group, local address: join a multicast group on the data interface
+    s.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
+                 socket.inet_aton(sys.argv[5]) + socket.inet_aton(sys.argv[6]))
+s.bind(("", port))
+s.settimeout(idle)
+open(ready, "w").close()
+sizes = []
+try:
+    while len(sizes) < count:
+        sizes.append(len(s.recv(65535)))
+except TimeoutError:
+    pass
+print(json.dumps(sizes))
+"""
+
+UDP_SEND = """
+import socket, sys
+dst, port, size, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.IPPROTO_IP, 10, 2)  # IP_MTU_DISCOVER = IP_PMTUDISC_DO: DF set
+s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 1)
+for _ in range(count):
+    s.sendto(b"x" * size, (dst, port))
+"""
+
+TCP_SINK = """
+import json, socket, sys, time
+port, ready = int(sys.argv[1]), sys.argv[2]
+srv = socket.create_server(("", port))
+open(ready, "w").close()
+conn, _ = srv.accept()
+total, first = 0, None
+while chunk := conn.recv(1 << 20):
+    first = first or time.monotonic()
+    total += len(chunk)
+print(json.dumps({"bytes": total, "seconds": time.monotonic() - first}))
+"""
+
+TCP_SOURCE = """
+import socket, sys
+with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5) as s:
+    s.sendall(b"x" * int(sys.argv[3]))
+"""
+
+
+# Numbered datagrams: the receiver reports sequence numbers in arrival order. It stops once it
+# has every number and nothing more came for `idle` seconds (late duplicates), or after `idle`
+# seconds of silence with numbers still missing.
+SEQ_RECV = """
+import json, socket, struct, sys
+port, ready, count, idle = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)  # SO_RCVBUFFORCE: no drops at our socket
+if len(sys.argv) > 6:
+    s.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
+                 socket.inet_aton(sys.argv[5]) + socket.inet_aton(sys.argv[6]))
+s.bind(("", port))
+open(ready, "w").close()
+seqs, seen = [], set()
+s.settimeout(5.0)  # until the first datagram
+try:
+    while True:
+        seq = struct.unpack_from("!I", s.recv(65535))[0]
+        seqs.append(seq)
+        seen.add(seq)
+        s.settimeout(idle if len(seen) == count else 1.0)
+except TimeoutError:
+    pass
+print(json.dumps(seqs))
+"""
+
+SEQ_SEND = """
+import socket, struct, sys
+dst, port, size, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.IPPROTO_IP, 10, 2)  # IP_MTU_DISCOVER = IP_PMTUDISC_DO: DF set
+s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 1)
+pad = b"x" * (size - 4)
+for seq in range(count):
+    s.sendto(struct.pack("!I", seq) + pad, (dst, port))
+"""
+
+
+def _wait_ready(proc: subprocess.Popen[str], ready: Path, what: str) -> None:
+    """Wait for the ready file, failing at once (with its stderr) if the process died first."""
+    wait_until(lambda: ready.exists() or proc.poll() is not None, 5.0, what=what)
+    if not ready.exists():
+        _, err = proc.communicate(timeout=5)
+        pytest.fail(f"{what} exited {proc.returncode}: {err}")
+
+
+def _start_udp_receiver(
+    lab: Lab, host: str, tmp_path: Path, port: int, count: int, *extra: str
+) -> subprocess.Popen[str]:
+    ready = tmp_path / f"ready-{host}-{port}"
+    proc = lab.popen(
+        host,
+        [PY, "-c", UDP_RECV, str(port), str(ready), str(count), "1.0", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_ready(proc, ready, f"UDP receiver on {host}:{port}")
+    return proc
+
+
+def _sizes(proc: subprocess.Popen[str]) -> list[int]:
+    out, _ = proc.communicate(timeout=8)
+    assert proc.returncode == 0
+    sizes: list[int] = json.loads(out)
+    return sizes
+
+
+def test_ping_between_hosts(lab: MakeLab) -> None:
+    if shutil.which("ping") is None:
+        pytest.skip("needs ping (Debian: apt-get install iputils-ping)")
+    rack = lab(Topology.rack(workers=3, mtu=9000))
+    for src, dst in [("w0", "a0"), ("w1", "a0"), ("w2", "a0"), ("a0", "w2"), ("w0", "w2")]:
+        rack.run(src, ["ping", "-c1", "-W1", rack.address_of(dst)])
+
+
+def test_jumbo_datagram_with_df_crosses_the_switch(lab: MakeLab, tmp_path: Path) -> None:
+    rack = lab(Topology.rack(workers=3, mtu=9000))
+    receiver = _start_udp_receiver(rack, "a0", tmp_path, 5000, 1)
+    rack.run("w0", [PY, "-c", UDP_SEND, rack.address_of("a0"), "5000", "8000", "1"])
+    assert _sizes(receiver) == [8000]
+    # DF really is set: one byte over the 9000-byte MTU (minus IP + UDP headers) is refused.
+    too_big = rack.run(
+        "w0", [PY, "-c", UDP_SEND, rack.address_of("a0"), "5000", "8973", "1"], check=False
+    )
+    assert too_big.returncode != 0
+    assert "Message too long" in too_big.stderr
+
+
+def test_multicast_from_appliance_reaches_every_worker(lab: MakeLab, tmp_path: Path) -> None:
+    rack = lab(Topology.rack(workers=3))
+    group = "239.255.7.9"
+    receivers = {
+        w.name: _start_udp_receiver(rack, w.name, tmp_path, 6000, 1, group, rack.address_of(w.name))
+        for w in rack.topology.workers
+    }
+    rack.run("a0", [PY, "-c", UDP_SEND, group, "6000", "4000", "1"])
+    assert {name: _sizes(proc) for name, proc in receivers.items()} == {
+        "w0": [4000],
+        "w1": [4000],
+        "w2": [4000],
+    }
+
+
+@pytest.mark.parametrize(("src", "dst"), [("w0", "a0"), ("a0", "w0")])
+def test_tbf_limits_both_directions_of_a_worker_link(
+    lab: MakeLab, tmp_path: Path, src: str, dst: str
+) -> None:
+    rack = lab(Topology.rack(workers=1, rate="100mbit"))
+    ready = tmp_path / "ready-sink"
+    sink = rack.popen(
+        dst,
+        [PY, "-c", TCP_SINK, "7000", str(ready)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_ready(sink, ready, "TCP sink")
+    size = 3_000_000
+    rack.run(src, [PY, "-c", TCP_SOURCE, rack.address_of(dst), "7000", str(size)], timeout_s=8)
+    out, _ = sink.communicate(timeout=8)
+    result = json.loads(out)
+    assert result["bytes"] == size
+    mbit = size * 8 / result["seconds"] / 1e6
+    # The bucket's initial burst lets the first ~125 kB through at once: expect ~100-105 mbit.
+    assert 40 < mbit < 130, f"{mbit:.1f} mbit/s through a 100mbit link"
+
+
+def test_loss_drops_about_the_asked_fraction(lab: MakeLab, tmp_path: Path) -> None:
+    if shutil.which("nft") is None:
+        pytest.skip("loss_pct needs nft (Debian: apt-get install nftables)")
+    rack = lab(Topology.rack(workers=1, loss_pct=20.0))
+    sent = 500
+    receiver = _start_udp_receiver(rack, "a0", tmp_path, 5001, sent)
+    rack.run("w0", [PY, "-c", UDP_SEND, rack.address_of("a0"), "5001", "200", str(sent)])
+    got = len(_sizes(receiver))
+    # Binomial(500, 0.2) drops: mean 100, sd ~9; the bounds are > 5 sd away.
+    assert 50 <= sent - got <= 150, f"{sent - got} of {sent} lost at loss_pct=20"
+
+
+def _require_nft() -> None:
+    if shutil.which("nft") is None:
+        pytest.skip("loss/duplicate/reorder need nft (Debian: apt-get install nftables)")
+
+
+def _inversions(seqs: list[int]) -> int:
+    """Adjacent pairs arriving in descending order."""
+    return sum(1 for a, b in itertools.pairwise(seqs) if b < a)
+
+
+def _numbered_datagrams(
+    rack: Lab, tmp_path: Path, direction: str, count: int, size: int = 8000
+) -> dict[str, list[int]]:
+    """Send ``count`` numbered jumbo datagrams as fast as Python goes, across the worker links:
+    "up" from w0 to a0 (unicast), "down" from a0 to a group every worker joined. Returns the
+    sequence numbers each receiver got, in arrival order."""
+    port = 5100
+    if direction == "up":
+        src, dst = "w0", rack.address_of("a0")
+        receivers = {"a0": _start_seq_receiver(rack, "a0", tmp_path, port, count)}
+    else:
+        src, dst = "a0", "239.255.7.10"
+        receivers = {
+            w.name: _start_seq_receiver(
+                rack, w.name, tmp_path, port, count, dst, rack.address_of(w.name)
+            )
+            for w in rack.topology.workers
+        }
+    rack.run(src, [PY, "-c", SEQ_SEND, dst, str(port), str(size), str(count)])
+    got = {}
+    for name, proc in receivers.items():
+        out, err = proc.communicate(timeout=8)
+        assert proc.returncode == 0, err
+        got[name] = json.loads(out)
+    return got
+
+
+def _start_seq_receiver(
+    lab: Lab, host: str, tmp_path: Path, port: int, count: int, *extra: str
+) -> subprocess.Popen[str]:
+    ready = tmp_path / f"ready-seq-{host}-{port}"
+    proc = lab.popen(
+        host,
+        [PY, "-c", SEQ_RECV, str(port), str(ready), str(count), "0.2", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_ready(proc, ready, f"sequence receiver on {host}:{port}")
+    return proc
+
+
+@pytest.mark.parametrize("direction", ["up", "down"])
+def test_duplication_on_worker_links(lab: MakeLab, tmp_path: Path, direction: str) -> None:
+    _require_nft()
+    rack = lab(Topology.rack(workers=2, duplicate_pct=5.0, mtu=9000))
+    sent = 2000
+    for host, seqs in _numbered_datagrams(rack, tmp_path, direction, sent).items():
+        assert sorted(set(seqs)) == list(range(sent)), f"{host} lost datagrams"
+        dups = len(seqs) - sent
+        # Binomial(2000, 0.05): mean 100, sd ~9.7; the bounds are > 5 sd away.
+        assert 50 <= dups <= 150, f"{host}: {dups} duplicates of {sent} at duplicate_pct=5"
+
+
+@pytest.mark.parametrize("direction", ["up", "down"])
+def test_reordering_on_worker_links(lab: MakeLab, tmp_path: Path, direction: str) -> None:
+    _require_nft()
+    rack = lab(Topology.rack(workers=2, reorder_pct=10.0, mtu=9000))
+    sent = 2000
+    for host, seqs in _numbered_datagrams(rack, tmp_path, direction, sent).items():
+        assert sorted(seqs) == list(range(sent)), f"{host}: lost or duplicated datagrams"
+        inversions = _inversions(seqs)
+        # About 200 packets are held back; each inversion needs at least one of them.
+        assert 1 <= inversions <= 300, f"{host}: {inversions} inversions at reorder_pct=10"
+
+
+def test_unimpaired_links_keep_order(lab: MakeLab, tmp_path: Path) -> None:
+    rack = lab(Topology.rack(workers=2, mtu=9000))
+    for host, seqs in _numbered_datagrams(rack, tmp_path, "down", 2000).items():
+        assert seqs == list(range(2000)), host
+
+
+def test_loss_duplication_and_reordering_together(lab: MakeLab, tmp_path: Path) -> None:
+    _require_nft()
+    rack = lab(Topology.rack(workers=1, loss_pct=1.0, duplicate_pct=5.0, reorder_pct=10.0))
+    sent = 2000
+    for direction in ("up", "down"):
+        seqs = next(iter(_numbered_datagrams(rack, tmp_path, direction, sent).values()))
+        lost = sent - len(set(seqs))
+        assert 1 <= lost <= 60, f"{direction}: {lost} lost at loss_pct=1"  # mean 20, sd ~4.4
+        assert 40 <= len(seqs) - len(set(seqs)) <= 160, direction
+        assert _inversions(seqs) >= 1, direction
+
+
+def test_rate_holds_with_reordering_and_duplication(lab: MakeLab, tmp_path: Path) -> None:
+    _require_nft()
+    rack = lab(Topology.rack(workers=1, rate="100mbit", duplicate_pct=5.0, reorder_pct=10.0))
+    ready = tmp_path / "ready-sink"
+    sink = rack.popen(
+        "a0",
+        [PY, "-c", TCP_SINK, "7000", str(ready)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_ready(sink, ready, "TCP sink")
+    size = 3_000_000
+    rack.run("w0", [PY, "-c", TCP_SOURCE, rack.address_of("a0"), "7000", str(size)], timeout_s=8)
+    out, _ = sink.communicate(timeout=8)
+    result = json.loads(out)
+    assert result["bytes"] == size
+    mbit = size * 8 / result["seconds"] / 1e6
+    # Duplicates take link capacity and reordering may cost TCP some speed; never above rate.
+    assert 20 < mbit < 130, f"{mbit:.1f} mbit/s through a 100mbit link"
+
+
+def test_netem_delay_when_the_kernel_has_it(lab: MakeLab) -> None:
+    if shutil.which("ping") is None:
+        pytest.skip("needs ping (Debian: apt-get install iputils-ping)")
+    try:
+        rack = lab(Topology.rack(workers=1, delay_ms=20.0))
+    except LabError as exc:
+        if "CONFIG_NET_SCH_NETEM" in str(exc):
+            pytest.skip(str(exc))
+        raise
+    out = rack.run("w0", ["ping", "-c1", "-W2", rack.address_of("a0")]).stdout
+    rtt_ms = float(out.split("time=")[1].split()[0])
+    assert rtt_ms >= 40.0  # 20 ms on the worker's egress and again on its switch port
+
+
+def test_teardown_after_an_exception_kills_children_and_leaves_nothing(tmp_path: Path) -> None:
+    topology = Topology.rack(workers=2)
+    with pytest.raises(RuntimeError, match="boom"), Lab(topology) as rack:
+        child = rack.popen("w1", ["sleep", "60"])
+        raise RuntimeError("boom")
+    assert child.poll() is not None
+    assert leftovers(topology.name_prefix) == []
+
+
+def test_clean_removes_leftovers_by_prefix() -> None:
+    prefix = unique_prefix()
+    names = [f"{prefix}-x", f"{prefix}-y"]
+    for name in names:
+        netns.create(name)
+    assert sorted(leftovers(prefix)) == names
+    assert sorted(clean(prefix)) == names
+    assert leftovers(prefix) == []
+    with pytest.raises(ValueError):
+        clean("")
+
+
+def test_names_are_unique_and_fit_interface_names() -> None:
+    a, b = Topology.rack(workers=154), Topology.rack(workers=154)
+    assert a.name_prefix != b.name_prefix
+    assert max(len(a.port_ifname(h.name)) for h in a.hosts) <= 15
+    assert a.host("a0").address == "198.18.0.1"
+    assert a.host("w0").address == "198.18.0.101"
+
+
+def test_duplicate_and_reorder_need_no_netem() -> None:
+    plain = Link(rate="1gbit")
+    assert not plain.nft_impaired
+    assert egress_ruleset({"dev0": plain}) == ""
+    impaired = Link(duplicate_pct=2.5, reorder_pct=10.0)  # no delay needed any more
+    assert impaired.nft_impaired and not impaired.uses_netem
+    script = egress_ruleset({"dev0": impaired})
+    assert 'hook egress device "dev0"' in script
+    assert (
+        'numgen random mod 1000000 < 25000 meta mark set meta mark | 0x40000000 dup to "dev0"'
+        in script
+    )
+    assert "< 100000 meta priority set 1:20" in script
+    # With a delay, netem does all three (and nftables none).
+    assert not Link(delay_ms=1.0, duplicate_pct=1.0, reorder_pct=1.0).nft_impaired
