@@ -208,8 +208,10 @@ class ApplianceProcess:
 def appliance_toml(address: str, *, cores: int, mtu: int, slots: int = 32,
                    multicast: bool = True, poll: str = "adaptive",
                    kernels: str = "auto") -> str:
+    # Pin data-plane core i to CPU i when the machine has that many: the appliance's layout.
+    cpus = list(range(cores)) if cores <= (os.cpu_count() or 1) else []
     return (
-        f'[dataplane]\naddress = "{address}"\ncores = {cores}\nmtu = {mtu}\n'
+        f'[dataplane]\naddress = "{address}"\ncores = {cores}\ncpus = {cpus}\nmtu = {mtu}\n'
         f'poll = "{poll}"\nkernels = "{kernels}"\nslot_capacity = {max(64, 2 * slots)}\n'
         f'rx_buffers = 1024\n'
         f'[multicast]\nenabled = {"true" if multicast else "false"}\n'

@@ -24,7 +24,7 @@ from typing import TypedDict
 import numpy as np
 from numpy.typing import NDArray
 
-from dataplane.reduce import KernelTable, available_backends, select_kernels
+from dataplane.reduce import KernelTable, available_backends, element_view, select_kernels
 from dataplane.wire import DType, Op
 
 __all__ = [
@@ -63,7 +63,7 @@ class Row(TypedDict):
     first_gbps: float
     finish_gbps: float
     add_vs_copyto: float
-    # fp32 only: bare np.add(acc, payload.view(float32), acc), i.e. the ufunc plus the one view
+    # fp32 only: bare np.add(acc, elements, acc), the ufunc alone: the ceiling for add
     # any kernel must create per call; the ceiling for fp32 add, shown to separate the kernel's
     # own Python overhead from the ufunc's.
     bare_add_gbps: float | None
@@ -135,16 +135,17 @@ def _measure(table: KernelTable, dtype: DType, size: int, budget_s: float) -> Ro
     out = _aligned_bytes(size)
     copy_dst = acc.view(np.uint8)[:size]
     adder, avg = table.kernel(dtype, Op.SUM), table.kernel(dtype, Op.AVG)
-    adder.first(acc, payload)
+    # Kernels take element views, built once per receive buffer by the aggregator.
+    elements = element_view(payload, dtype)
+    adder.first(acc, elements)
     calls: list[Callable[[], object]] = [
         lambda: np.copyto(copy_dst, payload),
-        lambda: adder.add(acc, payload),
-        lambda: adder.first(acc, payload),
+        lambda: adder.add(acc, elements),
+        lambda: adder.first(acc, elements),
         lambda: avg.finish(acc, 1, out),  # count 1: the divide runs, values stay put
     ]
     if dtype is DType.FLOAT32:
-        f32 = np.dtype(np.float32)
-        calls.append(lambda: np.add(acc, payload.view(f32), acc))
+        calls.append(lambda: np.add(acc, elements, acc))
     copy_s, add_s, first_s, finish_s, *bare_s = _time_interleaved(calls, budget_s)
     gb = size / 1e9
     return Row(

@@ -71,13 +71,14 @@ class _Copy:
     """One of a slot's two copies."""
 
     __slots__ = (
-        "acc", "arrived", "complete", "count", "dtype", "header", "held", "kernel", "length",
-        "next_rank", "offset", "op", "out", "result", "round", "slot",
+        "acc", "acc_n", "arrived", "complete", "count", "dtype", "header", "held", "kernel",
+        "length", "next_rank", "offset", "op", "out", "result", "round", "slot",
     )
 
     def __init__(self, slot: int, acc: NDArray[np.float32], out: NDArray[np.uint8]) -> None:
         self.slot = slot  # job-relative index, echoed in the result header
         self.acc = acc
+        self.acc_n = acc  # acc[:elements of the current segment], sliced once per segment
         self.out = out
         self.header = bytearray(HEADER_SIZE)
         self.round = -1
@@ -245,6 +246,7 @@ class Aggregator:
         copy.op = h.op
         copy.kernel = self._kernels.kernel(h.dtype, h.op)
         copy.length = h.length
+        copy.acc_n = copy.acc[: h.length // ITEMSIZE[h.dtype]]
         copy.arrived = 0
         copy.count = 0
         copy.next_rank = 0
@@ -254,8 +256,9 @@ class Aggregator:
     def _accumulate(self, job: _Job, copy: _Copy, rank: int) -> list[Send]:
         kernel = copy.kernel
         assert kernel is not None
-        n = copy.length // ITEMSIZE[copy.dtype]
-        acc = copy.acc[:n]
+        acc = copy.acc_n
+        n = len(acc)
+        elements = self._pool.elements[ITEMSIZE[copy.dtype]]
         if job.spec.deterministic and rank != copy.next_rank:
             # Out of turn: keep the datagram's buffer until the ranks before it are summed.
             fresh = self._pool.take()
@@ -265,7 +268,9 @@ class Aggregator:
             copy.held[rank] = self._rx
             self._rx = fresh
         else:
-            payload = self._pool.buffers[self._rx][: copy.length]
+            payload = elements[self._rx]
+            if len(payload) != n:
+                payload = payload[:n]
             if copy.count == 0 or (job.spec.deterministic and rank == 0):
                 kernel.first(acc, payload)
             else:
@@ -274,7 +279,7 @@ class Aggregator:
                 copy.next_rank = rank + 1
                 while copy.next_rank in copy.held:
                     index = copy.held.pop(copy.next_rank)
-                    kernel.add(acc, self._pool.buffers[index][: copy.length])
+                    kernel.add(acc, elements[index][:n])
                     self._pool.release(index)
                     copy.next_rank += 1
         copy.arrived |= 1 << rank

@@ -11,9 +11,11 @@ every supported host (x86-64, aarch64); only the 48-byte header (``wire.py``) is
 Swapping bytes would cost a full pass per contribution for no benefit, so ``select_kernels``
 refuses to run on a big-endian host instead of silently mis-reading tensors.
 
-Payloads are uint8 views into the receive arena. Views at any byte offset are handled correctly
-(numpy and torch both read unaligned elements), but only 64-byte-aligned slots get the measured
-speeds.
+Payloads arrive as views of their storage type (``element_view``: float32 for FLOAT32, uint16
+bits for FLOAT16/BFLOAT16) into the receive arena; the aggregator builds those views once per
+receive buffer, because at 64 KiB even one ``view()`` per call (~0.3 us) costs 20% of the
+throughput. Views at any byte offset are handled correctly (numpy and torch both read unaligned
+elements), but only 64-byte-aligned slots get the measured speeds.
 
 Why the kernels look the way they do (numbers from design.md section 3, re-measure with
 ``python -m bench.kernels``):
@@ -57,9 +59,11 @@ from dataplane.wire import DType, Op
 
 __all__ = [
     "BACKENDS",
+    "STORAGE",
     "KernelTable",
     "SegmentKernel",
     "available_backends",
+    "element_view",
     "select_kernels",
 ]
 
@@ -88,17 +92,29 @@ _BF16_ROUND_HALF = 0x7FFF  # + the kept LSB = round half to even
 _BF16_SIGN = 0x8000
 _BF16_QUIET_NAN = 0x7FC0  # what ml_dtypes produces for any NaN (sign kept)
 
-_F32 = np.dtype(np.float32)  # a dtype instance makes view() cheaper than the scalar type
+
+
+STORAGE: Mapping[DType, np.dtype[Any]] = {
+    DType.FLOAT32: np.dtype(np.float32),
+    DType.FLOAT16: np.dtype(np.uint16),
+    DType.BFLOAT16: np.dtype(np.uint16),
+}
+
+
+def element_view(payload: NDArray[np.uint8], dtype: DType) -> NDArray[Any]:
+    """The payload bytes as the elements a kernel of `dtype` takes (raises on a partial one)."""
+    return payload.view(STORAGE[dtype])
 
 
 class SegmentKernel(Protocol):
-    """Folds contributions of one (dtype, op) into an fp32 accumulator, in place."""
+    """Folds contributions of one (dtype, op) into an fp32 accumulator, in place. Payloads are
+    `element_view`s: float32 for FLOAT32, the uint16 bits for FLOAT16/BFLOAT16."""
 
-    def first(self, acc: NDArray[np.float32], payload: NDArray[np.uint8]) -> None:
-        """acc = widened copy of the first contribution; len(acc) == len(payload) // itemsize."""
+    def first(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
+        """acc = widened copy of the first contribution; len(acc) == len(payload)."""
         ...
 
-    def add(self, acc: NDArray[np.float32], payload: NDArray[np.uint8]) -> None:
+    def add(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
         """acc = op(acc, widened payload) in place (sum/avg: add, min: minimum, max: maximum)."""
         ...
 
@@ -231,18 +247,15 @@ class _MlDtypesBfloat16Codec:
 class _Kernel:
     """What every kernel shares: the fold ufunc, avg's divide, the input view and its checks."""
 
-    _view_dtype: type[np.generic] = np.uint8
-
     def __init__(self, op: Op) -> None:
         self._fold = _FOLD[op]
         self._avg = op is Op.AVG
 
-    def _elements(self, payload: NDArray[np.uint8], n: int) -> NDArray[Any]:
-        # view() raises on a length that is not a whole number of elements.
-        x = payload.view(self._view_dtype)
-        if len(x) != n:
-            raise ValueError(f"payload holds {len(x)} elements, accumulator {n}")
-        return x
+    @staticmethod
+    def _elements(payload: NDArray[Any], n: int) -> NDArray[Any]:
+        if len(payload) != n:
+            raise ValueError(f"payload holds {len(payload)} elements, accumulator {n}")
+        return payload
 
     def _finalise(self, acc: NDArray[np.float32], count: int) -> None:
         if self._avg:
@@ -253,18 +266,17 @@ class _Kernel:
 
 class _Float32Kernel(_Kernel):
     # add() is the hot path and at 64 KiB the ufunc itself takes ~1 us, so every ~100 ns of
-    # Python around it costs ~10% of throughput: inlined view, the cheapest exact length check
-    # (nbytes; comparing shapes costs twice as much), positional `out` (cheaper than keyword).
-    # The check stays: without it a one-element payload would silently broadcast.
-    _view_dtype = np.float32
+    # Python around it costs ~10% of throughput: no view, the cheapest exact length check,
+    # positional `out` (cheaper than keyword). The check stays: without it a one-element
+    # payload would silently broadcast.
 
-    def first(self, acc: NDArray[np.float32], payload: NDArray[np.uint8]) -> None:
+    def first(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
         np.copyto(acc, self._elements(payload, len(acc)))
 
-    def add(self, acc: NDArray[np.float32], payload: NDArray[np.uint8]) -> None:
-        if payload.nbytes != acc.nbytes:
-            raise ValueError(f"payload holds {payload.nbytes} bytes, accumulator {acc.nbytes}")
-        self._fold(acc, payload.view(_F32), acc)
+    def add(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
+        if len(payload) != len(acc):
+            raise ValueError(f"payload holds {len(payload)} elements, accumulator {len(acc)}")
+        self._fold(acc, payload, acc)
 
     def finish(
         self, acc: NDArray[np.float32], count: int, out: NDArray[np.uint8]
@@ -274,17 +286,15 @@ class _Float32Kernel(_Kernel):
 
 
 class _Float32ExtremumKernel(_Float32Kernel):
-    def add(self, acc: NDArray[np.float32], payload: NDArray[np.uint8]) -> None:
+    def add(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
         # numpy 2.4 deprecates a positional `out` for minimum/maximum (not for add).
-        if payload.nbytes != acc.nbytes:
-            raise ValueError(f"payload holds {payload.nbytes} bytes, accumulator {acc.nbytes}")
-        self._fold(acc, payload.view(_F32), out=acc)
+        if len(payload) != len(acc):
+            raise ValueError(f"payload holds {len(payload)} elements, accumulator {len(acc)}")
+        self._fold(acc, payload, out=acc)
 
 
 class _HalfKernel(_Kernel):
     """fp16/bf16: widen chunk by chunk into fp32 scratch, then fold like fp32."""
-
-    _view_dtype = np.uint16
 
     def __init__(self, op: Op, codec: _HalfCodec, chunk: int) -> None:
         super().__init__(op)
@@ -301,7 +311,7 @@ class _HalfKernel(_Kernel):
             self._view = self._buf[:n]
         return self._view
 
-    def first(self, acc: NDArray[np.float32], payload: NDArray[np.uint8]) -> None:
+    def first(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
         x, n, step = self._elements(payload, len(acc)), len(acc), self._chunk
         if n <= step:
             self._codec.widen(acc, x)
@@ -309,7 +319,7 @@ class _HalfKernel(_Kernel):
         for i in range(0, n, step):
             self._codec.widen(acc[i : i + step], x[i : i + step])
 
-    def add(self, acc: NDArray[np.float32], payload: NDArray[np.uint8]) -> None:
+    def add(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
         x, n, step = self._elements(payload, len(acc)), len(acc), self._chunk
         if n <= step:  # the common case: no slicing overhead
             tmp = self._scratch(n)

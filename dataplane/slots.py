@@ -18,11 +18,14 @@ from __future__ import annotations
 import contextlib
 import mmap
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from .errors import AdmissionError, ConfigError
+from .reduce import STORAGE
+from .wire import DType
 
 __all__ = ["RxPool", "SlotArena"]
 
@@ -38,12 +41,17 @@ class RxPool:
     """Fixed receive buffers with a free list. The aggregator owns it: a buffer it keeps (a
     contribution held back for rank-ordered summation) leaves the free list until released."""
 
-    __slots__ = ("_free", "buffers", "views")
+    __slots__ = ("_free", "buffers", "elements", "views")
 
     def __init__(self, buffers: NDArray[np.uint8]) -> None:
         self.buffers = buffers
-        # Made once: the receive path hands these to recvmsg_into without building new views.
+        # Made once, not per datagram: the receive path hands `views` to recvmsg_into, and the
+        # kernels take each buffer as elements of 4 or 2 bytes (see reduce.element_view).
         self.views = [memoryview(b) for b in buffers]
+        self.elements: dict[int, list[NDArray[Any]]] = {
+            size: [b.view(STORAGE[d]) for b in buffers]
+            for d, size in ((DType.FLOAT32, 4), (DType.FLOAT16, 2))
+        }
         self._free = list(range(len(buffers) - 1, -1, -1))
 
     @property

@@ -107,3 +107,15 @@ def test_missing_rank_fails_with_a_clear_error_instead_of_hanging() -> None:
     assert "AllreduceTimeout" in text and "missed its 3 s deadline" in text
     assert "still waits for ranks [2]" in text
     assert "appliance 198.18.0.1:7070 core" in text
+
+
+def test_segments_spread_over_two_appliances() -> None:
+    with LabNetwork.rack(4, appliances=2) as net, start_appliance(net, 0) as first, \
+            start_appliance(net, 1) as second:
+        argv = worker_argv(net, first.api, 4, "two", ["--appliance", second.api,
+                                                      "--sizes", "1KiB,8MiB", "--iters", "1"])
+        outputs = run_workers(net, argv, timeout_s=300)
+        assert_all_exact(outputs, 2)
+        # Both appliances reduced a share of every tensor.
+        for appliance in (first, second):
+            assert appliance.counters()["segments_reduced"] > 0

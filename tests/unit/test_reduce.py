@@ -18,7 +18,13 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from numpy.typing import NDArray
 
-from dataplane.reduce import BACKENDS, KernelTable, available_backends, select_kernels
+from dataplane.reduce import (
+    BACKENDS,
+    KernelTable,
+    available_backends,
+    element_view,
+    select_kernels,
+)
 from dataplane.wire import DType, Op
 
 NP_DTYPE = {
@@ -65,7 +71,7 @@ def reference(arrays: list[NDArray[np.generic]], op: Op) -> NDArray[np.generic]:
 def reduce_with(
     table: KernelTable, dtype: DType, op: Op, arrays: list[NDArray[np.generic]], offset: int = 0
 ) -> NDArray[np.uint8]:
-    """Run first/add/finish the way the aggregator does, payloads as uint8 views of a buffer."""
+    """Run first/add/finish the way the aggregator does, payloads as element views of a buffer."""
     kernel = table.kernel(dtype, op)
     n = len(arrays[0])
     nbytes = n * dtype.itemsize
@@ -74,7 +80,7 @@ def reduce_with(
     acc = np.full(n, 12345.0, np.float32)  # garbage: first() must overwrite it all
     for i, a in enumerate(arrays):
         payload[:] = a.view(np.uint8)
-        (kernel.first if i == 0 else kernel.add)(acc, payload)
+        (kernel.first if i == 0 else kernel.add)(acc, element_view(payload, dtype))
     out = np.zeros(offset + 4 * n, np.uint8)[offset:]
     result = kernel.finish(acc, len(arrays), out)
     return result.copy()
@@ -201,7 +207,7 @@ def test_widening_is_exact(
     payload = bits.view(np.uint8).copy()
     acc = np.empty(len(bits), np.float32)
     kernel = table.kernel(dtype, op)
-    kernel.first(acc, payload)
+    kernel.first(acc, element_view(payload, dtype))
     want = bits.view(NP_DTYPE[dtype]).astype(np.float32)
     np.testing.assert_array_equal(np.isnan(acc), np.isnan(want))
     finite = ~np.isnan(want)
@@ -262,7 +268,7 @@ def test_rejects_mismatched_lengths(table: KernelTable) -> None:
     for dtype in DType:
         kernel = table.kernel(dtype, Op.SUM)
         acc = np.zeros(16, np.float32)
-        short = np.zeros(dtype.itemsize, np.uint8)  # one element: must not broadcast
+        short = element_view(np.zeros(dtype.itemsize, np.uint8), dtype)  # one: no broadcast
         with pytest.raises(ValueError):
             kernel.first(acc, short)
         with pytest.raises(ValueError):
@@ -285,7 +291,8 @@ def test_steady_state_allocates_nothing(table: KernelTable, dtype: DType) -> Non
     allocations to tracemalloc; torch's casts allocate nothing here either way)."""
     n = 1 << 16
     rng = np.random.default_rng(0)
-    payload = rng.standard_normal(n).astype(NP_DTYPE[dtype]).view(np.uint8).copy()
+    payload = element_view(
+        rng.standard_normal(n).astype(NP_DTYPE[dtype]).view(np.uint8).copy(), dtype)
     acc, out = np.empty(n, np.float32), np.empty(4 * n, np.uint8)
     kernel = table.kernel(dtype, Op.AVG)
 

@@ -1,0 +1,72 @@
+"""Configuration and job registration: values in, values or named errors out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from control.config import load, parse
+from control.registry import ConflictError, JobRequest, Registry
+from dataplane.errors import AdmissionError, ConfigError
+
+REFERENCE = Path(__file__).resolve().parents[2] / "deploy" / "appliance.toml"
+
+
+def test_reference_config_loads() -> None:
+    cfg = load(REFERENCE)
+    assert cfg.dataplane.cores == 2 and cfg.dataplane.max_payload == 8896
+    assert cfg.source == str(REFERENCE)
+
+
+@pytest.mark.parametrize(
+    ("raw", "names"),
+    [
+        ({"dataplane": {"cores": 0}}, "dataplane.cores"),
+        ({"dataplane": {"corse": 2}}, "dataplane.corse: unknown key"),
+        ({"dataplane": {"cores": 2, "cpus": [0]}}, "dataplane.cpus"),
+        ({"dataplane": {"poll": "lazy"}}, "dataplane.poll"),
+        ({"dataplane": {"address": "not-an-ip"}}, "dataplane.address"),
+        ({"dataplane": {"mtu": 1500, "segment_bytes": 8192}}, "dataplane.segment_bytes"),
+        ({"dataplane": {"mtu": "9000"}}, "dataplane.mtu: expected int"),
+        ({"multicast": {"groups": "10.0.0.0/8"}}, "multicast.groups"),
+        ({"jobs": {"slots": 100000}}, "jobs.slots"),
+        ({"api": {"listen": "localhost"}}, "api.listen"),
+        ({"dataplan": {}}, "dataplan: unknown section"),
+    ],
+)
+def test_errors_name_the_key(raw: dict[str, dict[str, object]], names: str) -> None:
+    with pytest.raises(ConfigError, match=names):
+        parse(raw)
+
+
+def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[dataplane\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load(bad)
+
+
+def test_registration_is_idempotent_and_refuses_disagreement() -> None:
+    registry = Registry(parse({}))
+    plan = registry.plan(JobRequest("job", 4), cookie=7)
+    registry.commit(plan)
+    assert registry.plan(JobRequest("job", 4), cookie=8) is plan  # the other ranks
+    with pytest.raises(ConflictError, match="exists"):
+        registry.plan(JobRequest("job", 8), cookie=9)
+    other = registry.plan(JobRequest("other", 2), cookie=10)
+    assert other.spec.job_id != plan.spec.job_id
+    assert other.spec.multicast != plan.spec.multicast  # one group per job
+    described = plan.describe(registry.cfg)
+    assert described["cookie"] == 7
+    assert described["segment_bytes"] == parse({}).dataplane.max_payload
+
+
+def test_bad_job_requests_are_refused() -> None:
+    registry = Registry(parse({}))
+    with pytest.raises(AdmissionError, match="world_size"):
+        registry.plan(JobRequest("job", 0), cookie=1)
+    with pytest.raises(AdmissionError, match="name"):
+        registry.plan(JobRequest("", 2), cookie=1)
