@@ -84,12 +84,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
               f"{'exact' if r['ok'] else 'WRONG'}")
     reduced = counters.get("bytes_reduced", 0)
     out = counters.get("bytes_out", 0)
+    drops = ", ".join(f"{k}={v}" for k, v in counters.items() if k.startswith("drop_") and v)
     print(f"\nappliance: {counters.get('segments_reduced', 0)} segments reduced, "
           f"{human(reduced)} of results, {human(out)} sent "
           f"({out / max(1, reduced):.2f} bytes out per result byte incl. headers and resends; "
-          f"unicast fan-out would be ~{args.workers}); drops: "
-          + ", ".join(f"{k}={v}" for k, v in counters.items() if k.startswith("drop_") and v)
-          or "none")
+          f"unicast fan-out would be ~{args.workers}); drops: {drops or 'none'}")
     return rows
 
 

@@ -185,14 +185,16 @@ class ApplianceClient:
         flags = socket.MSG_DONTWAIT
         while True:
             try:
-                n = sock.recv_into(peek, HEADER_SIZE, socket.MSG_PEEK | flags)
+                # MSG_TRUNC: the datagram's real length, so a result shorter than its header
+                # claims never lands half-written in the caller's array.
+                size = sock.recv_into(peek, HEADER_SIZE, socket.MSG_PEEK | socket.MSG_TRUNC | flags)
             except BlockingIOError:
                 return
             try:
-                h: Header | None = unpack(peek[:n]) if n >= HEADER_SIZE else None
+                h: Header | None = unpack(peek) if size >= HEADER_SIZE else None
             except WireError:
                 h = None
-            k = rnd.accept(h) if h is not None and h.kind is Kind.RESULT else None
+            k = rnd.accept(h) if h is not None and size == HEADER_SIZE + h.length else None
             if k is None or h is None:
                 # Not wanted (a duplicate, another round, a PENDING): take it off the queue.
                 got = sock.recv_into(self._scratch, len(self._scratch), flags)
@@ -200,8 +202,5 @@ class ApplianceClient:
                     rnd.on_pending(h, bytes(self._scratch[HEADER_SIZE:got]))
                 continue
             offset = h.offset
-            got, _, mflags, _ = sock.recvmsg_into(
-                [peek, view[offset:offset + h.length]], 0, flags
-            )
-            if got == HEADER_SIZE + h.length and not mflags & socket.MSG_TRUNC:
-                rnd.stored(k, time.monotonic())
+            sock.recvmsg_into([peek, view[offset:offset + h.length]], 0, flags)
+            rnd.stored(k, time.monotonic())
