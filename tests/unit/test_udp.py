@@ -1,0 +1,69 @@
+"""GSO batching decisions, against a socket stand-in that records what it was asked to send."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import struct
+from typing import Any
+
+from dataplane.udp import UDP_SEGMENT, DatagramBatcher
+
+A = ("198.18.0.1", 7000)
+B = ("198.18.0.2", 7000)
+
+
+class RecordingSocket:
+    def __init__(self, refuse_gso: bool = False) -> None:
+        self.calls: list[tuple[list[bytes], list[Any], tuple[str, int]]] = []
+        self.refuse_gso = refuse_gso
+
+    def sendmsg(self, iov: list[Any], ancdata: Any = (), flags: int = 0,
+                dest: tuple[str, int] | None = None) -> int:
+        assert dest is not None
+        if ancdata and self.refuse_gso:
+            raise OSError(errno.EIO, "no GSO here")
+        self.calls.append(([bytes(b) for b in iov], list(ancdata), dest))
+        return sum(len(b) for b in iov)
+
+
+def batcher(sock: RecordingSocket) -> DatagramBatcher:
+    return DatagramBatcher(sock)  # type: ignore[arg-type]
+
+
+def test_same_destination_same_size_leave_in_one_gso_send_with_a_shorter_last() -> None:
+    sock = RecordingSocket()
+    b = batcher(sock)
+    for i in range(3):
+        b.add(A, bytes([i]) * 4, b"x" * 100)
+    b.add(A, b"hdr!", b"y" * 10)  # shorter: may close the group
+    b.add(A, b"hdr!", b"z" * 100)  # after a shorter one: a new send
+    b.flush()
+    assert len(sock.calls) == 2
+    iov, cmsg, dest = sock.calls[0]
+    assert dest == A and len(iov) == 8
+    assert cmsg == [(socket.SOL_UDP, UDP_SEGMENT, struct.pack("=H", 104))]
+    assert sock.calls[1][1] == []  # a single datagram needs no segmentation
+    assert b.take_counts() == (5, 4 * 104 + 14, 0)
+
+
+def test_destination_change_and_size_limit_split_batches() -> None:
+    sock = RecordingSocket()
+    b = batcher(sock)
+    b.add(A, b"h", b"1" * 9000)
+    b.add(B, b"h", b"1" * 9000)
+    for _ in range(8):  # 8 x 9001 bytes exceed one 65000-byte GSO send
+        b.add(A, b"h", b"2" * 9000)
+    b.flush()
+    assert [(len(iov) // 2, dest) for iov, _, dest in sock.calls] == [(1, A), (1, B), (7, A),
+                                                                       (1, A)]
+
+
+def test_without_gso_every_datagram_is_sent_alone() -> None:
+    sock = RecordingSocket(refuse_gso=True)
+    b = batcher(sock)
+    for _ in range(3):
+        b.add(A, b"h", b"p" * 50)
+    b.flush()
+    assert [len(iov) for iov, _, _ in sock.calls] == [2, 2, 2]
+    assert not b.gso and b.take_counts() == (3, 153, 0)
