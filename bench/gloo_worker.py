@@ -35,7 +35,7 @@ import torch.distributed as dist
 from dataplane.wire import DType, Op
 
 from .reference import reference, same_bits
-from .worker import DTYPE_NAMES, inputs, parse_size
+from .worker import DTYPE_NAMES, add_probe_arguments, inputs, parse_size, probe_of
 
 __all__ = ["main"]
 
@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--barrier", action="store_true",
                    help="barrier before each timed iteration (not used by bench.allreduce)")
     p.add_argument("--no-check", action="store_true", help="skip the reference (big sweeps)")
+    add_probe_arguments(p)
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -138,10 +139,14 @@ def _run_case(args: argparse.Namespace, case: int, dtype: DType, size: int,
     work = torch.empty_like(source)
     times: list[float] = []
     bad = 0
+    probe = probe_of(args)
     for i in range(args.warmup + args.iters):
         work.copy_(source)
-        if args.barrier and i >= args.warmup:
+        timed = i >= args.warmup
+        if args.barrier and timed:
             dist.barrier()
+        if timed:
+            probe.before()
         start = time.perf_counter()
         try:
             dist.all_reduce(work, op=_TORCH_OPS[op])
@@ -154,11 +159,13 @@ def _run_case(args: argparse.Namespace, case: int, dtype: DType, size: int,
             raise
         _finish(work, op, args.world)  # AVG's divide is part of what a Gloo user pays
         elapsed = time.perf_counter() - start
-        if i >= args.warmup:
+        if timed:
+            probe.after(elapsed)
             times.append(elapsed)
         if want is not None and not same_bits(to_numpy(work, want), want):
             bad += 1
-    row.update(times=times, checked=want is not None, ok=bad == 0, bad_iterations=bad)
+    row.update(times=times, checked=want is not None, ok=bad == 0, bad_iterations=bad,
+               **probe.report())
     return row
 
 

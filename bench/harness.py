@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from control.apiclient import UnixApi
 from deploy.testnet.lab import Lab
 from deploy.testnet.topology import Topology
 
@@ -31,6 +32,7 @@ __all__ = [
     "LoopbackNetwork",
     "Network",
     "api_get",
+    "api_request",
     "run_workers",
     "start_appliance",
     "worker_argv",
@@ -61,22 +63,29 @@ class Network(Protocol):
     def popen_worker(self, rank: int, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]: ...
 
 
-_GET_JSON = (
+_REQUEST_JSON = (
     "import sys, urllib.request as u; "
     "o = u.build_opener(u.ProxyHandler({})); "
-    "sys.stdout.write(o.open(sys.argv[1], timeout=10).read().decode())"
+    "r = u.Request(sys.argv[2], method=sys.argv[1]); "
+    "sys.stdout.write(o.open(r, timeout=10).read().decode())"
 )
 
 
-def api_get(net: Network, index: int, url: str) -> Any:
-    """GET a JSON document from appliance `index`'s API, from inside its own network namespace:
-    lab addresses exist only there, so the harness never sends them into the host's network."""
-    proc = net.popen_appliance(index, [sys.executable, "-c", _GET_JSON, url],
+def api_request(net: Network, index: int, method: str, url: str) -> Any:
+    """Send a bodiless request to appliance `index`'s API and return its JSON answer, from
+    inside the appliance's own network namespace: lab addresses exist only there, so the
+    harness never sends them into the host's network."""
+    proc = net.popen_appliance(index, [sys.executable, "-c", _REQUEST_JSON, method, url],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=30)
     if proc.returncode != 0:
-        raise HarnessError(f"GET {url} failed: {err.strip()[-1000:]}")
+        raise HarnessError(f"{method} {url} failed: {err.strip()[-1000:]}")
     return json.loads(out)
+
+
+def api_get(net: Network, index: int, url: str) -> Any:
+    """GET a JSON document from appliance `index`'s API (see api_request)."""
+    return api_request(net, index, "GET", url)
 
 
 def _env() -> dict[str, str]:
@@ -191,10 +200,24 @@ class ApplianceProcess:
     config_path: Path
     net: Network
     index: int
+    unix_socket: str  # the API for tools on the appliance host (no network traffic)
+
+    @property
+    def local_api(self) -> UnixApi:
+        return UnixApi(self.unix_socket)
 
     def status(self) -> dict[str, Any]:
-        result: dict[str, Any] = api_get(self.net, self.index, f"http://{self.api}/v1/status")
+        result: dict[str, Any] = self.local_api.get("/v1/status")
         return result
+
+    def delete_job(self, job_id: int) -> None:
+        """Remove a finished job, freeing its slots (DELETE /v1/jobs/ID)."""
+        self.local_api.request("DELETE", f"/v1/jobs/{job_id}")
+
+    def job_ids(self, name: str) -> list[int]:
+        """Ids of the registered jobs called `name` (normally one)."""
+        jobs = self.local_api.get("/v1/jobs")
+        return [int(j["job_id"]) for j in jobs if j.get("name") == name]
 
     def counters(self) -> dict[str, int]:
         """Counters summed over the data-plane cores."""
@@ -206,36 +229,52 @@ class ApplianceProcess:
 
 
 def appliance_toml(address: str, *, cores: int, mtu: int, slots: int = 32,
-                   multicast: bool = True, poll: str = "adaptive",
-                   kernels: str = "auto") -> str:
+                   multicast: bool = True, poll: str = "adaptive", spin_us: int = 200,
+                   kernels: str = "auto", unix_socket: str = "", token_file: str = "",
+                   extra: str = "") -> str:
+    """`extra` is appended verbatim (e.g. a [metrics] table); it must not repeat a table."""
     # Pin data-plane core i to CPU i when the machine has that many: the appliance's layout.
     cpus = list(range(cores)) if cores <= (os.cpu_count() or 1) else []
     return (
         f'[dataplane]\naddress = "{address}"\ncores = {cores}\ncpus = {cpus}\nmtu = {mtu}\n'
-        f'poll = "{poll}"\nkernels = "{kernels}"\nslot_capacity = {max(64, 2 * slots)}\n'
+        f'poll = "{poll}"\nspin_us = {spin_us}\nkernels = "{kernels}"\nslot_memory_mb = 256\n'
         f'rx_buffers = 1024\n'
         f'[multicast]\nenabled = {"true" if multicast else "false"}\n'
         f'[jobs]\nslots = {slots}\n'
-        f'[api]\nlisten = "{address}:{_API_PORT}"\n'
+        f'[api]\nlisten = "{address}:{_API_PORT}"\nunix_socket = "{unix_socket}"\n'
+        f'token_file = "{token_file}"\n' + extra
     )
 
 
 @contextlib.contextmanager
 def start_appliance(net: Network, index: int = 0, *, cores: int = 2, slots: int = 32,
-                    poll: str = "adaptive", kernels: str = "auto") -> Iterator[ApplianceProcess]:
-    """Run `reductiond` on appliance `index` until the block ends (then SIGTERM, then kill)."""
+                    poll: str = "adaptive", kernels: str = "auto", spin_us: int = 200,
+                    multicast: bool | None = None, token: str | None = None,
+                    extra_toml: str = "") -> Iterator[ApplianceProcess]:
+    """Run `reductiond` on appliance `index` until the block ends (then SIGTERM, then kill).
+    `multicast` overrides the network's default (False: results by unicast fan-out only);
+    `token` makes the TCP API require it."""
     address = net.appliance_address(index)
     with tempfile.TemporaryDirectory(prefix="reductiond-") as tmp:
         path = Path(tmp) / "appliance.toml"
+        token_file = ""
+        if token is not None:
+            token_file = str(Path(tmp) / "token")
+            Path(token_file).write_text(token)
+        unix_socket = str(Path(tmp) / "api.sock")
+        mc = net.multicast if multicast is None else multicast
         path.write_text(appliance_toml(address, cores=cores, mtu=net.mtu, slots=slots,
-                                       multicast=net.multicast, poll=poll, kernels=kernels))
+                                       multicast=mc, poll=poll, spin_us=spin_us,
+                                       kernels=kernels, unix_socket=unix_socket,
+                                       token_file=token_file, extra=extra_toml))
         proc = net.popen_appliance(
             index, [sys.executable, "-m", "control.daemon", "--config", str(path)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         try:
             _await_ready(proc)
-            yield ApplianceProcess(proc, f"{address}:{_API_PORT}", path, net, index)
+            yield ApplianceProcess(proc, f"{address}:{_API_PORT}", path, net, index,
+                                   unix_socket)
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

@@ -25,9 +25,10 @@ from plugin.client import ApplianceClient
 from plugin.rendezvous import register
 from plugin.session import Timing
 
+from .probe import Probe
 from .reference import NUMPY_DTYPE, integer_valued, random_values, reference, same_bits
 
-__all__ = ["DTYPE_NAMES", "main", "parse_size"]
+__all__ = ["DTYPE_NAMES", "add_probe_arguments", "main", "parse_size", "probe_of"]
 
 DTYPE_NAMES = {"fp32": DType.FLOAT32, "fp16": DType.FLOAT16, "bf16": DType.BFLOAT16}
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
@@ -55,6 +56,18 @@ def _list(kind: Callable[[str], Any], names: dict[str, Any] | None = None) -> An
     return parse
 
 
+def add_probe_arguments(p: argparse.ArgumentParser) -> None:
+    """Options shared with bench.gloo_worker: what to sample around each timed call."""
+    p.add_argument("--probe-link", default=None, metavar="IFNAME",
+                   help="sum this interface's rx/tx bytes over the timed calls")
+    p.add_argument("--probe-pids", type=_list(int), default=[], metavar="PID,..",
+                   help="sum these processes' CPU seconds over the timed calls")
+
+
+def probe_of(args: argparse.Namespace) -> Probe:
+    return Probe(args.probe_link, tuple(args.probe_pids))
+
+
 def inputs(seed: int, case: int, rank: int, n: int, dtype: DType,
            deterministic: bool) -> np.ndarray:
     rng = np.random.default_rng([seed, case, rank])
@@ -78,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline", type=float, default=60.0, help="seconds per allreduce")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no-check", action="store_true", help="skip the reference (big sweeps)")
+    add_probe_arguments(p)
     args = p.parse_args(argv)
 
     try:
@@ -90,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
                 for size in args.sizes:
                     for op in args.ops:
                         case += 1
-                        print(json.dumps(_run_case(client, args, case, dtype, size, op)),
-                              flush=True)
+                        row = _run_case(client, args, case, dtype, size, op)
+                        row["job_ids"] = [job.job_id for job in jobs]
+                        print(json.dumps(row), flush=True)
     except ReductionError as exc:
         print(f"rank {args.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 3
@@ -113,12 +128,17 @@ def _run_case(client: ApplianceClient, args: argparse.Namespace, case: int, dtyp
     times: list[float] = []
     bad = 0
     before = client.retransmissions
+    probe = probe_of(args)
     for i in range(args.warmup + args.iters):
         np.copyto(work, mine)
+        timed = i >= args.warmup
+        if timed:
+            probe.before()
         start = time.perf_counter()
         client.allreduce(work, op)
         elapsed = time.perf_counter() - start
-        if i >= args.warmup:
+        if timed:
+            probe.after(elapsed)
             times.append(elapsed)
         if want is not None and not same_bits(work, want):
             bad += 1
@@ -127,7 +147,7 @@ def _run_case(client: ApplianceClient, args: argparse.Namespace, case: int, dtyp
         "op": op.name.lower(), "times": times, "checked": want is not None,
         "ok": bad == 0, "bad_iterations": bad,
         "retransmissions": client.retransmissions - before,
-        "numpy_dtype": str(NUMPY_DTYPE[dtype]),
+        "numpy_dtype": str(NUMPY_DTYPE[dtype]), **probe.report(),
     }
 
 

@@ -1,141 +1,225 @@
 """The appliance's JSON API over HTTP: workers register jobs, tools read status.
 
-    POST   /v1/jobs        {"name", "world_size", "deterministic"?, "multicast"?} -> the job
-    GET    /v1/jobs        -> every job
-    DELETE /v1/jobs/ID     -> removed
-    GET    /v1/status      -> version, uptime, cores with their counters, jobs
+    POST   /v1/jobs                 {"name", "world_size", "deterministic"?, "multicast"?,
+                                     "slots"?}                      -> the job (idempotent)
+    GET    /v1/jobs                 -> every job
+    GET    /v1/jobs/ID              -> one job
+    POST   /v1/jobs/ID/join         {"rank"}                        -> the job
+    POST   /v1/jobs/ID/leave        {"rank"}                        -> the job
+    POST   /v1/jobs/ID/abort        -> the job, now aborted (its workers are told)
+    DELETE /v1/jobs/ID              -> same as abort
+    GET    /v1/status               -> the whole appliance (control.snapshot)
+    GET    /metrics                 -> Prometheus text
+
+Served on TCP for workers (a bearer token is required when api.token_file is set: 401
+otherwise) and on a Unix socket for reductionctl (guarded by the socket's file permissions).
+Errors are JSON `{"error": reason}`: 400 bad request, 401 bad token, 404 unknown job, 409
+conflict with the job's state or spec, 503 the appliance cannot serve it now.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
-import secrets
-import threading
-import time
+import os
+import re
+import socket
+import socketserver
+from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
-from dataplane.counters import Counter
 from dataplane.errors import AdmissionError, ReductionError
 
-from .registry import ConflictError, JobRequest, Registry
-from .supervisor import Supervisor
+from .metrics import CONTENT_TYPE, render
+from .registry import ConflictError, IllegalTransition, UnknownJob
+from .service import Appliance, Draining
 
-__all__ = ["ApiServer", "Appliance"]
+__all__ = ["ApiServer", "MetricsServer", "UnixApiServer"]
 
-VERSION = "0.1.0"
-
-
-class Appliance:
-    """What the API acts on: the registry (decides) and the supervisor (applies)."""
-
-    def __init__(self, registry: Registry, supervisor: Supervisor) -> None:
-        self.registry = registry
-        self.supervisor = supervisor
-        self.started = time.time()
-        self._lock = threading.Lock()
-
-    def create_job(self, body: dict[str, Any]) -> dict[str, object]:
-        try:
-            request = JobRequest(
-                name=str(body["name"]), world_size=int(body["world_size"]),
-                deterministic=bool(body.get("deterministic", False)),
-                multicast=bool(body.get("multicast", True)),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"bad job spec: {exc!r}; need name and world_size") from exc
-        with self._lock:
-            plan = self.registry.plan(request, cookie=secrets.randbits(64))
-            if self.registry.find(request.name) is None:
-                self.supervisor.add_job(plan.spec)
-                self.registry.commit(plan)
-        return plan.describe(self.registry.cfg)
-
-    def remove_job(self, job_id: int) -> bool:
-        with self._lock:
-            plan = self.registry.remove(job_id)
-            if plan is None:
-                return False
-            self.supervisor.remove_job(job_id)
-            return True
-
-    def status(self) -> dict[str, object]:
-        cfg = self.registry.cfg
-        return {
-            "version": VERSION, "uptime_s": round(time.time() - self.started, 3),
-            "config": cfg.source,
-            "cores": [
-                {"core": c.config.index, "pid": c.process.pid, "cpu": c.config.cpu,
-                 "alive": c.process.is_alive(), "port": c.config.bind[1],
-                 "counters": c.counters.snapshot()}
-                for c in self.supervisor.cores
-            ],
-            "jobs": [p.describe(cfg) | {"cookie": None} for p in self.registry.jobs],
-        }
-
-    def bytes_out(self) -> int:
-        return sum(c.counters[Counter.BYTES_OUT] for c in self.supervisor.cores)
+_JOB_ACTION = re.compile(r"^/v1/jobs/(\d+)(?:/(join|leave|abort))?$")
+_MAX_BODY = 64 * 1024
 
 
 class _Handler(BaseHTTPRequestHandler):
-    server: ApiServer
+    server: ApiServer | UnixApiServer
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # the API is polled by tools; access logs would drown the daemon's own log
 
-    def _reply(self, status: HTTPStatus, body: object) -> None:
-        data = json.dumps(body).encode()
+    def address_string(self) -> str:
+        return "unix" if isinstance(self.client_address, str) else super().address_string()
+
+    # ---- plumbing ----
+    def _reply(self, status: HTTPStatus, body: object, content_type: str = "") -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type or "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
 
     def _body(self) -> dict[str, Any]:
         length = int(self.headers.get("Content-Length") or 0)
-        body = json.loads(self.rfile.read(length) or b"{}")
+        if length > _MAX_BODY:
+            raise ValueError(f"request body over {_MAX_BODY} bytes")
+        try:
+            body = json.loads(self.rfile.read(length) or b"{}")
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"request body is not JSON: {exc}") from exc
         if not isinstance(body, dict):
             raise ValueError("request body must be a JSON object")
         return body
 
-    def do_GET(self) -> None:
-        app = self.server.appliance
-        if self.path == "/v1/status":
-            self._reply(HTTPStatus.OK, app.status())
-        elif self.path == "/v1/jobs":
-            self._reply(HTTPStatus.OK, app.status()["jobs"])
-        else:
-            self._reply(HTTPStatus.NOT_FOUND, {"error": f"no such resource {self.path}"})
+    def _authorised(self) -> bool:
+        token = self.server.token
+        if token is None:
+            return True
+        given = self.headers.get("Authorization", "")
+        if given.startswith("Bearer ") and hmac.compare_digest(given[7:].strip(), token):
+            return True
+        self.send_response(HTTPStatus.UNAUTHORIZED)
+        self.send_header("WWW-Authenticate", 'Bearer realm="reduction-appliance"')
+        data = json.dumps({"error": "missing or wrong bearer token"}).encode()
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        return False
 
-    def do_POST(self) -> None:
-        if self.path != "/v1/jobs":
-            self._reply(HTTPStatus.NOT_FOUND, {"error": f"no such resource {self.path}"})
+    def _dispatch(self, action: Callable[[], tuple[HTTPStatus, object, str]]) -> None:
+        if not self._authorised():
             return
         try:
-            self._reply(HTTPStatus.OK, self.server.appliance.create_job(self._body()))
-        except ConflictError as exc:
-            self._reply(HTTPStatus.CONFLICT, {"error": str(exc)})
+            status, body, content_type = action()
+        except UnknownJob as exc:
+            status, body, content_type = HTTPStatus.NOT_FOUND, {"error": str(exc)}, ""
+        except (ConflictError, IllegalTransition) as exc:
+            status, body, content_type = HTTPStatus.CONFLICT, {"error": str(exc)}, ""
         except (ValueError, AdmissionError) as exc:
-            self._reply(HTTPStatus.BAD_REQUEST, {"error": str(exc)})
-        except ReductionError as exc:
-            self._reply(HTTPStatus.SERVICE_UNAVAILABLE, {"error": str(exc)})
+            status, body, content_type = HTTPStatus.BAD_REQUEST, {"error": str(exc)}, ""
+        except (Draining, ReductionError) as exc:
+            status, body, content_type = HTTPStatus.SERVICE_UNAVAILABLE, {"error": str(exc)}, ""
+        self._reply(status, body, content_type)
+
+    # ---- routes ----
+    def do_GET(self) -> None:
+        app = self.server.appliance
+
+        def route() -> tuple[HTTPStatus, object, str]:
+            if self.path == "/v1/status":
+                return HTTPStatus.OK, app.snapshot().to_json(), ""
+            if self.path == "/metrics":
+                return HTTPStatus.OK, render(app.snapshot()), CONTENT_TYPE
+            if self.path == "/v1/jobs":
+                return HTTPStatus.OK, [app.job(p.spec.job_id) | {"cookie": None}
+                                       for p in app.registry.jobs], ""
+            match = _JOB_ACTION.match(self.path)
+            if match and match.group(2) is None:
+                return HTTPStatus.OK, app.job(int(match.group(1))) | {"cookie": None}, ""
+            return HTTPStatus.NOT_FOUND, {"error": f"no such resource {self.path}"}, ""
+
+        self._dispatch(route)
+
+    def do_POST(self) -> None:
+        app = self.server.appliance
+
+        def route() -> tuple[HTTPStatus, object, str]:
+            if self.path == "/v1/jobs":
+                return HTTPStatus.OK, app.create_job(self._body()), ""
+            match = _JOB_ACTION.match(self.path)
+            if not match or match.group(2) is None:
+                return HTTPStatus.NOT_FOUND, {"error": f"no such resource {self.path}"}, ""
+            job_id, action = int(match.group(1)), match.group(2)
+            if action == "abort":
+                return HTTPStatus.OK, app.abort(job_id), ""
+            rank = self._body().get("rank")
+            if not isinstance(rank, int) or isinstance(rank, bool):
+                raise ValueError(f"{action} needs an integer rank, got {rank!r}")
+            result = app.join(job_id, rank) if action == "join" else app.leave(job_id, rank)
+            return HTTPStatus.OK, result, ""
+
+        self._dispatch(route)
 
     def do_DELETE(self) -> None:
-        prefix = "/v1/jobs/"
-        if not self.path.startswith(prefix) or not self.path[len(prefix):].isdigit():
-            self._reply(HTTPStatus.NOT_FOUND, {"error": f"no such resource {self.path}"})
-            return
-        job_id = int(self.path[len(prefix):])
-        if self.server.appliance.remove_job(job_id):
-            self._reply(HTTPStatus.OK, {"removed": job_id})
-        else:
-            self._reply(HTTPStatus.NOT_FOUND, {"error": f"no job {job_id}"})
+        app = self.server.appliance
+
+        def route() -> tuple[HTTPStatus, object, str]:
+            match = _JOB_ACTION.match(self.path)
+            if not match or match.group(2) is not None:
+                return HTTPStatus.NOT_FOUND, {"error": f"no such resource {self.path}"}, ""
+            return HTTPStatus.OK, app.abort(int(match.group(1))), ""
+
+        self._dispatch(route)
 
 
 class ApiServer(ThreadingHTTPServer):
+    """TCP, for workers; token-checked when a token is given."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], appliance: Appliance,
+                 token: str | None) -> None:
+        self.appliance = appliance
+        self.token = token
+        super().__init__(address, _Handler)
+
+
+class UnixApiServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """The same API on a Unix socket, for reductionctl on the appliance host."""
+
+    daemon_threads = True
+    token = None
+
+    def __init__(self, path: str, appliance: Appliance) -> None:
+        self.appliance = appliance
+        self.path = path
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        if Path(path).is_socket():
+            _remove_stale_socket(path)
+        super().__init__(path, _Handler)
+        os.chmod(path, 0o660)
+
+    def server_close(self) -> None:
+        super().server_close()
+        Path(self.path).unlink(missing_ok=True)
+
+
+class MetricsServer(ThreadingHTTPServer):
+    """A separate, unauthenticated Prometheus endpoint (GET /metrics only)."""
+
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], appliance: Appliance) -> None:
         self.appliance = appliance
-        super().__init__(address, _Handler)
+        self.token = None
+        super().__init__(address, _MetricsHandler)
+
+
+class _MetricsHandler(_Handler):
+    def do_GET(self) -> None:
+        if self.path != "/metrics":
+            self._reply(HTTPStatus.NOT_FOUND, {"error": "only /metrics here"})
+            return
+        self._reply(HTTPStatus.OK, render(self.server.appliance.snapshot()), CONTENT_TYPE)
+
+    def do_POST(self) -> None:
+        self._reply(HTTPStatus.NOT_FOUND, {"error": "only GET /metrics here"})
+
+    do_DELETE = do_POST
+
+
+def _remove_stale_socket(path: str) -> None:
+    """A socket file left by a crashed daemon blocks bind; one that answers belongs to a live
+    daemon, which we must not steal from."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        Path(path).unlink(missing_ok=True)
+        return
+    finally:
+        probe.close()
+    raise ReductionError(f"another reductiond is serving {path}")

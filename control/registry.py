@@ -1,29 +1,79 @@
-"""Job table: decides, never does. Values in (requests), values out (plans and refusals).
+"""Job table: decides, never does. Requests and clock readings in; plans, states and refusals
+out. The daemon applies the decisions (tells the data-plane cores, answers the API).
 
-This is the seed of the job lifecycle; the control-plane work grows it (join/leave/abort,
-admission against the slot budget, idle eviction). State table::
+Job states and the events that move them (anything else raises `IllegalTransition`)::
 
-    (none)  --create(name, world, mode)-->  ACTIVE
-    ACTIVE  --create(same name, same spec)--> ACTIVE  (idempotent: every rank registers)
-    ACTIVE  --create(same name, other spec)--> refused (409)
-    ACTIVE  --remove-->  (none)
+    state     event        -> state     note
+    --------  -----------  ---------  ------------------------------------------------------
+    (none)    create       CREATED    admitted: slots per core fit the slot memory budget
+    CREATED   create       CREATED    same name and spec: idempotent, every rank registers
+    ACTIVE    create       ACTIVE     idem
+    CREATED   join         CREATED    a rank joined; not all yet
+    CREATED   join (last)  ACTIVE     every rank has joined
+    ACTIVE    join         ACTIVE     a rank re-joins (restarted worker): allowed
+    CREATED   leave        CREATED
+    ACTIVE    leave        ACTIVE     ... until the last rank leaves:
+    ACTIVE    leave (last) DONE       the job is removed
+    CREATED   abort        ABORTED    operator or shutdown; workers are told, job removed
+    ACTIVE    abort        ABORTED
+    CREATED   idle         EVICTED    no datagram for jobs.idle_timeout_s; job removed
+    ACTIVE    idle         EVICTED
 """
 
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field, replace
+from enum import Enum
 
 from dataplane.aggregator import JobSpec
-from dataplane.errors import AdmissionError
+from dataplane.errors import AdmissionError, ReductionError
 
 from .config import ApplianceConfig
 
-__all__ = ["ConflictError", "JobPlan", "JobRequest", "Registry"]
+__all__ = [
+    "ConflictError",
+    "IllegalTransition",
+    "JobPlan",
+    "JobRequest",
+    "JobState",
+    "Registry",
+    "UnknownJob",
+]
 
 
 class ConflictError(AdmissionError):
     """A job of that name exists with a different spec: the ranks disagree. Fix the callers."""
+
+
+class UnknownJob(ReductionError):
+    """No job with that id (never created, or already removed)."""
+
+
+class IllegalTransition(ReductionError):
+    """The event does not apply to the job's state (see the table in registry.py)."""
+
+
+class JobState(Enum):
+    CREATED = "created"
+    ACTIVE = "active"
+    DONE = "done"
+    ABORTED = "aborted"
+    EVICTED = "evicted"
+
+
+_TRANSITIONS: dict[tuple[JobState, str], JobState] = {
+    (JobState.CREATED, "join"): JobState.CREATED,  # ACTIVE when the last rank joins
+    (JobState.ACTIVE, "join"): JobState.ACTIVE,
+    (JobState.CREATED, "leave"): JobState.CREATED,
+    (JobState.ACTIVE, "leave"): JobState.ACTIVE,  # DONE when the last rank leaves
+    (JobState.CREATED, "abort"): JobState.ABORTED,
+    (JobState.ACTIVE, "abort"): JobState.ABORTED,
+    (JobState.CREATED, "idle"): JobState.EVICTED,
+    (JobState.ACTIVE, "idle"): JobState.EVICTED,
+}
+GONE = frozenset({JobState.DONE, JobState.ABORTED, JobState.EVICTED})
 
 
 @dataclass(frozen=True)
@@ -32,6 +82,7 @@ class JobRequest:
     world_size: int
     deterministic: bool = False
     multicast: bool = True
+    slots: int = 0  # slot pairs per core; 0 = the appliance's default (jobs.slots)
 
 
 @dataclass(frozen=True)
@@ -39,6 +90,9 @@ class JobPlan:
     name: str
     request: JobRequest
     spec: JobSpec  # what every core is told
+    created: float  # the registry clock when admitted
+    state: JobState = JobState.CREATED
+    joined: frozenset[int] = field(default_factory=frozenset)
 
     def describe(self, cfg: ApplianceConfig) -> dict[str, object]:
         """The registration answer a worker receives."""
@@ -47,7 +101,8 @@ class JobPlan:
         return {
             "name": self.name, "job_id": self.spec.job_id, "cookie": self.spec.cookie,
             "world_size": self.spec.world_size, "deterministic": self.spec.deterministic,
-            "segment_bytes": dp.max_payload,
+            "segment_bytes": dp.max_payload, "state": self.state.value,
+            "joined": sorted(self.joined), "deadline_s": cfg.jobs.deadline_s,
             "endpoints": [
                 {"core": i, "host": dp.address, "port": dp.base_port + i, "slots": self.spec.slots}
                 for i in range(dp.cores)
@@ -57,54 +112,128 @@ class JobPlan:
 
 
 class Registry:
+    """Every job of the appliance. Not thread-safe: the daemon serialises calls."""
+
     def __init__(self, cfg: ApplianceConfig) -> None:
         self.cfg = cfg
-        self._by_name: dict[str, JobPlan] = {}
+        self._by_id: dict[int, JobPlan] = {}
         self._next_id = 1
         groups = ipaddress.IPv4Network(cfg.multicast.groups)
         # Skip the range's first address: 239.x.0.0 style addresses confuse some switches.
         count = min(groups.num_addresses, 65536)
         self._groups = [str(groups.network_address + i) for i in range(1, count)]
 
+    # ---- queries ----
     @property
     def jobs(self) -> list[JobPlan]:
-        return list(self._by_name.values())
+        return list(self._by_id.values())
 
     def find(self, name: str) -> JobPlan | None:
-        return self._by_name.get(name)
+        return next((p for p in self._by_id.values() if p.name == name), None)
 
-    def by_id(self, job_id: int) -> JobPlan | None:
-        return next((p for p in self._by_name.values() if p.spec.job_id == job_id), None)
+    def get(self, job_id: int) -> JobPlan:
+        plan = self._by_id.get(job_id)
+        if plan is None:
+            raise UnknownJob(f"no job {job_id}")
+        return plan
 
-    def plan(self, request: JobRequest, cookie: int) -> JobPlan:
-        """The plan for `request`: the existing one if the same job registers again."""
+    def slots_in_use(self) -> int:
+        return sum(p.spec.slots for p in self._by_id.values())
+
+    # ---- decisions ----
+    def plan(self, request: JobRequest, cookie: int, now: float) -> JobPlan:
+        """Admit `request` (a plan to apply, then `commit`), return the existing plan when the
+        same job registers again, or raise `AdmissionError` saying which budget it exceeds."""
         if not request.name or len(request.name) > 128:
             raise AdmissionError("job name must be 1..128 characters")
         if not 1 <= request.world_size <= 4096:
             raise AdmissionError(f"world_size must be 1..4096, got {request.world_size}")
-        existing = self._by_name.get(request.name)
+        existing = self.find(request.name)
         if existing is not None:
             if existing.request != request:
                 raise ConflictError(
                     f"job {request.name!r} exists with {existing.request}, not {request}"
                 )
             return existing
+        dp = self.cfg.dataplane
+        slots = request.slots or self.cfg.jobs.slots
+        if not 1 <= slots <= dp.slot_capacity:
+            raise AdmissionError(f"slots must be 1..{dp.slot_capacity} per core, got {slots}")
+        free = dp.slot_capacity - self.slots_in_use()
+        if slots > free:
+            need_mib = slots * dp.slot_pair_bytes / 2**20
+            raise AdmissionError(
+                f"job {request.name!r} needs {slots} slot pairs per core ({need_mib:.1f} MiB), "
+                f"but only {free} of {dp.slot_capacity} are free (slot memory budget "
+                f"{dp.slot_memory_mb} MiB per core, {len(self._by_id)} jobs admitted)"
+            )
         job_id = self._next_id
         multicast = None
         if request.multicast and self.cfg.multicast.enabled:
             group = self._groups[(job_id - 1) % len(self._groups)]
             multicast = (group, self.cfg.multicast.port)
-        spec = JobSpec(job_id, cookie, request.world_size, self.cfg.jobs.slots,
-                       request.deterministic, multicast)
-        return JobPlan(request.name, request, spec)
+        spec = JobSpec(job_id, cookie, request.world_size, slots, request.deterministic,
+                       multicast)
+        return JobPlan(request.name, request, spec, now)
 
     def commit(self, plan: JobPlan) -> None:
         """Record a plan the data plane accepted."""
-        self._by_name[plan.name] = plan
+        self._by_id[plan.spec.job_id] = plan
         self._next_id = max(self._next_id, plan.spec.job_id + 1)
 
-    def remove(self, job_id: int) -> JobPlan | None:
-        plan = self.by_id(job_id)
-        if plan is not None:
-            del self._by_name[plan.name]
+    def _move(self, job_id: int, event: str) -> JobPlan:
+        plan = self.get(job_id)
+        target = _TRANSITIONS.get((plan.state, event))
+        if target is None:
+            raise IllegalTransition(f"job {job_id} is {plan.state.value}: cannot {event}")
+        return replace(plan, state=target)
+
+    def join(self, job_id: int, rank: int) -> JobPlan:
+        plan = self._move(job_id, "join")
+        if not 0 <= rank < plan.spec.world_size:
+            raise AdmissionError(f"rank {rank} outside world size {plan.spec.world_size}")
+        joined = plan.joined | {rank}
+        state = JobState.ACTIVE if len(joined) == plan.spec.world_size else plan.state
+        plan = replace(plan, joined=joined, state=state)
+        self._by_id[job_id] = plan
         return plan
+
+    def leave(self, job_id: int, rank: int) -> JobPlan:
+        """A rank is done. Returns the plan; state DONE means remove the job now."""
+        plan = self._move(job_id, "leave")
+        joined = plan.joined - {rank}
+        state = JobState.DONE if plan.state is JobState.ACTIVE and not joined else plan.state
+        plan = replace(plan, joined=joined, state=state)
+        self._record(plan)
+        return plan
+
+    def abort(self, job_id: int) -> JobPlan:
+        plan = self._move(job_id, "abort")
+        self._record(plan)
+        return plan
+
+    def idle(self, last_activity: dict[int, float | None], now: float) -> list[JobPlan]:
+        """Jobs to evict: no datagram (or, never any, no registration) for idle_timeout_s.
+        `last_activity` maps job id -> the registry-clock time of its last datagram."""
+        limit = self.cfg.jobs.idle_timeout_s
+        evicted = []
+        for job_id, plan in list(self._by_id.items()):
+            seen = last_activity.get(job_id)
+            since = plan.created if seen is None else max(seen, plan.created)
+            if now - since >= limit:
+                gone = self._move(job_id, "idle")
+                self._record(gone)
+                evicted.append(gone)
+        return evicted
+
+    def _record(self, plan: JobPlan) -> None:
+        if plan.state in GONE:
+            del self._by_id[plan.spec.job_id]
+        else:
+            self._by_id[plan.spec.job_id] = plan
+
+
+def slots_for(nbytes: int, segment_bytes: int, cores: int, default: int) -> int:
+    """Slot pairs per core a job needs when its allreduces are `nbytes`: no more than it can
+    keep in flight, no more than the default window."""
+    return max(1, min(default, math.ceil(nbytes / segment_bytes / cores)))

@@ -1,7 +1,11 @@
-"""Starts the data-plane processes, one per configured core, and talks to their mailboxes.
+"""Starts the data-plane processes, one per configured core, keeps them alive, and talks to them.
 
 Each core gets a pipe (its mailbox) and a small shared-memory array (its counters, which only it
-writes). `Supervisor` is a context manager: leaving it stops every core and frees the memory.
+writes). A monitor thread waits on the processes: a core that dies is restarted with
+exponential backoff, gets every current job again, and the event is recorded for the jobs that
+had traffic on it (status shows it; their workers either complete by retransmission to the new
+process, or get a clear timeout error naming that core). `Supervisor` is a context manager:
+leaving it stops every core and frees the memory.
 """
 
 from __future__ import annotations
@@ -9,40 +13,75 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import threading
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from multiprocessing.shared_memory import SharedMemory
 from types import TracebackType
+from typing import Any, cast
 
 import numpy as np
 
-from dataplane.aggregator import JobSpec
+from dataplane.aggregator import JobSpec, JobStats
 from dataplane.counters import N_COUNTERS, Counters
 from dataplane.errors import AdmissionError, ReductionError
-from dataplane.loop import AddJob, CoreConfig, Message, QueryWaiting, RemoveJob, Stop, run_core
+from dataplane.loop import (
+    AbortJob,
+    AddJob,
+    CoreConfig,
+    Message,
+    QueryStats,
+    RemoveJob,
+    Stop,
+    run_core,
+)
 
 from .config import ApplianceConfig
 
-__all__ = ["CoreHandle", "Supervisor"]
+__all__ = ["CoreHandle", "CoreUnavailable", "Supervisor"]
 
-_REPLY_TIMEOUT_S = 10.0
+_REPLY_TIMEOUT_S = 30.0  # a spawned core imports numpy (and torch) before it answers
+_BACKOFF_FIRST_S = 0.2
+_BACKOFF_MAX_S = 10.0
+_STABLE_S = 30.0  # running this long resets the backoff
+
+
+class CoreUnavailable(ReductionError):
+    """A data-plane core is not running right now (restarting after a crash). Retry shortly."""
 
 
 @dataclass
 class CoreHandle:
     config: CoreConfig
-    process: BaseProcess
-    mailbox: Connection
     memory: SharedMemory
     counters: Counters
-    lock: threading.Lock
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    process: BaseProcess | None = None
+    mailbox: Connection | None = None
+    state: str = "starting"  # starting, running, restarting, stopped
+    restarts: int = 0
+    started_at: float = 0.0
+    last_exit: str = ""
+
+
+@dataclass(frozen=True)
+class Disruption:
+    core: int
+    at: float  # time.time()
+    why: str
 
 
 class Supervisor:
     def __init__(self, cfg: ApplianceConfig) -> None:
         self.cfg = cfg
         self.cores: list[CoreHandle] = []
+        self.jobs: dict[int, JobSpec] = {}  # what every running core has been told
+        self.disruptions: dict[int, list[Disruption]] = {}  # job id -> core restarts it saw
+        self._ctx = mp.get_context("spawn")  # not fork: API threads must not be duplicated
+        self._stopping = threading.Event()
+        self._jobs_lock = threading.Lock()
+        self._monitor: threading.Thread | None = None
 
     def core_configs(self) -> list[CoreConfig]:
         dp = self.cfg.dataplane
@@ -53,75 +92,102 @@ class Supervisor:
                 bind=(dp.address, dp.base_port + i), max_payload=dp.max_payload,
                 slot_capacity=dp.slot_capacity, rx_buffers=dp.rx_buffers, poll=dp.poll,
                 spin_us=dp.spin_us, multicast_interface=mc.interface_address or dp.address,
+                multicast_loop=mc.loop, tos=dp.dscp << 2,
                 kernels=None if dp.kernels == "auto" else dp.kernels,
             )
             for i in range(dp.cores)
         ]
 
+    # ---- lifecycle ----
     def start(self) -> None:
-        # spawn, not fork: the API threads must not be duplicated into the data plane.
-        ctx = mp.get_context("spawn")
         for core_cfg in self.core_configs():
             memory = SharedMemory(create=True, size=N_COUNTERS * 8)
-            cells: np.ndarray = np.ndarray((N_COUNTERS,), np.uint64, buffer=memory.buf)
+            cells: np.ndarray[Any, np.dtype[np.uint64]] = np.ndarray(
+                (N_COUNTERS,), np.uint64, buffer=memory.buf)
             cells[:] = 0
-            ours, theirs = ctx.Pipe()
-            process = ctx.Process(target=run_core, args=(core_cfg, theirs, memory.name),
-                                  name=f"reductiond-core{core_cfg.index}", daemon=True)
-            handle = CoreHandle(core_cfg, process, ours, memory, Counters(cells),
-                                threading.Lock())
-            self.cores.append(handle)
-            process.start()
-            theirs.close()
+            self.cores.append(CoreHandle(core_cfg, memory, Counters(cells)))
         for core in self.cores:
-            self._expect(core, "ready")
+            self._spawn(core)
+        for core in self.cores:
+            self._await_ready(core)
+        self._monitor = threading.Thread(target=self._watch, name="supervisor", daemon=True)
+        self._monitor.start()
 
-    def _expect(self, core: CoreHandle, status: str) -> object:
-        if not core.mailbox.poll(_REPLY_TIMEOUT_S):
-            raise ReductionError(f"data-plane core {core.config.index} did not answer "
-                                 f"within {_REPLY_TIMEOUT_S:g} s (alive: "
-                                 f"{core.process.is_alive()})")
-        got, value = core.mailbox.recv()
-        if got == "error":
-            raise AdmissionError(f"core {core.config.index}: {value}")
-        if got != status:
-            raise ReductionError(f"core {core.config.index} answered {got!r}, not {status!r}")
-        return value
+    def _spawn(self, core: CoreHandle) -> None:
+        ours, theirs = self._ctx.Pipe()
+        process = self._ctx.Process(target=run_core, args=(core.config, theirs, core.memory.name),
+                                    name=f"reductiond-core{core.config.index}", daemon=True)
+        process.start()
+        theirs.close()
+        core.process, core.mailbox = process, ours
 
-    def ask(self, core: CoreHandle, msg: Message) -> object:
+    def _await_ready(self, core: CoreHandle) -> None:
+        self._expect(core, "ready")
+        core.state = "running"
+        core.started_at = time.monotonic()
+
+    def _watch(self) -> None:
+        """Restart cores that die, with backoff, until stop()."""
+        failures = [0] * len(self.cores)
+        while not self._stopping.is_set():
+            sentinels = {c.process.sentinel: c for c in self.cores
+                         if c.process is not None and c.state == "running"}
+            for ready in wait(list(sentinels), timeout=0.5):
+                if self._stopping.is_set():
+                    return
+                core = sentinels[ready]  # type: ignore[index]
+                assert core.process is not None
+                code = core.process.exitcode
+                core.last_exit = f"exit code {code}" if code is None or code >= 0 \
+                    else f"killed by signal {-code}"
+                self._restart(core, failures)
+
+    def _restart(self, core: CoreHandle, failures: list[int]) -> None:
+        i = core.config.index
+        if time.monotonic() - core.started_at > _STABLE_S:
+            failures[i] = 0
         with core.lock:
-            core.mailbox.send(msg)
-            return self._expect(core, "ok")
-
-    def add_job(self, spec: JobSpec) -> None:
-        done: list[CoreHandle] = []
-        try:
-            for core in self.cores:
-                self.ask(core, AddJob(spec))
-                done.append(core)
-        except ReductionError:
-            for core in done:  # all cores or none
-                self.ask(core, RemoveJob(spec.job_id))
-            raise
-
-    def remove_job(self, job_id: int) -> None:
-        for core in self.cores:
-            self.ask(core, RemoveJob(job_id))
-
-    def waiting_ranks(self, job_id: int) -> dict[int, object]:
-        return {c.config.index: self.ask(c, QueryWaiting(job_id)) for c in self.cores}
+            core.state = "restarting"
+            core.restarts += 1
+            if core.mailbox is not None:
+                core.mailbox.close()
+            with self._jobs_lock:
+                for job_id in self.jobs:
+                    self.disruptions.setdefault(job_id, []).append(
+                        Disruption(i, time.time(), f"core {i} {core.last_exit}; restarted"))
+            delay = min(_BACKOFF_MAX_S, _BACKOFF_FIRST_S * 2 ** failures[i])
+            failures[i] += 1
+            if self._stopping.wait(delay):
+                return
+            try:
+                self._spawn(core)
+                self._await_ready(core)
+                with self._jobs_lock:
+                    specs = list(self.jobs.values())
+                for spec in specs:
+                    self._send(core, AddJob(spec))
+            except (ReductionError, OSError) as exc:
+                core.last_exit = f"restart failed: {exc}"
+                core.state = "running"  # the watcher sees the dead process and tries again
 
     def stop(self) -> None:
+        self._stopping.set()
+        if self._monitor is not None:
+            self._monitor.join()
         for core in self.cores:
-            if core.process.is_alive():
+            if core.process is not None and core.process.is_alive() and core.state == "running":
                 with contextlib.suppress(ReductionError, OSError):
                     self.ask(core, Stop())
-            core.process.join(timeout=5)
-            if core.process.is_alive():
-                core.process.kill()
-                core.process.join()
-            core.mailbox.close()
-            del core.counters
+            if core.process is not None:
+                core.process.join(timeout=5)
+                if core.process.is_alive():
+                    core.process.kill()
+                    core.process.join()
+            if core.mailbox is not None:
+                core.mailbox.close()
+            core.state = "stopped"
+        for core in self.cores:
+            core.counters = Counters()  # drop the view before closing the shared memory
             core.memory.close()
             core.memory.unlink()
         self.cores.clear()
@@ -138,3 +204,68 @@ class Supervisor:
         self, t: type[BaseException] | None, v: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+    # ---- mailbox ----
+    def _expect(self, core: CoreHandle, status: str) -> object:
+        assert core.mailbox is not None
+        if not core.mailbox.poll(_REPLY_TIMEOUT_S):
+            alive = core.process is not None and core.process.is_alive()
+            raise ReductionError(f"data-plane core {core.config.index} did not answer "
+                                 f"within {_REPLY_TIMEOUT_S:g} s (alive: {alive})")
+        try:
+            got, value = core.mailbox.recv()
+        except (EOFError, OSError) as exc:
+            raise CoreUnavailable(f"data-plane core {core.config.index} died") from exc
+        if got == "error":
+            raise AdmissionError(f"core {core.config.index}: {value}")
+        if got != status:
+            raise ReductionError(f"core {core.config.index} answered {got!r}, not {status!r}")
+        return value
+
+    def _send(self, core: CoreHandle, msg: Message) -> object:
+        assert core.mailbox is not None
+        try:
+            core.mailbox.send(msg)
+        except OSError as exc:
+            raise CoreUnavailable(f"data-plane core {core.config.index} died") from exc
+        return self._expect(core, "ok")
+
+    def ask(self, core: CoreHandle, msg: Message) -> object:
+        with core.lock:
+            if core.state != "running":
+                raise CoreUnavailable(f"data-plane core {core.config.index} is {core.state}")
+            return self._send(core, msg)
+
+    # ---- jobs (all cores or none) ----
+    def add_job(self, spec: JobSpec) -> None:
+        done: list[CoreHandle] = []
+        try:
+            for core in self.cores:
+                self.ask(core, AddJob(spec))
+                done.append(core)
+        except ReductionError:
+            for core in done:
+                with contextlib.suppress(ReductionError):
+                    self.ask(core, RemoveJob(spec.job_id))
+            raise
+        with self._jobs_lock:
+            self.jobs[spec.job_id] = spec
+
+    def remove_job(self, job_id: int, *, abort: bool = False) -> None:
+        """Forget the job on every core; with `abort`, its workers' next datagrams are
+        answered with ABORTED so they fail at once instead of at their deadline."""
+        with self._jobs_lock:
+            self.jobs.pop(job_id, None)
+            self.disruptions.pop(job_id, None)
+        for core in self.cores:
+            with contextlib.suppress(CoreUnavailable):  # a restarting core gets the new list
+                self.ask(core, AbortJob(job_id) if abort else RemoveJob(job_id))
+
+    def stats(self, job_ids: tuple[int, ...]) -> list[tuple[float, dict[int, JobStats | None]]]:
+        """Per running core: (its monotonic now, job id -> stats)."""
+        out: list[tuple[float, dict[int, JobStats | None]]] = []
+        for core in self.cores:
+            with contextlib.suppress(CoreUnavailable):
+                reply = self.ask(core, QueryStats(job_ids))
+                out.append(cast(tuple[float, dict[int, JobStats | None]], reply))
+        return out

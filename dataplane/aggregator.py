@@ -30,6 +30,7 @@ Slot states per copy (the table the code follows)::
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -42,7 +43,7 @@ from .reduce import KernelTable, SegmentKernel
 from .slots import SlotArena
 from .wire import HEADER_SIZE, ITEMSIZE, DType, Flags, Header, Kind, Op, pack_into
 
-__all__ = ["Address", "Aggregator", "JobSpec", "Send"]
+__all__ = ["Address", "Aggregator", "JobSpec", "JobStats", "Send"]
 
 Address = tuple[str, int]
 
@@ -72,7 +73,7 @@ class _Copy:
 
     __slots__ = (
         "acc", "acc_n", "arrived", "complete", "count", "dtype", "header", "held", "kernel",
-        "length", "next_rank", "offset", "op", "out", "result", "round", "slot",
+        "length", "next_rank", "offset", "op", "out", "result", "round", "slot", "started",
     )
 
     def __init__(self, slot: int, acc: NDArray[np.float32], out: NDArray[np.uint8]) -> None:
@@ -92,6 +93,7 @@ class _Copy:
         self.next_rank = 0  # deterministic mode: ranks [0, next_rank) are summed into acc
         self.held: dict[int, int] = {}  # deterministic mode: rank -> receive buffer index
         self.complete = False
+        self.started = 0.0  # `now` when the current segment's first contribution came
         self.result: memoryview = memoryview(b"")
 
 
@@ -104,7 +106,8 @@ class _Slot:
 
 
 class _Job:
-    __slots__ = ("addresses", "all_ranks", "arena_slots", "slots", "spec")
+    __slots__ = ("addresses", "all_ranks", "arena_slots", "bytes_reduced", "last_activity",
+                 "rounds", "segments_reduced", "slots", "spec")
 
     def __init__(self, spec: JobSpec, arena_slots: list[int], slots: list[_Slot]) -> None:
         self.spec = spec
@@ -112,6 +115,24 @@ class _Job:
         self.slots = slots
         self.addresses: list[Address | None] = [None] * spec.world_size
         self.all_ranks = (1 << spec.world_size) - 1
+        self.rounds = 0  # highest round with a finished segment on this core
+        self.bytes_reduced = 0
+        self.segments_reduced = 0
+        self.last_activity: float | None = None
+
+
+@dataclass(frozen=True)
+class JobStats:
+    """One core's view of one job, for status and metrics."""
+
+    rounds: int
+    bytes_reduced: int
+    segments_reduced: int
+    last_activity: float | None  # the `now` of its last accepted contribution
+    waiting: dict[int, float]  # rank -> since when (a `now`) some filling segment waits for it
+
+
+_TOMBSTONES = 1024  # aborted jobs remembered, so their workers hear why instead of timing out
 
 
 class Aggregator:
@@ -123,6 +144,7 @@ class Aggregator:
         self._kernels = kernels
         self.counters = counters
         self._jobs: dict[int, _Job] = {}
+        self._aborted: OrderedDict[int, int] = OrderedDict()  # job id -> cookie
         self._cells = counters.cells
         rx = self._pool.take()
         assert rx is not None
@@ -145,6 +167,26 @@ class Aggregator:
         self._jobs[spec.job_id] = _Job(spec, arena_slots, slots)
         self._cells[Counter.SLOTS_IN_USE] += spec.slots
 
+    def abort_job(self, job_id: int) -> list[Send]:
+        """Remove the job: tell every worker heard from (ABORTED), and answer later datagrams
+        of the job the same way, so workers fail at once instead of at their deadline."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return []
+        self._aborted[job_id] = job.spec.cookie
+        while len(self._aborted) > _TOMBSTONES:
+            self._aborted.popitem(last=False)
+        self.remove_job(job_id)
+        spec = job.spec
+        notices = []
+        for rank, address in enumerate(job.addresses):
+            if address is not None:
+                h = Header(Kind.ABORTED, DType.FLOAT32, Op.SUM, 0, job_id, rank, spec.cookie,
+                           job.rounds, 0, 0, 0)
+                notices.append(self._notice(Kind.ABORTED, h, address))
+        self._cells[Counter.ABORT_NOTICES] += len(notices)
+        return notices
+
     def remove_job(self, job_id: int) -> None:
         job = self._jobs.pop(job_id, None)
         if job is None:
@@ -158,6 +200,22 @@ class Aggregator:
     @property
     def job_ids(self) -> list[int]:
         return list(self._jobs)
+
+    def stats(self, job_id: int) -> JobStats | None:
+        job = self._jobs.get(job_id)
+        if job is None:
+            return None
+        waiting: dict[int, float] = {}
+        for slot in job.slots:
+            copy = slot.copies[slot.latest]
+            if copy.round < 0 or copy.complete:
+                continue
+            missing = job.all_ranks & ~copy.arrived
+            for rank in range(job.spec.world_size):
+                if missing >> rank & 1:
+                    waiting[rank] = min(waiting.get(rank, copy.started), copy.started)
+        return JobStats(job.rounds, job.bytes_reduced, job.segments_reduced,
+                        job.last_activity, waiting)
 
     def waiting_ranks(self, job_id: int) -> dict[int, list[int]]:
         """For diagnostics: slot -> ranks not yet arrived, for every filling copy."""
@@ -177,11 +235,16 @@ class Aggregator:
         """Where the transport must receive the next payload."""
         return self._pool.views[self._rx]
 
-    def on_contribution(self, h: Header, received: int, source: Address) -> list[Send]:
+    def on_contribution(
+        self, h: Header, received: int, source: Address, now: float = 0.0
+    ) -> list[Send]:
         """`received` payload bytes of the datagram headed `h` now sit in `rx_view()`."""
         cells = self._cells
         job = self._jobs.get(h.job_id)
         if job is None:
+            if self._aborted.get(h.job_id) == h.cookie:
+                cells[Counter.ABORT_NOTICES] += 1
+                return [self._notice(Kind.ABORTED, h, source)]
             cells[Counter.DROP_UNKNOWN_JOB] += 1
             return []
         spec = job.spec
@@ -200,6 +263,7 @@ class Aggregator:
             return []
         if job.addresses[h.rank] != source:
             job.addresses[h.rank] = source
+        job.last_activity = now
 
         slot = job.slots[h.slot]
         latest = slot.copies[slot.latest]
@@ -209,7 +273,7 @@ class Aggregator:
         elif other.round == h.round and other.offset == h.offset:
             copy = other
         else:
-            return self._start_use(job, slot, h, source)
+            return self._start_use(job, slot, h, now)
 
         if copy.complete:
             cells[Counter.RESULTS_RESENT] += 1
@@ -224,7 +288,7 @@ class Aggregator:
             return []
         return self._accumulate(job, copy, h.rank)
 
-    def _start_use(self, job: _Job, slot: _Slot, h: Header, source: Address) -> list[Send]:
+    def _start_use(self, job: _Job, slot: _Slot, h: Header, now: float) -> list[Send]:
         latest = slot.copies[slot.latest]
         if (h.round, h.offset) < (latest.round, latest.offset):
             self._cells[Counter.DROP_STALE] += 1
@@ -251,6 +315,7 @@ class Aggregator:
         copy.count = 0
         copy.next_rank = 0
         copy.complete = False
+        copy.started = now
         return self._accumulate(job, copy, h.rank)
 
     def _accumulate(self, job: _Job, copy: _Copy, rank: int) -> list[Send]:
@@ -300,6 +365,10 @@ class Aggregator:
         ))
         self._cells[Counter.SEGMENTS_REDUCED] += 1
         self._cells[Counter.BYTES_REDUCED] += copy.length
+        job.segments_reduced += 1
+        job.bytes_reduced += copy.length
+        if copy.round > job.rounds:
+            job.rounds = copy.round
         if spec.multicast is not None:
             return [Send(spec.multicast, copy.header, copy.result)]
         return [Send(a, copy.header, copy.result) for a in job.addresses if a is not None]
@@ -316,6 +385,11 @@ class Aggregator:
             copy.round, h.slot, copy.offset, len(bitmap), copy.count,
         ))
         return Send(source, header, bitmap)
+
+    def _notice(self, kind: Kind, h: Header, source: Address) -> Send:
+        header = bytearray(HEADER_SIZE)
+        pack_into(header, h._replace(kind=kind, length=0, aux=0, flags=0))
+        return Send(source, header, b"")
 
     def _release_held(self, copy: _Copy) -> None:
         for index in copy.held.values():

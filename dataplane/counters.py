@@ -41,6 +41,7 @@ class Counter(IntEnum):
     POLL_BUSY_LOOPS = 22
     SEND_ERRORS = 23
     SLOTS_IN_USE = 24
+    ABORT_NOTICES = 25
 
 
 N_COUNTERS = len(Counter)

@@ -8,7 +8,7 @@ collective the caller must hear about (a deadline passed).
 
 from __future__ import annotations
 
-__all__ = ["AdmissionError", "AllreduceTimeout", "ConfigError", "ReductionError"]
+__all__ = ["AdmissionError", "AllreduceTimeout", "ConfigError", "JobAborted", "ReductionError"]
 
 
 class ReductionError(Exception):
@@ -27,3 +27,8 @@ class AllreduceTimeout(ReductionError):
     """An allreduce missed its deadline. The message names the appliance endpoints that did not
     answer and, when the appliance told us, the ranks it was still waiting for. The job's other
     workers are usually the cause (crashed, stalled, or partitioned); retrying is safe."""
+
+
+class JobAborted(ReductionError):
+    """The appliance removed the job (an operator's abort, idle eviction, or its shutdown) and
+    said so. Register the job again to continue."""

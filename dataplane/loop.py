@@ -27,7 +27,8 @@ from .slots import SlotArena
 from .udp import DatagramBatcher, enlarge_buffers
 from .wire import HEADER_SIZE, Kind, WireError, unpack
 
-__all__ = ["AddJob", "CoreConfig", "QueryWaiting", "RemoveJob", "Stop", "run_core"]
+__all__ = ["AbortJob", "AddJob", "CoreConfig", "Message", "QueryStats", "RemoveJob", "Stop",
+           "run_core"]
 
 PollMode = Literal["busy", "adaptive"]
 _MAILBOX_EVERY = 256  # busy mode: loop iterations between mailbox checks
@@ -48,6 +49,8 @@ class CoreConfig:
     burst: int = 64
     multicast_interface: str | None = None  # local IPv4 address results are multicast from
     multicast_ttl: int = 1
+    multicast_loop: bool = True  # deliver results to workers on this host too
+    tos: int = 0  # IP TOS byte (DSCP << 2) marked on every datagram the core sends
     kernels: str | None = None
 
 
@@ -62,8 +65,13 @@ class RemoveJob:
 
 
 @dataclass(frozen=True)
-class QueryWaiting:
+class AbortJob:
     job_id: int
+
+
+@dataclass(frozen=True)
+class QueryStats:
+    job_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -71,7 +79,7 @@ class Stop:
     pass
 
 
-Message = AddJob | RemoveJob | QueryWaiting | Stop
+Message = AddJob | RemoveJob | AbortJob | QueryStats | Stop
 
 
 def open_socket(cfg: CoreConfig) -> socket.socket:
@@ -80,7 +88,9 @@ def open_socket(cfg: CoreConfig) -> socket.socket:
         enlarge_buffers(sock, _SOCKET_BUFFER)
         sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, cfg.multicast_ttl)
         # Workers on the appliance's own host (loopback labs) must hear the multicast too.
-        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, int(cfg.multicast_loop))
+        # Data traffic carries its class so switches can queue it apart (see steering.py).
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, cfg.tos)
         if cfg.multicast_interface:
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF,
                             socket.inet_aton(cfg.multicast_interface))
@@ -119,8 +129,16 @@ class CoreLoop:
         elif isinstance(msg, RemoveJob):
             self.aggregator.remove_job(msg.job_id)
             self.mailbox.send(("ok", msg.job_id))
-        elif isinstance(msg, QueryWaiting):
-            self.mailbox.send(("ok", self.aggregator.waiting_ranks(msg.job_id)))
+        elif isinstance(msg, AbortJob):
+            for send in self.aggregator.abort_job(msg.job_id):
+                self.batcher.add(send.dest, send.header, send.payload)
+            self.batcher.flush()
+            self.mailbox.send(("ok", msg.job_id))
+        elif isinstance(msg, QueryStats):
+            # Times inside stats are this process's monotonic clock: send "now" along so the
+            # control plane can turn them into ages.
+            stats = {j: self.aggregator.stats(j) for j in msg.job_ids}
+            self.mailbox.send(("ok", (time.monotonic(), stats)))
         else:
             self._running = False
             self.mailbox.send(("ok", None))
@@ -138,6 +156,7 @@ class CoreLoop:
         cells = self.counters.cells
         header = self._header
         got = nbytes_in = 0
+        now = time.monotonic()
         for _ in range(self.cfg.burst):
             try:
                 nbytes, _, flags, source = sock.recvmsg_into(
@@ -158,7 +177,7 @@ class CoreLoop:
             if nbytes < HEADER_SIZE or h.kind is not Kind.CONTRIBUTION:
                 cells[Counter.DROP_MALFORMED] += 1
                 continue
-            for send in agg.on_contribution(h, nbytes - HEADER_SIZE, source):
+            for send in agg.on_contribution(h, nbytes - HEADER_SIZE, source, now):
                 batcher.add(send.dest, send.header, send.payload)
         if got:
             # Counters move once per burst: one writer, readers see whole bursts.

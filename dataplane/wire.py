@@ -72,6 +72,7 @@ class Kind(IntEnum):
     CONTRIBUTION = 1  # worker -> appliance: one rank's segment
     RESULT = 2  # appliance -> workers: the reduced segment
     PENDING = 3  # appliance -> one worker: segment not finished; payload = arrived-rank bitmap
+    ABORTED = 4  # appliance -> one worker: the job was aborted (operator, shutdown); no payload
 
 
 class DType(IntEnum):

@@ -200,6 +200,8 @@ class ApplianceClient:
                 got = sock.recv_into(self._scratch, len(self._scratch), flags)
                 if h is not None and h.kind is Kind.PENDING and got >= HEADER_SIZE:
                     rnd.on_pending(h, bytes(self._scratch[HEADER_SIZE:got]))
+                elif h is not None and h.kind is Kind.ABORTED:
+                    rnd.on_aborted(h)
                 continue
             offset = h.offset
             sock.recvmsg_into([peek, view[offset:offset + h.length]], 0, flags)

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from dataplane.errors import AllreduceTimeout, ReductionError
+from dataplane.errors import AllreduceTimeout, JobAborted, ReductionError
 from dataplane.wire import DType, Flags, Header, Kind, Op
 
 __all__ = ["AllreduceRound", "Endpoint", "RttEstimator", "Timing", "Transmit"]
@@ -129,6 +129,7 @@ class AllreduceRound:
             k for k in range(n) if k // e < endpoints[k % e].slots
         )
         self._pending: dict[int, tuple[int, bytes]] = {}  # endpoint -> (arrived count, bitmap)
+        self._aborted_by: str | None = None
         self.retransmissions = 0
 
     # ---- geometry ----
@@ -227,8 +228,23 @@ class AllreduceRound:
             return
         self._pending[k % len(self.endpoints)] = (h.aux, bytes(bitmap))
 
+    def on_aborted(self, h: Header) -> None:
+        """The appliance says the job is gone (operator abort, eviction or shutdown)."""
+        if h.kind is not Kind.ABORTED:
+            return
+        for ep in self.endpoints:
+            if h.job_id == ep.job_id and h.cookie == ep.cookie:
+                self._aborted_by = ep.name
+                return
+
     # ---- failure ----
     def check(self, now: float) -> None:
+        if self._aborted_by is not None and not self.done:
+            raise JobAborted(
+                f"{self._aborted_by} aborted job {self.endpoints[0].job_id} (an operator abort, "
+                f"idle eviction or appliance shutdown) during allreduce round {self.round} of "
+                f"rank {self.rank}; {self.remaining} of {self.segments} segments unfinished"
+            )
         if now < self._deadline or self.done:
             return
         raise AllreduceTimeout(self.describe_stall(now))

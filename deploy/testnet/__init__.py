@@ -4,7 +4,7 @@ A :class:`Topology` is plain data; a :class:`Lab` builds it (pyroute2) inside a 
 and always tears it down again.
 """
 
-from deploy.testnet.lab import Lab, LabError, clean, leftovers
+from deploy.testnet.lab import Lab, LabError, clean, leftovers, teardown
 from deploy.testnet.topology import DEFAULT_PREFIX_ROOT, Host, Link, Topology, unique_prefix
 
 __all__ = [
@@ -16,5 +16,6 @@ __all__ = [
     "Topology",
     "clean",
     "leftovers",
+    "teardown",
     "unique_prefix",
 ]

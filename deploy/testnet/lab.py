@@ -143,6 +143,14 @@ def clean(prefix: str) -> list[str]:
     return removed
 
 
+def teardown(topology: Topology) -> list[str]:
+    """Remove exactly the namespaces of ``topology`` (and so its interfaces): what a Lab's
+    exit does, and what ``reductionctl lab down`` does for a lab left up with detach()."""
+    return _remove_namespaces(
+        [topology.switch_netns, *(topology.netns_name(h.name) for h in topology.hosts)]
+    )
+
+
 class Lab:
     """The emulated rack, alive inside ``with Lab(topology) as lab:``.
 
@@ -183,8 +191,15 @@ class Lab:
             return
         self._closed = True
         self._stop_procs()
-        topo = self.topology
-        _remove_namespaces([topo.switch_netns, *(topo.netns_name(h.name) for h in topo.hosts)])
+        teardown(self.topology)
+
+    def detach(self) -> None:
+        """Leave the rack up after the with block (``reductionctl lab up``): teardown is skipped
+        and processes started through the lab are no longer tracked; :func:`teardown` removes
+        the rack later."""
+        self._require_running()
+        self._procs.clear()
+        self._closed = True
 
     # -- queries ---------------------------------------------------------------------------
 

@@ -51,12 +51,13 @@ def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
 
 def test_registration_is_idempotent_and_refuses_disagreement() -> None:
     registry = Registry(parse({}))
-    plan = registry.plan(JobRequest("job", 4), cookie=7)
+    plan = registry.plan(JobRequest("job", 4), cookie=7, now=0.0)
     registry.commit(plan)
-    assert registry.plan(JobRequest("job", 4), cookie=8) is plan  # the other ranks
+    assert registry.plan(JobRequest("job", 4), cookie=8, now=0.0) is plan  # the other ranks
     with pytest.raises(ConflictError, match="exists"):
-        registry.plan(JobRequest("job", 8), cookie=9)
-    other = registry.plan(JobRequest("other", 2), cookie=10)
+        registry.plan(JobRequest("job", 8), cookie=9, now=0.0)
+    other = registry.plan(JobRequest("other", 2), cookie=10, now=0.0)
+    registry.commit(other)
     assert other.spec.job_id != plan.spec.job_id
     assert other.spec.multicast != plan.spec.multicast  # one group per job
     described = plan.describe(registry.cfg)
@@ -67,6 +68,6 @@ def test_registration_is_idempotent_and_refuses_disagreement() -> None:
 def test_bad_job_requests_are_refused() -> None:
     registry = Registry(parse({}))
     with pytest.raises(AdmissionError, match="world_size"):
-        registry.plan(JobRequest("job", 0), cookie=1)
+        registry.plan(JobRequest("job", 0), cookie=1, now=0.0)
     with pytest.raises(AdmissionError, match="name"):
-        registry.plan(JobRequest("", 2), cookie=1)
+        registry.plan(JobRequest("", 2), cookie=1, now=0.0)

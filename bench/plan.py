@@ -1,0 +1,185 @@
+"""What a sweep runs, resolved from the command line: one typed, frozen plan.
+
+The options are declared once here and shared by `python -m bench.sweep` and
+`reductionctl bench`, so the two cannot drift apart.
+
+Sizes take nccl-tests-like ranges and lists: `1KiB:256MiB:x4` (start, stop, times 4),
+`64KiB:1MiB:+256KiB` (additive step), `4KiB,64KiB`, or a mix `1KiB:16KiB:x4,1MiB`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import TypeVar
+
+from deploy.testnet.topology import parse_rate
+
+from .worker import DTYPE_NAMES, parse_size
+
+__all__ = [
+    "DEFAULT_SIZES",
+    "MODES",
+    "OPS",
+    "SweepPlan",
+    "add_sweep_arguments",
+    "dtype_name",
+    "parse_sizes",
+    "plan_from_args",
+]
+
+DEFAULT_SIZES = "1KiB:256MiB:x4"
+MODES = ("multicast", "unicast")  # how the appliance fans results out
+OPS = ("sum", "avg", "min", "max")
+# A range must stay a sweep, not a typo that asks for millions of cases.
+_MAX_CASES_PER_RANGE = 1000
+
+T = TypeVar("T")
+
+
+def dtype_name(short: str) -> str:
+    """The workers' name of a dtype (float32) from the command line's (fp32)."""
+    return DTYPE_NAMES[short].name.lower()
+
+
+def _size_range(text: str) -> list[int]:
+    parts = text.split(":")
+    if len(parts) != 3:
+        raise ValueError(f"size range {text!r}: expected START:STOP:xFACTOR or START:STOP:+STEP")
+    start, stop, step = parse_size(parts[0]), parse_size(parts[1]), parts[2].strip().lower()
+    if start <= 0 or stop < start:
+        raise ValueError(f"size range {text!r}: need 0 < START <= STOP")
+    factor, increment = 1, 0
+    if step.startswith("x") and step[1:].isdigit() and int(step[1:]) >= 2:
+        factor = int(step[1:])
+    elif step.startswith("+") and parse_size(step[1:]) > 0:
+        increment = parse_size(step[1:])
+    else:
+        raise ValueError(f"size range {text!r}: step {step!r} is not xFACTOR (>= 2) or +SIZE")
+    sizes = [start]
+    while sizes[-1] * factor + increment <= stop:
+        sizes.append(sizes[-1] * factor + increment)
+        if len(sizes) > _MAX_CASES_PER_RANGE:
+            raise ValueError(f"size range {text!r}: more than {_MAX_CASES_PER_RANGE} sizes")
+    return sizes
+
+
+def parse_sizes(text: str) -> list[int]:
+    """Sizes in bytes, sorted and without duplicates, from a comma-separated list whose items
+    are sizes (`64KiB`) or ranges (`1KiB:256MiB:x4`)."""
+    sizes: set[int] = set()
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        try:
+            sizes.update(_size_range(item) if ":" in item else [parse_size(item)])
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(str(exc)) from exc
+    if not sizes or 0 in sizes:
+        raise ValueError(f"sizes {text!r}: need at least one positive size")
+    return sorted(sizes)
+
+
+def _arg(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """Wrap a parser so argparse reports a ValueError as a usage error (exit status 2)."""
+    def wrapped(text: str) -> T:
+        try:
+            return parse(text)
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+    return wrapped
+
+
+def _choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in items if x not in choices]
+        if bad or not items:
+            raise ValueError(f"{text!r}: choose from {', '.join(choices)}")
+        return list(dict.fromkeys(items))  # keep order, drop repeats
+    return _arg(parse)
+
+
+def _counts(text: str) -> list[int]:
+    counts = [int(x) for x in text.split(",") if x.strip()]
+    if not counts or min(counts) < 2:
+        raise ValueError(f"worker counts {text!r}: each must be >= 2")
+    return sorted(set(counts))
+
+
+def _rate(text: str) -> str:
+    parse_rate(text)  # validates; the plan keeps tc's spelling for titles and the topology
+    return text
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    network: str  # "loopback" or "rack"
+    workers: tuple[int, ...]
+    rate: str | None  # worker link rate in the rack (tc syntax); None on loopback or unshaped
+    sizes: tuple[int, ...]
+    dtypes: tuple[str, ...]  # bench.worker names: fp32, fp16, bf16
+    ops: tuple[str, ...]
+    modes: tuple[str, ...]
+    iters: int
+    warmup: int
+    cores: int
+    check: bool = True
+    gloo: bool = True
+
+    @property
+    def rate_bps(self) -> int | None:
+        return parse_rate(self.rate) if self.rate else None
+
+    def cases(self) -> list[tuple[int, str, str]]:
+        """(size, dtype, op) in run order: per dtype and op, small sizes first."""
+        return [(s, d, o) for d in self.dtypes for o in self.ops for s in self.sizes]
+
+    def systems(self, multicast_possible: bool) -> list[str]:
+        """The passes of one worker count: appliance modes, then Gloo ring."""
+        modes = [m for m in self.modes if multicast_possible or m != "multicast"]
+        return modes + (["ring"] if self.gloo else [])
+
+    def total_cases(self, multicast_possible: bool) -> int:
+        return len(self.workers) * len(self.systems(multicast_possible)) * len(self.cases())
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self) | {"rate_bps": self.rate_bps}
+
+
+def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--network", choices=["loopback", "rack"], default="rack",
+                   help="rack: emulated rack on network namespaces (root); loopback: one "
+                        "private namespace's lo (default: rack)")
+    p.add_argument("--workers", type=_arg(_counts), default=[4], metavar="N[,N..]",
+                   help="worker counts; one network per count (default: 4)")
+    p.add_argument("--rate", type=_arg(_rate), default="1gbit",
+                   help="worker link rate in the rack, tc syntax (default: 1gbit); "
+                        "the appliance's link is unshaped")
+    p.add_argument("--sizes", type=_arg(parse_sizes), default=parse_sizes(DEFAULT_SIZES),
+                   metavar="RANGE|LIST", help=f"bytes per allreduce (default: {DEFAULT_SIZES})")
+    p.add_argument("--dtypes", type=_choice_list(list(DTYPE_NAMES)), default=["fp32"],
+                   metavar="fp32,fp16,bf16")
+    p.add_argument("--ops", type=_choice_list(OPS), default=["sum"], metavar="sum,avg,min,max")
+    p.add_argument("--modes", type=_choice_list(MODES), default=["multicast"],
+                   metavar="multicast,unicast",
+                   help="appliance result fan-out (default: multicast)")
+    p.add_argument("--iters", type=int, default=5, help="timed iterations per case")
+    p.add_argument("--warmup", type=int, default=1, help="untimed iterations per case")
+    p.add_argument("--cores", type=int, default=2, help="appliance data-plane cores")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the numpy reference check (it costs seconds at 256 MiB)")
+    p.add_argument("--no-gloo", action="store_true", help="appliance only, no Gloo ring pass")
+
+
+def plan_from_args(args: argparse.Namespace) -> SweepPlan:
+    if args.iters < 1 or args.warmup < 0 or args.cores < 1:
+        raise ValueError("--iters >= 1, --warmup >= 0 and --cores >= 1, please")
+    return SweepPlan(
+        network=args.network, workers=tuple(args.workers),
+        rate=args.rate if args.network == "rack" else None, sizes=tuple(args.sizes),
+        dtypes=tuple(args.dtypes), ops=tuple(args.ops), modes=tuple(args.modes),
+        iters=args.iters, warmup=args.warmup, cores=args.cores, check=not args.no_check,
+        gloo=not args.no_gloo,
+    )

@@ -1,0 +1,356 @@
+"""Prometheus exposition of an `ApplianceSnapshot`: what `/metrics` serves.
+
+The data plane's counters flow one way (design §1): each core writes its own counters in shared
+memory, the daemon reads them into a plain-values `ApplianceSnapshot`, and this module renders
+that snapshot. It never reaches into the data plane and keeps no state between scrapes: every
+scrape asks for a fresh snapshot, so counters reset only when a core or a job does.
+
+Families (all prefixed `reduction_`):
+
+- `appliance_info{version, config}`, `appliance_uptime_seconds`;
+- per core, labelled `core`: `core_info{cpu, pid, port}`, `core_state{state}`, the traffic
+  counters of `CORE_COUNTERS`, `core_drops_total{reason}` (one sample per `drop_*` counter:
+  reason is the counter name without `drop_`), `core_slots_in_use`, `core_poll_busy_ratio`,
+  `core_restarts_total`;
+- per job, labelled `job_id, name`: `job_info{multicast_group, deterministic}`,
+  `job_state{state}`, rounds/bytes/segments counters, world size, joined ranks, age, seconds since
+  the last accepted contribution (absent until the first one), and the lagging ranks:
+  `job_lagging_rank_seconds{rank}` (one sample per rank a started segment still waits for) and
+  `job_lagging_ranks` (how many), so a stuck job is diagnosable at a glance;
+- per interface, labelled `interface`: `interface_up`, `interface_mtu_bytes`.
+
+Enumerated states are one gauge sample of value 1 whose `state` label names the current state
+(alert with e.g. `reduction_core_state{state!="running"}`). A label for a value that is absent
+(an unpinned core's `cpu`, a stopped core's `pid`) is the empty string, which Prometheus treats
+as no label.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from control.snapshot import ApplianceSnapshot, CoreSnapshot, JobSnapshot
+
+__all__ = ["CONTENT_TYPE", "CORE_COUNTERS", "CORE_GAUGES", "SnapshotCollector", "render"]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+"""The `Content-Type` to serve `render()`'s bytes with."""
+
+PREFIX = "reduction_"
+DROP_PREFIX = "drop_"
+"""Every core counter named `drop_<reason>` becomes a sample of `reduction_core_drops_total`."""
+
+CORE_LABELS = ["core"]
+JOB_LABELS = ["job_id", "name"]
+
+# Core counter name (dataplane.counters.Counter, lower case) -> (metric name, HELP). The `_total`
+# suffix is added by the client. Counters not listed here and not `drop_*` are not exported: the
+# unit tests check that every Counter is covered, so a new one cannot be forgotten silently.
+CORE_COUNTERS: dict[str, tuple[str, str]] = {
+    "packets_in": (
+        "core_packets_received",
+        "Datagrams the core received, whatever became of them; moves once per receive burst.",
+    ),
+    "bytes_in": (
+        "core_bytes_received",
+        "Bytes of received datagrams (header and payload); moves once per receive burst.",
+    ),
+    "packets_out": (
+        "core_packets_sent",
+        "Datagrams the core sent (results, resent results, PENDING notes); moves once per burst.",
+    ),
+    "bytes_out": (
+        "core_bytes_sent",
+        "Bytes of datagrams the core sent (header and payload); moves once per burst.",
+    ),
+    "segments_reduced": (
+        "core_segments_reduced",
+        "Segments whose contributions from all ranks were reduced; moves when a slot completes.",
+    ),
+    "bytes_reduced": (
+        "core_bytes_reduced",
+        "Payload bytes of completed segments (one copy, not times the world size); moves when a "
+        "slot completes.",
+    ),
+    "results_resent": (
+        "core_results_resent",
+        "Finished results sent again to one worker that retransmitted a contribution it had "
+        "already sent (its result was lost); moves on each such retransmission.",
+    ),
+    "pending_sent": (
+        "core_pending_sent",
+        "PENDING notes sent to a worker that retransmitted a contribution already counted while "
+        "the segment still waits for other ranks; moves on each such retransmission.",
+    ),
+    "duplicates": (
+        "core_duplicates",
+        "Contributions received again from a rank already counted for that segment (never added "
+        "twice); moves on each duplicate.",
+    ),
+    "abandoned": (
+        "core_segments_abandoned",
+        "Unfinished segments abandoned by their workers (they timed out and moved on) whose slot "
+        "was recycled; moves when a newer round claims such a slot.",
+    ),
+    "abort_notices": (
+        "core_abort_notices_sent",
+        "ABORTED notices sent to workers of an aborted job (once per worker at the abort, then "
+        "once per later datagram of that job); moves on each notice.",
+    ),
+    "send_errors": (
+        "core_send_errors",
+        "Datagrams the core failed to send (the kernel refused them); moves on each failure.",
+    ),
+    "poll_loops": (
+        "core_poll_loops",
+        "Iterations of the core's poll loop; moves on every iteration.",
+    ),
+    "poll_busy_loops": (
+        "core_poll_busy_loops",
+        "Poll-loop iterations that found at least one datagram; rate() over poll_loops gives "
+        "the recent busy fraction.",
+    ),
+}
+
+# Core counter cells that hold a level, not a count.
+CORE_GAUGES: dict[str, tuple[str, str]] = {
+    "slots_in_use": (
+        "core_slots_in_use",
+        "Slots of the core's arena currently assigned to admitted jobs.",
+    ),
+}
+
+
+class SnapshotCollector(Collector):
+    """Collects the metric families of one fresh `ApplianceSnapshot` per scrape.
+
+    `snapshot` is called once per `collect()`; an exception it raises propagates, so the scrape
+    fails visibly rather than serving stale or partial numbers.
+    """
+
+    def __init__(self, snapshot: Callable[[], ApplianceSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self) -> Iterable[Metric]:
+        # Declared empty so registering does not take a snapshot (the registry would otherwise
+        # call collect() to learn the names).
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        yield from _appliance_families(snap)
+        yield from _core_families(snap.cores)
+        yield from _job_families(snap.jobs)
+        yield from _interface_families(snap)
+
+
+def render(snapshot: ApplianceSnapshot) -> bytes:
+    """The text exposition of `snapshot`, to serve with `CONTENT_TYPE`."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(lambda: snapshot))
+    return generate_latest(registry)
+
+
+def _appliance_families(snap: ApplianceSnapshot) -> Iterator[Metric]:
+    info = InfoMetricFamily(
+        PREFIX + "appliance",
+        "The running appliance: software version and the configuration file it loaded.",
+    )
+    info.add_metric([], {"version": snap.version, "config": snap.config})
+    yield info
+    yield GaugeMetricFamily(
+        PREFIX + "appliance_uptime_seconds",
+        "Seconds since the appliance daemon started.",
+        value=snap.uptime_s,
+    )
+
+
+def _optional(value: int | None) -> str:
+    return "" if value is None else str(value)
+
+
+def _core_families(cores: tuple[CoreSnapshot, ...]) -> Iterator[Metric]:
+    info = InfoMetricFamily(
+        PREFIX + "core",
+        "A data-plane core: the CPU it is pinned to (empty: unpinned), its process id (empty: "
+        "not running) and its UDP port.",
+        labels=CORE_LABELS,
+    )
+    state = GaugeMetricFamily(
+        PREFIX + "core_state",
+        "1 for the core's current state (running, restarting, stopped), named by the state label.",
+        labels=[*CORE_LABELS, "state"],
+    )
+    restarts = CounterMetricFamily(
+        PREFIX + "core_restarts",
+        "Times the supervisor restarted the core's process; moves on each restart.",
+        labels=CORE_LABELS,
+    )
+    busy = GaugeMetricFamily(
+        PREFIX + "core_poll_busy_ratio",
+        "Fraction of poll-loop iterations that found work, since the core's process started "
+        "(0: idle, 1: saturated).",
+        labels=CORE_LABELS,
+    )
+    counters = {
+        key: CounterMetricFamily(PREFIX + name, text, labels=CORE_LABELS)
+        for key, (name, text) in CORE_COUNTERS.items()
+    }
+    gauges = {
+        key: GaugeMetricFamily(PREFIX + name, text, labels=CORE_LABELS)
+        for key, (name, text) in CORE_GAUGES.items()
+    }
+    drops = CounterMetricFamily(
+        PREFIX + "core_drops",
+        "Datagrams dropped and counted instead of processed, by reason (malformed, unknown_job, "
+        "bad_cookie, bad_rank, bad_slot, bad_length, mismatch, stale, slot_busy, no_buffer, "
+        "truncated); moves each time the core discards a datagram.",
+        labels=[*CORE_LABELS, "reason"],
+    )
+    for core in cores:
+        labels = [str(core.index)]
+        info.add_metric(
+            labels, {"cpu": _optional(core.cpu), "pid": _optional(core.pid), "port": str(core.port)}
+        )
+        state.add_metric([*labels, core.state], 1.0)
+        restarts.add_metric(labels, core.restarts)
+        busy.add_metric(labels, core.busy_fraction)
+        _add_core_counters(core.counters, labels, counters, gauges, drops)
+    yield info
+    yield state
+    yield restarts
+    yield busy
+    yield from counters.values()
+    yield from gauges.values()
+    yield drops
+
+
+def _add_core_counters(
+    values: Mapping[str, int],
+    labels: list[str],
+    counters: Mapping[str, CounterMetricFamily],
+    gauges: Mapping[str, GaugeMetricFamily],
+    drops: CounterMetricFamily,
+) -> None:
+    # Only cells present in the snapshot are exported: a core whose counters could not be read
+    # shows no samples rather than false zeros.
+    for key, value in sorted(values.items()):
+        if key.startswith(DROP_PREFIX):
+            drops.add_metric([*labels, key.removeprefix(DROP_PREFIX)], value)
+        elif key in counters:
+            counters[key].add_metric(labels, value)
+        elif key in gauges:
+            gauges[key].add_metric(labels, value)
+
+
+def _job_families(jobs: tuple[JobSnapshot, ...]) -> Iterator[Metric]:
+    info = InfoMetricFamily(
+        PREFIX + "job",
+        "A registered job: its multicast group (empty: unicast results) and whether it reduces "
+        "in fixed rank order (bitwise-reproducible results).",
+        labels=JOB_LABELS,
+    )
+    state = GaugeMetricFamily(
+        PREFIX + "job_state",
+        "1 for the job's current registry state, named by the state label.",
+        labels=[*JOB_LABELS, "state"],
+    )
+    rounds = CounterMetricFamily(
+        PREFIX + "job_rounds_completed",
+        "Allreduce rounds the job completed (the highest complete round seen on any core); "
+        "moves when a round's last segment completes.",
+        labels=JOB_LABELS,
+    )
+    nbytes = CounterMetricFamily(
+        PREFIX + "job_bytes_reduced",
+        "Payload bytes of the job's completed segments, summed over cores; moves when a segment "
+        "completes.",
+        labels=JOB_LABELS,
+    )
+    segments = CounterMetricFamily(
+        PREFIX + "job_segments_reduced",
+        "The job's segments completed on all cores; moves when a segment completes.",
+        labels=JOB_LABELS,
+    )
+    world = GaugeMetricFamily(
+        PREFIX + "job_world_size",
+        "Ranks the job was registered with.",
+        labels=JOB_LABELS,
+    )
+    joined = GaugeMetricFamily(
+        PREFIX + "job_joined_ranks",
+        "Ranks that have joined the job so far (equals world_size once everyone is in).",
+        labels=JOB_LABELS,
+    )
+    age = GaugeMetricFamily(
+        PREFIX + "job_age_seconds",
+        "Seconds since the job was registered.",
+        labels=JOB_LABELS,
+    )
+    idle = GaugeMetricFamily(
+        PREFIX + "job_last_activity_age_seconds",
+        "Seconds since the appliance last accepted a contribution of the job; absent until the "
+        "first.",
+        labels=JOB_LABELS,
+    )
+    lagging = GaugeMetricFamily(
+        PREFIX + "job_lagging_rank_seconds",
+        "Seconds the appliance has waited for this rank: the age of the oldest segment other "
+        "ranks have started that still misses its contribution; one sample per lagging rank.",
+        labels=[*JOB_LABELS, "rank"],
+    )
+    n_lagging = GaugeMetricFamily(
+        PREFIX + "job_lagging_ranks",
+        "Ranks the appliance is currently waiting for (0: none; see job_lagging_rank_seconds).",
+        labels=JOB_LABELS,
+    )
+    for job in jobs:
+        labels = [str(job.job_id), job.name]
+        info.add_metric(
+            labels,
+            {
+                "multicast_group": job.multicast_group or "",
+                "deterministic": str(job.deterministic).lower(),
+            },
+        )
+        state.add_metric([*labels, job.state], 1.0)
+        rounds.add_metric(labels, job.rounds)
+        nbytes.add_metric(labels, job.bytes_reduced)
+        segments.add_metric(labels, job.segments_reduced)
+        world.add_metric(labels, job.world_size)
+        joined.add_metric(labels, len(job.joined))
+        age.add_metric(labels, job.created_s)
+        if job.last_activity_s is not None:
+            idle.add_metric(labels, job.last_activity_s)
+        for rank, waited in sorted(job.lagging.items()):
+            lagging.add_metric([*labels, str(rank)], waited)
+        n_lagging.add_metric(labels, len(job.lagging))
+    yield from (info, state, rounds, nbytes, segments, world, joined, age, idle)
+    yield from (lagging, n_lagging)
+
+
+def _interface_families(snap: ApplianceSnapshot) -> Iterator[Metric]:
+    up = GaugeMetricFamily(
+        PREFIX + "interface_up",
+        "1 if the data-plane network interface is up, else 0.",
+        labels=["interface"],
+    )
+    mtu = GaugeMetricFamily(
+        PREFIX + "interface_mtu_bytes",
+        "MTU of the data-plane network interface.",
+        labels=["interface"],
+    )
+    for iface in snap.interfaces:
+        up.add_metric([iface.name], 1.0 if iface.up else 0.0)
+        mtu.add_metric([iface.name], iface.mtu)
+    yield up
+    yield mtu

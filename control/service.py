@@ -1,0 +1,207 @@
+"""The appliance as a service: applies the registry's decisions to the data plane, and assembles
+snapshots for status and metrics. The HTTP layer (api.py) only parses and answers."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dataplane.counters import Counter
+from dataplane.errors import ReductionError
+
+from .registry import JobPlan, JobRequest, JobState, Registry
+from .snapshot import ApplianceSnapshot, CoreSnapshot, InterfaceSnapshot, JobSnapshot
+from .supervisor import Supervisor
+
+__all__ = ["VERSION", "Appliance", "Draining"]
+
+VERSION = "0.1.0"
+
+
+class Draining(ReductionError):
+    """The appliance is shutting down and takes no new jobs."""
+
+
+class Appliance:
+    """Registry (decides) + supervisor (applies), serialised by one lock."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        supervisor: Supervisor,
+        *,
+        network_view: Callable[[], tuple[tuple[InterfaceSnapshot, ...], tuple[str, ...],
+                                         tuple[str, ...], tuple[str, ...]]] | None = None,
+    ) -> None:
+        self.registry = registry
+        self.supervisor = supervisor
+        self.started = time.monotonic()
+        self.draining = False
+        self._lock = threading.Lock()
+        # interfaces, steering rules, steering notes, RDMA devices: read by the daemon's caller
+        self._network_view = network_view
+
+    @property
+    def cfg(self) -> Any:
+        return self.registry.cfg
+
+    # ---- job lifecycle ----
+    def create_job(self, body: dict[str, Any]) -> dict[str, object]:
+        request = parse_request(body)
+        with self._lock:
+            if self.draining:
+                raise Draining("the appliance is shutting down; it takes no new jobs")
+            plan = self.registry.plan(request, cookie=secrets.randbits(64), now=time.monotonic())
+            if self.registry.find(request.name) is None:
+                self.supervisor.add_job(plan.spec)
+                self.registry.commit(plan)
+        return plan.describe(self.cfg)
+
+    def join(self, job_id: int, rank: int) -> dict[str, object]:
+        with self._lock:
+            return self.registry.join(job_id, rank).describe(self.cfg)
+
+    def leave(self, job_id: int, rank: int) -> dict[str, object]:
+        with self._lock:
+            plan = self.registry.leave(job_id, rank)
+            if plan.state is JobState.DONE:
+                self.supervisor.remove_job(job_id)
+        return plan.describe(self.cfg)
+
+    def abort(self, job_id: int) -> dict[str, object]:
+        """Remove the job; its workers are told (ABORTED) and fail at once."""
+        with self._lock:
+            plan = self.registry.abort(job_id)
+            self.supervisor.remove_job(job_id, abort=True)
+        return plan.describe(self.cfg)
+
+    def job(self, job_id: int) -> dict[str, object]:
+        with self._lock:
+            return self.registry.get(job_id).describe(self.cfg)
+
+    def evict_idle(self) -> list[JobPlan]:
+        with self._lock:
+            activity = {j.job_id: j.last_activity for j in self._job_activity()}
+            evicted = self.registry.idle(activity, time.monotonic())
+            for plan in evicted:
+                self.supervisor.remove_job(plan.spec.job_id, abort=True)
+        return evicted
+
+    def shutdown(self, grace_s: float) -> None:
+        """Stop taking jobs, let running rounds finish (up to `grace_s` of quiet), then tell
+        every job's workers the appliance is going away."""
+        with self._lock:
+            self.draining = True
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                recent = [a.last_activity for a in self._job_activity() if a.last_activity]
+            if not recent or time.monotonic() - max(recent) > 0.5:
+                break
+            time.sleep(0.1)
+        with self._lock:
+            for plan in self.registry.jobs:
+                self.registry.abort(plan.spec.job_id)
+                self.supervisor.remove_job(plan.spec.job_id, abort=True)
+
+    # ---- views ----
+    def _job_activity(self) -> list[_Activity]:
+        plans = self.registry.jobs
+        ids = tuple(p.spec.job_id for p in plans)
+        per_core = self.supervisor.stats(ids) if ids else []
+        out = []
+        for plan in plans:
+            job_id = plan.spec.job_id
+            act = _Activity(job_id)
+            for core_now, stats in per_core:
+                st = stats.get(job_id)
+                if st is None:
+                    continue
+                act.rounds = max(act.rounds, st.rounds)
+                act.bytes_reduced += st.bytes_reduced
+                act.segments_reduced += st.segments_reduced
+                if st.last_activity is not None:
+                    act.last_activity = max(act.last_activity or 0.0, st.last_activity)
+                for rank, since in st.waiting.items():
+                    act.lagging[rank] = max(act.lagging.get(rank, 0.0), core_now - since)
+            out.append(act)
+        return out
+
+    def snapshot(self) -> ApplianceSnapshot:
+        now = time.monotonic()
+        with self._lock:
+            plans = {p.spec.job_id: p for p in self.registry.jobs}
+            activity = self._job_activity()
+        jobs = []
+        for act in activity:
+            plan = plans[act.job_id]
+            mc = plan.spec.multicast
+            jobs.append(JobSnapshot(
+                job_id=act.job_id, name=plan.name, state=plan.state.value,
+                world_size=plan.spec.world_size, joined=tuple(sorted(plan.joined)),
+                deterministic=plan.spec.deterministic,
+                multicast_group=mc[0] if mc else None, slots_per_core=plan.spec.slots,
+                created_s=now - plan.created, rounds=act.rounds,
+                bytes_reduced=act.bytes_reduced, segments_reduced=act.segments_reduced,
+                last_activity_s=None if act.last_activity is None else now - act.last_activity,
+                lagging={r: round(w, 3) for r, w in sorted(act.lagging.items())},
+            ))
+        cores = []
+        for core in self.supervisor.cores:
+            counters = core.counters.snapshot()
+            loops = counters.get("poll_loops", 0)
+            cores.append(CoreSnapshot(
+                index=core.config.index,
+                pid=core.process.pid if core.process is not None else None,
+                cpu=core.config.cpu, port=core.config.bind[1], state=core.state,
+                restarts=core.restarts, counters=counters,
+                busy_fraction=core.counters[Counter.POLL_BUSY_LOOPS] / loops if loops else 0.0,
+            ))
+        interfaces: tuple[InterfaceSnapshot, ...] = ()
+        rules: tuple[str, ...] = ()
+        notes: tuple[str, ...] = ()
+        rdma: tuple[str, ...] = ()
+        if self._network_view is not None:
+            interfaces, rules, notes, rdma = self._network_view()
+        return ApplianceSnapshot(
+            version=VERSION, uptime_s=now - self.started, config=self.cfg.source,
+            cores=tuple(cores), jobs=tuple(jobs), interfaces=interfaces, steering=rules,
+            steering_notes=notes, rdma_devices=rdma,
+        )
+
+
+class _Activity:
+    __slots__ = ("bytes_reduced", "job_id", "lagging", "last_activity", "rounds",
+                 "segments_reduced")
+
+    def __init__(self, job_id: int) -> None:
+        self.job_id = job_id
+        self.rounds = 0
+        self.bytes_reduced = 0
+        self.segments_reduced = 0
+        self.last_activity: float | None = None
+        self.lagging: dict[int, float] = {}
+
+
+def parse_request(body: dict[str, Any]) -> JobRequest:
+    """A job request from its JSON body; ValueError says what is wrong."""
+    known = {"name", "world_size", "deterministic", "multicast", "slots"}
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise ValueError(f"unknown fields {unknown}; known: {sorted(known)}")
+    if "name" not in body or "world_size" not in body:
+        raise ValueError("a job needs name and world_size")
+    name, world, slots = body["name"], body["world_size"], body.get("slots", 0)
+    if not isinstance(name, str):
+        raise ValueError("name must be a string")
+    for key, value in (("world_size", world), ("slots", slots)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+    for key in ("deterministic", "multicast"):
+        if not isinstance(body.get(key, False), bool):
+            raise ValueError(f"{key} must be true or false")
+    return JobRequest(name, world, bool(body.get("deterministic", False)),
+                      bool(body.get("multicast", True)), slots)

@@ -1,0 +1,67 @@
+"""What the appliance looks like at one instant: plain values for status, metrics and the CLI.
+
+The daemon assembles a snapshot from the data plane's shared-memory counters (per core) and the
+cores' per-job statistics (asked through their mailboxes); `metrics.py` renders it for
+Prometheus and `reductionctl status` prints it. Neither reaches into the data plane itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["ApplianceSnapshot", "CoreSnapshot", "InterfaceSnapshot", "JobSnapshot"]
+
+
+@dataclass(frozen=True)
+class CoreSnapshot:
+    index: int
+    pid: int | None
+    cpu: int | None  # pinned CPU, None when unpinned
+    port: int
+    state: str  # "running", "restarting", "stopped"
+    restarts: int
+    counters: dict[str, int]  # dataplane.counters.Counter names, lower case
+    busy_fraction: float  # poll loops that found work / all poll loops, since start
+
+
+@dataclass(frozen=True)
+class JobSnapshot:
+    job_id: int
+    name: str
+    state: str  # registry state name, lower case
+    world_size: int
+    joined: tuple[int, ...]  # ranks that joined
+    deterministic: bool
+    multicast_group: str | None
+    slots_per_core: int
+    created_s: float  # seconds since the job was created
+    rounds: int  # allreduce rounds completed (the highest complete round seen on any core)
+    bytes_reduced: int  # summed over cores
+    segments_reduced: int
+    last_activity_s: float | None  # seconds since its last datagram; None: none yet
+    lagging: dict[int, float] = field(default_factory=dict)  # rank -> seconds waited for it
+
+
+@dataclass(frozen=True)
+class InterfaceSnapshot:
+    name: str
+    mtu: int
+    up: bool
+    multicast_routes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ApplianceSnapshot:
+    version: str
+    uptime_s: float
+    config: str
+    cores: tuple[CoreSnapshot, ...]
+    jobs: tuple[JobSnapshot, ...]
+    interfaces: tuple[InterfaceSnapshot, ...] = ()
+    steering: tuple[str, ...] = ()  # human descriptions of the installed rules
+    steering_notes: tuple[str, ...] = ()  # what could not be steered here, and why
+    rdma_devices: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)

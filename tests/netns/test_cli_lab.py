@@ -1,0 +1,63 @@
+"""`reductionctl lab`: a rack that outlives the command, listed, reachable, and fully removed."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from deploy.testnet import LabError, leftovers, unique_prefix
+from deploy.testnet.standing import down
+
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def ctl(state: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "control.cli", "lab", "--state-dir", str(state), *argv],
+        cwd=_ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )
+
+
+def test_lab_up_list_ping_down(tmp_path: Path) -> None:
+    name = unique_prefix("rctl")
+    try:
+        up = ctl(tmp_path, "up", "--workers", "2", "--rate", "200mbit", "--name", name, "--json")
+        assert up.returncode == 0, up.stderr
+        lab = json.loads(up.stdout)
+        assert (tmp_path / f"{name}.json").exists()
+        hosts = {h["name"]: h for h in lab["hosts"]}
+        assert set(hosts) == {"a0", "w0", "w1"} and lab["state"] == "up"
+
+        # The rack outlived `lab up`: list shows it, and its hosts reach each other.
+        listed = ctl(tmp_path, "list", "--json")
+        assert listed.returncode == 0, listed.stderr
+        assert [(x["name"], x["state"]) for x in json.loads(listed.stdout)] == [(name, "up")]
+        assert name in ctl(tmp_path, "list").stdout
+        ping = subprocess.run(
+            ["ip", "netns", "exec", hosts["w0"]["netns"], "ping", "-c", "1", "-W", "5",
+             hosts["w1"]["address"]], capture_output=True, text=True, timeout=30, check=False)
+        assert ping.returncode == 0, ping.stdout + ping.stderr
+
+        again = ctl(tmp_path, "up", "--workers", "2", "--name", name)
+        assert again.returncode == 1 and "exists" in again.stderr
+
+        gone = ctl(tmp_path, "down", name)
+        assert gone.returncode == 0, gone.stderr
+        assert leftovers(name) == []
+        assert not (tmp_path / f"{name}.json").exists()
+        assert ctl(tmp_path, "list", "--json").stdout.strip() == "[]"
+        assert ctl(tmp_path, "down", name).returncode == 1  # nothing left to take down
+    finally:
+        with contextlib.suppress(LabError):
+            down(name, tmp_path)
+    assert leftovers(name) == []
+
+
+def test_lab_usage_errors_exit_2(tmp_path: Path) -> None:
+    assert ctl(tmp_path, "up", "--workers", "2", "--name", "Bad-Name").returncode == 2
+    assert ctl(tmp_path, "up", "--workers", "2", "--rate", "fast").returncode == 2
+    assert ctl(tmp_path, "down").returncode == 2
+    assert ctl(tmp_path, "frobnicate").returncode == 2

@@ -1,0 +1,172 @@
+"""Steering on a real (private) network namespace: rules appear, and go again.
+
+Each test gets its own namespace holding a veth pair (this kernel has no dummy links); no
+packet is ever sent, and nothing is touched outside the namespace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+from pyroute2 import IPRoute, netns
+
+from control.steering import (
+    Steering,
+    SteeringInputs,
+    check_interface,
+    current,
+    interface_for_address,
+    interfaces_snapshot,
+    plan,
+    remove,
+)
+from dataplane.errors import ConfigError
+
+GROUPS = "239.255.0.0/16"
+ROUTE = "multicast route 239.255.0.0/16 dev v0 (table main, scope link)"
+
+
+@pytest.fixture
+def ns() -> Iterator[str]:
+    """A namespace with veth v0 (MTU 9000, up, 10.9.0.1/24) and its peer v1 (MTU 1500, down)."""
+    name = f"rsteer{os.getpid()}{secrets.token_hex(2)}"
+    netns.create(name)
+    try:
+        with IPRoute(netns=name, flags=0) as ipr:
+            ipr.link("add", ifname="v0", kind="veth", peer={"ifname": "v1"})
+            v0 = ipr.link_lookup(ifname="v0")[0]
+            ipr.link("set", index=v0, mtu=9000, state="up")
+            ipr.addr("add", index=v0, address="10.9.0.1", prefixlen=24)
+        yield name
+    finally:
+        with contextlib.suppress(OSError):
+            netns.remove(name)
+    assert name not in netns.listnetns()
+
+
+def ip_routes(ns_name: str) -> list[str]:
+    """The multicast routes of every table as `ip route` prints them, up to the device
+    ("239.255.0.0/16 dev v0"; proto and linkdown flags vary)."""
+    out = subprocess.run(["ip", "-n", ns_name, "route", "show", "table", "all"],
+                         capture_output=True, text=True, check=True).stdout
+    return [" ".join(line.split()[:3]) for line in out.splitlines() if line.startswith("239.")]
+
+
+def the_plan(ifname: str = "v0", rx_queues: int = 1) -> Steering:
+    return Steering(plan(SteeringInputs(ifname, 8896, GROUPS, 7000, 2, 46, rx_queues)))
+
+
+def test_check_interface_accepts_a_jumbo_link(ns: str) -> None:
+    state = check_interface("v0", 8972, netns=ns, need_multicast=True)
+    assert (state.name, state.up, state.mtu, state.multicast) == ("v0", True, 9000, True)
+    assert state.rx_queues >= 1 and state.index > 0
+
+
+def test_check_interface_missing(ns: str) -> None:
+    with pytest.raises(ConfigError, match="interface nope0 does not exist in network namespace"):
+        check_interface("nope0", 8972, netns=ns)
+
+
+def test_check_interface_down(ns: str) -> None:
+    with pytest.raises(ConfigError, match=r"interface v1 is down.*ip link set v1 up"):
+        check_interface("v1", 1000, netns=ns)
+
+
+def test_check_interface_mtu_too_small(ns: str) -> None:
+    with IPRoute(netns=ns, flags=0) as ipr:
+        ipr.link("set", index=ipr.link_lookup(ifname="v0")[0], mtu=1500)
+    with pytest.raises(ConfigError) as info:
+        check_interface("v0", 8972, netns=ns)
+    assert str(info.value) == ("interface v0 has MTU 1500 but segments need 8972: raise the MTU "
+                               "or lower dataplane.segment_bytes")
+
+
+def test_route_installed_then_removed_on_exit(ns: str) -> None:
+    steering = the_plan()
+    steering.netns = ns
+    with steering as s:
+        assert ip_routes(ns) == ["239.255.0.0/16 dev v0"]
+        assert current("v0", GROUPS, netns=ns) == [ROUTE]
+        assert s.installed() == [ROUTE]
+    assert ip_routes(ns) == []
+    assert current("v0", GROUPS, netns=ns) == []
+
+
+def test_route_removed_when_the_block_raises(ns: str) -> None:
+    with pytest.raises(RuntimeError, match="boom"), Steering(the_plan().plan, netns=ns):
+        assert current("v0", GROUPS, netns=ns) == [ROUTE]
+        raise RuntimeError("boom")
+    assert ip_routes(ns) == []
+
+
+def test_remove_is_the_same_teardown_and_idempotent(ns: str) -> None:
+    p = the_plan().plan
+    s = Steering(p, netns=ns).__enter__()  # as if the daemon had crashed with rules in place
+    assert current("v0", GROUPS, netns=ns) == [ROUTE]
+    assert remove(p, netns=ns) == [ROUTE]
+    assert ip_routes(ns) == []
+    assert remove(p, netns=ns) == []
+    s.close()  # removing what is already gone is fine
+    assert ip_routes(ns) == []
+
+
+def test_applying_twice_gives_one_route_and_the_first_owner_removes_it(ns: str) -> None:
+    p = the_plan().plan
+    with Steering(p, netns=ns) as first:
+        with Steering(p, netns=ns) as second:
+            assert ip_routes(ns) == ["239.255.0.0/16 dev v0"]
+            assert second.installed() == []
+            assert any("already present" in n for n in second.notes)
+        assert ip_routes(ns) == ["239.255.0.0/16 dev v0"]
+        assert first.installed() == [ROUTE]
+    assert ip_routes(ns) == []
+
+
+def test_a_route_someone_else_added_is_left_alone(ns: str) -> None:
+    subprocess.run(["ip", "-n", ns, "route", "add", GROUPS, "dev", "v0", "scope", "global"],
+                   check=True)
+    with Steering(the_plan().plan, netns=ns) as s:
+        assert s.installed() == []
+    assert ip_routes(ns) == ["239.255.0.0/16 dev v0"]
+
+
+def test_a_displaced_route_is_put_back(ns: str) -> None:
+    subprocess.run(["ip", "-n", ns, "link", "set", "v1", "up"], check=True)
+    subprocess.run(["ip", "-n", ns, "route", "add", GROUPS, "dev", "v1"], check=True)
+    with Steering(the_plan().plan, netns=ns):
+        assert ip_routes(ns) == ["239.255.0.0/16 dev v0"]
+    assert ip_routes(ns) == ["239.255.0.0/16 dev v1"]
+
+
+def test_port_to_queue_is_skipped_with_the_ethtool_command(ns: str) -> None:
+    steering = the_plan(rx_queues=2)
+    steering.netns = ns
+    with steering as s:
+        assert s.installed() == [ROUTE]  # only the route: queues need NIC ntuple filters
+        skipped = [n for n in s.notes if n.startswith("not installed")]
+        assert len(skipped) == 2
+        assert "ethtool -N v0 flow-type udp4 dst-port 7001 action 1" in skipped[1]
+
+
+def test_missing_interface_fails_before_installing_anything(ns: str) -> None:
+    with pytest.raises(ConfigError, match="does not exist"), \
+            Steering(the_plan("nope0").plan, netns=ns):
+        pass
+    assert ip_routes(ns) == []
+
+
+def test_snapshot_and_address_lookup(ns: str) -> None:
+    assert interface_for_address("10.9.0.1", netns=ns) == "v0"
+    assert interface_for_address("10.9.0.2", netns=ns) is None
+    with Steering(the_plan().plan, netns=ns):
+        snaps = interfaces_snapshot(["v0", "v1", "nope0"], netns=ns)
+    assert [(s.name, s.mtu, s.up, s.multicast_routes) for s in snaps] == [
+        ("v0", 9000, True, (GROUPS,)),
+        ("v1", 1500, False, ()),
+        ("nope0", 0, False, ()),
+    ]

@@ -1,0 +1,69 @@
+"""The sweep's size parser and plan: ranges, lists, and usage errors (no root, no processes)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench.plan import SweepPlan, add_sweep_arguments, parse_sizes, plan_from_args
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def test_default_range_is_nccl_tests_like() -> None:
+    assert parse_sizes("1KiB:256MiB:x4") == [KiB * 4**i for i in range(10)]
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ("4KiB,64KiB", [4 * KiB, 64 * KiB]),
+    ("64KiB,4KiB,4KiB", [4 * KiB, 64 * KiB]),  # sorted, duplicates dropped
+    ("64KiB:1MiB:+256KiB", [64 * KiB, 320 * KiB, 576 * KiB, 832 * KiB]),
+    ("1KiB:16KiB:x4,1MiB", [KiB, 4 * KiB, 16 * KiB, MiB]),
+    ("1KiB:1KiB:x2", [KiB]),
+    ("1KiB:5KiB:x2", [KiB, 2 * KiB, 4 * KiB]),  # the stop need not be on the grid
+    ("4096", [4096]),
+])
+def test_sizes(text: str, want: list[int]) -> None:
+    assert parse_sizes(text) == want
+
+
+@pytest.mark.parametrize("text", [
+    "", ",", "0", "foo", "1KiB:2KiB", "2KiB:1KiB:x2", "1KiB:2KiB:x1", "1KiB:2KiB:y2",
+    "1KiB:2KiB:+0", "1:1GiB:+1",
+])
+def test_bad_sizes_are_value_errors(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_sizes(text)
+
+
+def _plan(*argv: str) -> SweepPlan:
+    p = argparse.ArgumentParser()
+    add_sweep_arguments(p)
+    return plan_from_args(p.parse_args(list(argv)))
+
+
+def test_plan_counts_every_pass_of_every_worker_count() -> None:
+    plan = _plan("--workers", "8,4", "--sizes", "4KiB,64KiB", "--dtypes", "fp32,bf16",
+                 "--modes", "multicast,unicast")
+    assert plan.workers == (4, 8)
+    assert plan.systems(multicast_possible=True) == ["multicast", "unicast", "ring"]
+    assert plan.systems(multicast_possible=False) == ["unicast", "ring"]
+    assert plan.total_cases(multicast_possible=True) == 2 * 3 * 2 * 2
+    assert plan.rate_bps == 10**9
+
+
+def test_loopback_plan_has_no_rate() -> None:
+    assert _plan("--network", "loopback").rate is None
+
+
+@pytest.mark.parametrize("argv", [
+    ["--sizes", "1KiB:2KiB:x1"], ["--workers", "1"], ["--modes", "broadcast"],
+    ["--dtypes", "fp64"], ["--rate", "fast"],
+])
+def test_bad_options_are_usage_errors(argv: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    add_sweep_arguments(p)
+    with pytest.raises(SystemExit) as exc:
+        p.parse_args(argv)
+    assert exc.value.code == 2
