@@ -231,6 +231,7 @@ class ApplianceProcess:
 def appliance_toml(address: str, *, cores: int, mtu: int, slots: int = 32,
                    multicast: bool = True, poll: str = "adaptive", spin_us: int = 200,
                    kernels: str = "auto", unix_socket: str = "", token_file: str = "",
+                   interface: str = "", groups: str = "239.255.0.0/16",
                    extra: str = "") -> str:
     """`extra` is appended verbatim (e.g. a [metrics] table); it must not repeat a table."""
     # Pin data-plane core i to CPU i when the machine has that many: the appliance's layout.
@@ -238,8 +239,8 @@ def appliance_toml(address: str, *, cores: int, mtu: int, slots: int = 32,
     return (
         f'[dataplane]\naddress = "{address}"\ncores = {cores}\ncpus = {cpus}\nmtu = {mtu}\n'
         f'poll = "{poll}"\nspin_us = {spin_us}\nkernels = "{kernels}"\nslot_memory_mb = 256\n'
-        f'rx_buffers = 1024\n'
-        f'[multicast]\nenabled = {"true" if multicast else "false"}\n'
+        f'rx_buffers = 1024\ninterface = "{interface}"\n'
+        f'[multicast]\nenabled = {"true" if multicast else "false"}\ngroups = "{groups}"\n'
         f'[jobs]\nslots = {slots}\n'
         f'[api]\nlisten = "{address}:{_API_PORT}"\nunix_socket = "{unix_socket}"\n'
         f'token_file = "{token_file}"\n' + extra
@@ -250,6 +251,7 @@ def appliance_toml(address: str, *, cores: int, mtu: int, slots: int = 32,
 def start_appliance(net: Network, index: int = 0, *, cores: int = 2, slots: int = 32,
                     poll: str = "adaptive", kernels: str = "auto", spin_us: int = 200,
                     multicast: bool | None = None, token: str | None = None,
+                    interface: str = "", groups: str = "239.255.0.0/16",
                     extra_toml: str = "") -> Iterator[ApplianceProcess]:
     """Run `reductiond` on appliance `index` until the block ends (then SIGTERM, then kill).
     `multicast` overrides the network's default (False: results by unicast fan-out only);
@@ -266,7 +268,8 @@ def start_appliance(net: Network, index: int = 0, *, cores: int = 2, slots: int 
         path.write_text(appliance_toml(address, cores=cores, mtu=net.mtu, slots=slots,
                                        multicast=mc, poll=poll, spin_us=spin_us,
                                        kernels=kernels, unix_socket=unix_socket,
-                                       token_file=token_file, extra=extra_toml))
+                                       token_file=token_file, interface=interface,
+                                       groups=groups, extra=extra_toml))
         proc = net.popen_appliance(
             index, [sys.executable, "-m", "control.daemon", "--config", str(path)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

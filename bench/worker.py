@@ -15,6 +15,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,7 @@ import numpy as np
 from dataplane.errors import ReductionError
 from dataplane.wire import DType, Op
 from plugin.client import ApplianceClient
-from plugin.rendezvous import register
+from plugin.rendezvous import leave, register
 from plugin.session import Timing
 
 from .probe import Probe
@@ -90,13 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unicast", action="store_true", help="results by unicast fan-out")
     p.add_argument("--deadline", type=float, default=60.0, help="seconds per allreduce")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--token-file", help="the appliance API's bearer token")
+    p.add_argument("--leave", action="store_true", help="leave the job at the end")
     p.add_argument("--no-check", action="store_true", help="skip the reference (big sweeps)")
     add_probe_arguments(p)
     args = p.parse_args(argv)
 
     try:
-        jobs = [register(a, args.job, args.world, deterministic=args.deterministic,
-                         multicast=not args.unicast) for a in args.appliance]
+        token = Path(args.token_file).read_text().strip() if args.token_file else None
+        jobs = [register(a, args.job, args.world, rank=args.rank, token=token,
+                         deterministic=args.deterministic, multicast=not args.unicast)
+                for a in args.appliance]
         timing = Timing(deadline=args.deadline)
         with ApplianceClient(jobs, args.rank, local_address=args.local, timing=timing) as client:
             case = 0
@@ -107,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                         row = _run_case(client, args, case, dtype, size, op)
                         row["job_ids"] = [job.job_id for job in jobs]
                         print(json.dumps(row), flush=True)
+        if args.leave:
+            for job in jobs:
+                leave(job, args.rank)
     except ReductionError as exc:
         print(f"rank {args.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 3

@@ -23,6 +23,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from . import ctl
+
 __all__ = ["main"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -137,7 +139,10 @@ def _parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="reductionctl", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{lab,bench}")
+    sub = p.add_subparsers(
+        dest="command", required=True,
+        metavar="{status,jobs,abort,check-config,steering,clean,lab,bench}")
+    ctl.add_commands(sub)
 
     lab = sub.add_parser("lab", help="emulated racks on network namespaces (root)")
     lab.add_argument("--state-dir", type=Path, default=Path("/run/reduction-appliance/labs"),
@@ -171,9 +176,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _operator(args: argparse.Namespace) -> int:
+    return ctl.run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    run: Callable[[argparse.Namespace], int] = args.run
+    run: Callable[[argparse.Namespace], int] = getattr(args, "run", _operator)
     try:
         return run(args)
     except KeyboardInterrupt:

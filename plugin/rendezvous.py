@@ -17,7 +17,7 @@ from dataplane.errors import ReductionError
 
 from .session import Endpoint
 
-__all__ = ["JobInfo", "RendezvousError", "register"]
+__all__ = ["JobInfo", "RendezvousError", "leave", "register"]
 
 # The appliance sits on the data network: never send its API traffic to an HTTP proxy that
 # the environment may name.
@@ -38,6 +38,27 @@ class JobInfo:
     segment_bytes: int
     multicast: tuple[str, int] | None
     deterministic: bool
+    token: str | None = None
+
+
+def _call(appliance: str, method: str, path: str, body: dict[str, object] | None,
+          token: str | None, timeout_s: float) -> dict[str, object]:
+    request = urllib.request.Request(
+        f"http://{appliance}{path}", data=json.dumps(body).encode() if body else None,
+        method=method,
+        headers={"Content-Type": "application/json",
+                 **({"Authorization": f"Bearer {token}"} if token else {})},
+    )
+    try:
+        with _DIRECT.open(request, timeout=timeout_s) as response:
+            reply: dict[str, object] = json.loads(response.read())
+            return reply
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")
+        raise RendezvousError(f"appliance {appliance} refused {method} {path}: "
+                              f"{exc.code} {detail}") from exc
+    except (OSError, ValueError) as exc:
+        raise RendezvousError(f"cannot reach appliance API at {appliance}: {exc}") from exc
 
 
 def register(
@@ -45,34 +66,32 @@ def register(
     name: str,
     world_size: int,
     *,
+    rank: int | None = None,
     deterministic: bool = False,
     multicast: bool = True,
     token: str | None = None,
     timeout_s: float = 10.0,
 ) -> JobInfo:
-    """Register (or look up) job `name` at `appliance` ("host:port" of its API)."""
-    body = json.dumps({
+    """Register (or look up) job `name` at `appliance` ("host:port" of its API), and join it
+    as `rank` when given. `token` is the appliance's API token, if it requires one."""
+    reply = _call(appliance, "POST", "/v1/jobs", {
         "name": name, "world_size": world_size, "deterministic": deterministic,
         "multicast": multicast,
-    }).encode()
-    request = urllib.request.Request(
-        f"http://{appliance}/v1/jobs", data=body, method="POST",
-        headers={"Content-Type": "application/json",
-                 **({"Authorization": f"Bearer {token}"} if token else {})},
-    )
-    try:
-        with _DIRECT.open(request, timeout=timeout_s) as response:
-            reply = json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace")
-        raise RendezvousError(f"appliance {appliance} refused job {name!r}: "
-                              f"{exc.code} {detail}") from exc
-    except (OSError, ValueError) as exc:
-        raise RendezvousError(f"cannot reach appliance API at {appliance}: {exc}") from exc
-    return parse_job(appliance, reply)
+    }, token, timeout_s)
+    info = parse_job(appliance, reply, token)
+    if rank is not None:
+        _call(appliance, "POST", f"/v1/jobs/{info.job_id}/join", {"rank": rank}, token,
+              timeout_s)
+    return info
 
 
-def parse_job(appliance: str, reply: dict[str, object]) -> JobInfo:
+def leave(info: JobInfo, rank: int, timeout_s: float = 5.0) -> None:
+    """Tell the appliance this rank is done; the last rank's leave frees the job's slots."""
+    _call(info.appliance, "POST", f"/v1/jobs/{info.job_id}/leave", {"rank": rank}, info.token,
+          timeout_s)
+
+
+def parse_job(appliance: str, reply: dict[str, object], token: str | None = None) -> JobInfo:
     try:
         job_id = int(reply["job_id"])  # type: ignore[call-overload]
         cookie = int(reply["cookie"])  # type: ignore[call-overload]
@@ -86,7 +105,7 @@ def parse_job(appliance: str, reply: dict[str, object]) -> JobInfo:
         return JobInfo(
             appliance, job_id, cookie, int(reply["world_size"]),  # type: ignore[call-overload]
             endpoints, int(reply["segment_bytes"]), multicast,  # type: ignore[call-overload]
-            bool(reply["deterministic"]),
+            bool(reply["deterministic"]), token,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise RendezvousError(f"appliance {appliance} sent a malformed job reply: {exc}") from exc

@@ -1,0 +1,213 @@
+"""reductionctl's operator commands: status, jobs, abort, check-config, steering, clean.
+
+They talk to a running reductiond over its Unix socket (control.apiclient) and print human
+tables, or the API's JSON with --json. Exit codes: 0 fine, 1 the appliance said no or is not
+running, 2 bad usage or a bad config file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from dataplane.errors import ConfigError, ReductionError
+
+from . import steering
+from .apiclient import ApiError, UnixApi
+from .config import ApiConfig, load
+
+__all__ = ["add_commands"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _api(args: argparse.Namespace) -> UnixApi:
+    path = args.socket
+    if args.config:
+        path = load(args.config).api.unix_socket or path
+    return UnixApi(path)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1000
+    raise AssertionError
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "never"
+    if seconds < 120:
+        return f"{seconds:.1f}s ago"
+    return f"{seconds / 60:.0f}m ago"
+
+
+def render_status(s: dict[str, Any]) -> str:
+    lines = [f"reductiond {s['version']}  up {s['uptime_s']:.0f}s  config {s['config']}", ""]
+    lines.append(f"{'core':>4} {'pid':>7} {'cpu':>4} {'port':>6} {'state':>10} {'restarts':>8} "
+                 f"{'pkts in':>10} {'pkts out':>10} {'reduced':>10} {'drops':>7} {'busy':>6}")
+    for c in s["cores"]:
+        k = c["counters"]
+        drops = sum(v for name, v in k.items() if name.startswith("drop_"))
+        lines.append(
+            f"{c['index']:>4} {c['pid'] or '-':>7} {c['cpu'] if c['cpu'] is not None else '-':>4} "
+            f"{c['port']:>6} {c['state']:>10} {c['restarts']:>8} {k.get('packets_in', 0):>10} "
+            f"{k.get('packets_out', 0):>10} {_human_bytes(k.get('bytes_reduced', 0)):>10} "
+            f"{drops:>7} {c['busy_fraction'] * 100:>5.1f}%")
+    lines.append("")
+    if not s["jobs"]:
+        lines.append("jobs: none")
+    else:
+        lines.append(f"{'job':>4} {'name':<16} {'state':<8} {'world':>5} {'joined':>6} "
+                     f"{'rounds':>7} {'reduced':>10} {'last activity':>14}  lagging ranks")
+        for j in s["jobs"]:
+            lagging = ", ".join(f"{r} ({w:.1f}s)" for r, w in j["lagging"].items()) or "-"
+            lines.append(
+                f"{j['job_id']:>4} {j['name'][:16]:<16} {j['state']:<8} {j['world_size']:>5} "
+                f"{len(j['joined']):>6} {j['rounds']:>7} {_human_bytes(j['bytes_reduced']):>10} "
+                f"{_age(j['last_activity_s']):>14}  {lagging}")
+    lines.append("")
+    for i in s["interfaces"]:
+        lines.append(f"interface {i['name']}: {'up' if i['up'] else 'DOWN'}, MTU {i['mtu']}, "
+                     f"multicast routes {', '.join(i['multicast_routes']) or 'none'}")
+    lines.append("steering: " + ("; ".join(s["steering"]) or "no rules installed"))
+    lines.extend(f"  note: {n}" for n in s["steering_notes"])
+    lines.append("rdma devices: " + (", ".join(s["rdma_devices"]) or "none"))
+    return "\n".join(lines)
+
+
+def status(args: argparse.Namespace) -> int:
+    snapshot = _api(args).get("/v1/status")
+    print(json.dumps(snapshot, indent=2) if args.json else render_status(snapshot))
+    return EXIT_OK
+
+
+def jobs(args: argparse.Namespace) -> int:
+    api = _api(args)
+    if args.job_id is not None:
+        job = api.get(f"/v1/jobs/{args.job_id}")
+        snapshot = api.get("/v1/status")
+        live: dict[str, Any] = next(
+            (j for j in snapshot["jobs"] if j["job_id"] == args.job_id), {})
+        merged = job | {"live": live}
+        if args.json:
+            print(json.dumps(merged, indent=2))
+        else:
+            for key in ("job_id", "name", "state", "world_size", "joined", "deterministic",
+                        "segment_bytes", "multicast", "endpoints"):
+                print(f"{key:>14}: {merged.get(key)}")
+            for key in ("rounds", "bytes_reduced", "last_activity_s", "lagging"):
+                print(f"{key:>14}: {live.get(key)}")
+        return EXIT_OK
+    snapshot = api.get("/v1/status")
+    if args.json:
+        print(json.dumps(snapshot["jobs"], indent=2))
+    else:
+        text = render_status(snapshot).split("\n\n")
+        print(text[2] if len(text) > 2 else "jobs: none")
+    return EXIT_OK
+
+
+def abort(args: argparse.Namespace) -> int:
+    job = _api(args).request("POST", f"/v1/jobs/{args.job_id}/abort")
+    print(json.dumps(job, indent=2) if args.json else
+          f"job {args.job_id} ({job['name']}) aborted; its workers are told")
+    return EXIT_OK
+
+
+def check_config(args: argparse.Namespace) -> int:
+    try:
+        cfg = load(args.file)
+    except ConfigError as exc:
+        print(f"{args.file}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    dp = cfg.dataplane
+    summary = {"config": cfg.source, "cores": dp.cores, "segment_bytes": dp.max_payload,
+               "slot_pairs_per_core": dp.slot_capacity, "jobs_at_default_slots":
+               dp.slot_capacity // cfg.jobs.slots, "multicast": cfg.multicast.enabled}
+    print(json.dumps(summary, indent=2) if args.json else
+          "config OK: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
+    return EXIT_OK
+
+
+def steering_cmd(args: argparse.Namespace) -> int:
+    snapshot = _api(args).get("/v1/status")
+    view = {k: snapshot[k] for k in ("interfaces", "steering", "steering_notes")}
+    if args.json:
+        print(json.dumps(view, indent=2))
+    else:
+        print("\n".join(render_status(snapshot).split("\n")[-(3 + len(view["steering_notes"])
+                                                            + len(view["interfaces"])):]))
+    return EXIT_OK
+
+
+def clean(args: argparse.Namespace) -> int:
+    """Remove what a crashed reductiond left: its steering rules and its Unix socket, with the
+    same teardown code a clean stop runs."""
+    if not args.config:
+        print("clean needs --config (the crashed appliance's config)", file=sys.stderr)
+        return EXIT_USAGE
+    cfg = load(args.config)
+    removed: list[str] = []
+    if cfg.dataplane.interface:
+        inputs = steering.SteeringInputs.from_config(cfg, rx_queues=1)
+        removed += steering.remove(steering.plan(inputs))
+    sock = cfg.api.unix_socket
+    if sock and Path(sock).is_socket():
+        try:
+            UnixApi(sock, timeout_s=2).get("/v1/status")
+            print(f"reductiond is running on {sock}: stop it first", file=sys.stderr)
+            return EXIT_FAILED
+        except ApiError:
+            Path(sock).unlink(missing_ok=True)
+            removed.append(f"stale socket {sock}")
+    print(json.dumps(removed) if args.json else
+          ("removed: " + "; ".join(removed) if removed else "nothing to clean"))
+    return EXIT_OK
+
+
+def add_commands(sub: Any) -> None:
+    """Register the operator commands on reductionctl's subparsers."""
+    def common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--socket", default=ApiConfig().unix_socket,
+                       help="reductiond's Unix socket (default: %(default)s)")
+        p.add_argument("--config", help="take the socket (and rules) from this appliance.toml")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        return p
+
+    common(sub.add_parser("status", help="one screen: cores, jobs, interfaces, steering")
+           ).set_defaults(func=status)
+    jobs_p = common(sub.add_parser("jobs", help="jobs; `jobs ID` shows one"))
+    jobs_p.add_argument("job_id", nargs="?", type=int)
+    jobs_p.set_defaults(func=jobs)
+    abort_p = common(sub.add_parser("abort", help="abort a job (its workers are told)"))
+    abort_p.add_argument("job_id", type=int)
+    abort_p.set_defaults(func=abort)
+    check_p = sub.add_parser("check-config", help="validate an appliance.toml")
+    check_p.add_argument("file")
+    check_p.add_argument("--json", action="store_true")
+    check_p.set_defaults(func=check_config)
+    common(sub.add_parser("steering", help="data interface, installed rules, notes")
+           ).set_defaults(func=steering_cmd)
+    common(sub.add_parser("clean", help="remove what a crashed reductiond left behind")
+           ).set_defaults(func=clean)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        code: int = args.func(args)
+    except ConfigError as exc:
+        print(f"reductionctl: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ApiError as exc:
+        print(f"reductionctl: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except ReductionError as exc:
+        print(f"reductionctl: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return code
