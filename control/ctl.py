@@ -50,15 +50,17 @@ def _age(seconds: float | None) -> str:
 def render_status(s: dict[str, Any]) -> str:
     lines = [f"reductiond {s['version']}  up {s['uptime_s']:.0f}s  config {s['config']}", ""]
     lines.append(f"{'core':>4} {'pid':>7} {'cpu':>4} {'port':>6} {'state':>10} {'restarts':>8} "
-                 f"{'pkts in':>10} {'pkts out':>10} {'reduced':>10} {'drops':>7} {'busy':>6}")
+                 f"{'pps in':>9} {'GB/s in':>8} {'pkts in':>10} {'reduced':>10} {'drops':>6} "
+                 f"{'busy':>6}")
     for c in s["cores"]:
         k = c["counters"]
         drops = sum(v for name, v in k.items() if name.startswith("drop_"))
         lines.append(
             f"{c['index']:>4} {c['pid'] or '-':>7} {c['cpu'] if c['cpu'] is not None else '-':>4} "
-            f"{c['port']:>6} {c['state']:>10} {c['restarts']:>8} {k.get('packets_in', 0):>10} "
-            f"{k.get('packets_out', 0):>10} {_human_bytes(k.get('bytes_reduced', 0)):>10} "
-            f"{drops:>7} {c['busy_fraction'] * 100:>5.1f}%")
+            f"{c['port']:>6} {c['state']:>10} {c['restarts']:>8} {c['packets_per_s']:>9.0f} "
+            f"{c['bytes_per_s'] / 1e9:>8.3f} {k.get('packets_in', 0):>10} "
+            f"{_human_bytes(k.get('bytes_reduced', 0)):>10} {drops:>6} "
+            f"{c['busy_fraction'] * 100:>5.1f}%")
     lines.append("")
     if not s["jobs"]:
         lines.append("jobs: none")
@@ -71,6 +73,7 @@ def render_status(s: dict[str, Any]) -> str:
                 f"{j['job_id']:>4} {j['name'][:16]:<16} {j['state']:<8} {j['world_size']:>5} "
                 f"{len(j['joined']):>6} {j['rounds']:>7} {_human_bytes(j['bytes_reduced']):>10} "
                 f"{_age(j['last_activity_s']):>14}  {lagging}")
+            lines.extend(f"     ! {d}" for d in j.get("disruptions", []))
     lines.append("")
     for i in s["interfaces"]:
         lines.append(f"interface {i['name']}: {'up' if i['up'] else 'DOWN'}, MTU {i['mtu']}, "

@@ -92,6 +92,7 @@ def serve(cfg: ApplianceConfig, stop: threading.Event) -> None:
         print(f"reductiond ready: {', '.join(where)}; {dp.cores} core(s) on "
               f"{dp.address}:{dp.base_port}, segment {dp.max_payload} B", flush=True)
         while not stop.wait(_JANITOR_EVERY_S):
+            appliance.sample_rates()
             with contextlib.suppress(ReductionError):
                 for plan in appliance.evict_idle():
                     print(f"reductiond: evicted idle job {plan.spec.job_id} ({plan.name})",

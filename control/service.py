@@ -41,6 +41,9 @@ class Appliance:
         self.started = time.monotonic()
         self.draining = False
         self._lock = threading.Lock()
+        # core index -> (monotonic time, packets in, bytes in) at the last sample, and rates
+        self._samples: dict[int, tuple[float, int, int]] = {}
+        self._rates: dict[int, tuple[float, float]] = {}
         # interfaces, steering rules, steering notes, RDMA devices: read by the daemon's caller
         self._network_view = network_view
 
@@ -107,6 +110,19 @@ class Appliance:
                 self.registry.abort(plan.spec.job_id)
                 self.supervisor.remove_job(plan.spec.job_id, abort=True)
 
+    def sample_rates(self) -> None:
+        """Called about once a second: receive rates per core for status."""
+        now = time.monotonic()
+        for core in self.supervisor.cores:
+            packets = core.counters[Counter.PACKETS_IN]
+            nbytes = core.counters[Counter.BYTES_IN]
+            before = self._samples.get(core.config.index)
+            if before is not None and now > before[0]:
+                dt = now - before[0]
+                self._rates[core.config.index] = ((packets - before[1]) / dt,
+                                                  (nbytes - before[2]) / dt)
+            self._samples[core.config.index] = (now, packets, nbytes)
+
     # ---- views ----
     def _job_activity(self) -> list[_Activity]:
         plans = self.registry.jobs
@@ -148,6 +164,9 @@ class Appliance:
                 bytes_reduced=act.bytes_reduced, segments_reduced=act.segments_reduced,
                 last_activity_s=None if act.last_activity is None else now - act.last_activity,
                 lagging={r: round(w, 3) for r, w in sorted(act.lagging.items())},
+                disruptions=tuple(
+                    f"{time.strftime('%H:%M:%S', time.localtime(d.at))} {d.why}"
+                    for d in self.supervisor.disruptions.get(act.job_id, [])),
             ))
         cores = []
         for core in self.supervisor.cores:
@@ -159,6 +178,8 @@ class Appliance:
                 cpu=core.config.cpu, port=core.config.bind[1], state=core.state,
                 restarts=core.restarts, counters=counters,
                 busy_fraction=core.counters[Counter.POLL_BUSY_LOOPS] / loops if loops else 0.0,
+                packets_per_s=self._rates.get(core.config.index, (0.0, 0.0))[0],
+                bytes_per_s=self._rates.get(core.config.index, (0.0, 0.0))[1],
             ))
         interfaces: tuple[InterfaceSnapshot, ...] = ()
         rules: tuple[str, ...] = ()

@@ -23,6 +23,8 @@ class CoreSnapshot:
     restarts: int
     counters: dict[str, int]  # dataplane.counters.Counter names, lower case
     busy_fraction: float  # poll loops that found work / all poll loops, since start
+    packets_per_s: float = 0.0  # received, over the last sampling second
+    bytes_per_s: float = 0.0  # received, over the last sampling second
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class JobSnapshot:
     segments_reduced: int
     last_activity_s: float | None  # seconds since its last datagram; None: none yet
     lagging: dict[int, float] = field(default_factory=dict)  # rank -> seconds waited for it
+    disruptions: tuple[str, ...] = ()  # data-plane restarts while the job was registered
 
 
 @dataclass(frozen=True)
