@@ -137,6 +137,7 @@ class Supervisor:
                     return
                 core = sentinels[ready]  # type: ignore[index]
                 assert core.process is not None
+                core.process.join(timeout=1)  # reap it: exitcode is None until then
                 code = core.process.exitcode
                 core.last_exit = f"exit code {code}" if code is None or code >= 0 \
                     else f"killed by signal {-code}"

@@ -103,7 +103,7 @@ def test_killed_core_is_restarted_and_the_allreduce_finishes_or_fails_clearly() 
              and c["state"] == "running"), None), 60, what="core 0 restarted")
         assert core["pid"] != victim
         (job,) = appliance.status()["jobs"]
-        assert any("core 0 killed by signal 9" in d for d in job["disruptions"])
+        assert any("core 0 killed by signal 9" in d for d in job["disruptions"]), job
         for code, _rows, stderr in finish(procs, timeout_s=120):
             # Either retransmission carried the round over to the new process, or the worker
             # got a clear error naming the appliance core: never a hang.
