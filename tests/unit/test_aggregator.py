@@ -222,3 +222,17 @@ def test_arrival_order_mode_is_exact_on_integer_values(arena: SlotArena) -> None
 
 def test_header_size_is_what_the_wire_says() -> None:
     assert HEADER_SIZE == 48
+
+
+def test_abort_tells_known_workers_and_answers_later_datagrams(arena: SlotArena) -> None:
+    agg = make(arena, world=3)
+    contribute(agg, 0, np.ones(4, np.float32))
+    contribute(agg, 2, np.ones(4, np.float32))
+    notices = agg.abort_job(5)
+    assert sorted(n.dest for n in notices) == [("198.18.0.10", 9000), ("198.18.0.12", 9002)]
+    assert all(unpack(bytes(n.header)).kind is Kind.ABORTED for n in notices)
+    (late,) = contribute(agg, 1, np.ones(4, np.float32))
+    assert unpack(bytes(late.header)).kind is Kind.ABORTED and late.dest[1] == 9001
+    assert contribute(agg, 1, np.ones(4, np.float32), cookie=7) == []  # not told to strangers
+    assert agg.counters[Counter.ABORT_NOTICES] == 3
+    assert arena.free_slots == arena.capacity  # the job's slots are free again

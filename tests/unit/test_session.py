@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench.reference import integer_valued, random_values, reference, same_bits
-from dataplane.errors import AllreduceTimeout
+from dataplane.errors import AllreduceTimeout, JobAborted
 from dataplane.reduce import select_kernels
 from dataplane.wire import DType, Kind, Op
 from plugin.session import AllreduceRound, Endpoint, RttEstimator, Timing
@@ -122,3 +122,14 @@ def test_lossy_network_is_always_exact(
             assert agg.waiting_ranks(7) == {}
     finally:
         net.close()
+
+
+def test_an_abort_notice_fails_the_round_at_once() -> None:
+    rnd = AllreduceRound(endpoints(2, 1), 0, 2, 1, DType.FLOAT32, Op.SUM, 256, 64,
+                         RttEstimator(), 0.0)
+    sent = rnd.due(0.0)
+    rnd.on_aborted(sent[0].header._replace(kind=Kind.ABORTED, cookie=1234))  # not ours
+    rnd.due(0.001)
+    rnd.on_aborted(sent[0].header._replace(kind=Kind.ABORTED))
+    with pytest.raises(JobAborted, match="aborted job 1"):
+        rnd.due(0.002)
