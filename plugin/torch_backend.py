@@ -1,0 +1,403 @@
+"""A `torch.distributed` backend named "reduction": allreduce and barrier through the appliance.
+
+Importing this module registers the backend::
+
+    import plugin.torch_backend  # noqa: F401
+    dist.init_process_group(backend="reduction", init_method="tcp://...", rank=r, world_size=n)
+
+Configuration comes from the environment:
+
+``REDUCTION_APPLIANCE``
+    required: the API ``host:port`` of each appliance, comma-separated (segments are spread over
+    all of them).
+``REDUCTION_TOKEN``
+    the appliances' API token, if they require one.
+``REDUCTION_JOB``
+    the job name; by default rank 0 makes one up and the other ranks read it from the c10d store
+    the backend is created with, so every rank of a process group joins the same job.
+``REDUCTION_LOCAL_ADDRESS``
+    this worker's address on the data network (default ``0.0.0.0``).
+``REDUCTION_DETERMINISTIC``
+    ``1``/``true``/``yes``: register the job as deterministic (bitwise identical results).
+
+What goes where:
+
+* ``allreduce`` of float32, float16 and bfloat16 tensors with SUM, AVG, MIN or MAX goes through
+  the appliance. Other dtypes and PRODUCT/BAND/BOR/BXOR are delegated to Gloo; AVG on a dtype the
+  appliance does not reduce raises ``ValueError`` (Gloo has no AVG). ``allreduce_coalesced``
+  runs each tensor through the appliance in turn.
+* ``barrier`` is an allreduce of a one-element tensor through the appliance.
+* Every other collective (broadcast, allgather, all_gather_single, allgather_coalesced,
+  gather, scatter, reduce, reduce_scatter, reduce_scatter_single, alltoall, all_to_all_single,
+  send, recv, recv_anysource, monitored_barrier, ...) is delegated to a Gloo process group
+  created alongside from the same store (under the prefix ``gloo``).
+
+Appliance work runs on one background thread per process group, in the order it was issued:
+``async_op=True`` returns at once and the returned Work's ``wait()`` / ``get_future()`` finish
+when the round does. Rounds of one process group are not concurrent on the wire (one
+`ApplianceClient` does one allreduce at a time); overlapping several rounds (several clients on
+separate jobs) is future work. An appliance error (`AllreduceTimeout`, `JobAborted`, any
+`ReductionError`) is set on the future and raised from ``wait()``, never a hang.
+
+CUDA tensors are copied into a reusable pinned host buffer, reduced, and copied back. That path
+is untested here (no GPU on the development machines).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import ml_dtypes
+import torch
+import torch.distributed as dist
+from numpy.typing import NDArray
+from torch._C._distributed_c10d import (
+    AllreduceOptions,
+    PrefixStore,
+    ProcessGroup,
+    ReduceOp,
+    Store,
+)
+
+from dataplane.errors import ReductionError
+
+from .client import ApplianceClient
+from .rendezvous import JobInfo, leave, register
+
+__all__ = [
+    "APPLIANCE_DTYPES",
+    "ApplianceConfig",
+    "ApplianceProcessGroup",
+    "FutureWork",
+    "RoundWorker",
+    "config_from_env",
+    "create_appliance_pg",
+    "reduce_tensor",
+]
+
+BACKEND_NAME = "reduction"
+APPLIANCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_JOB_KEY = "reduction_appliance/job"
+
+
+@dataclass(frozen=True)
+class ApplianceConfig:
+    appliances: tuple[str, ...]
+    token: str | None
+    job: str | None
+    local_address: str
+    deterministic: bool
+
+
+def config_from_env(environ: dict[str, str] | None = None) -> ApplianceConfig:
+    """Read the REDUCTION_* variables (see the module docstring)."""
+    env = os.environ if environ is None else environ
+    raw = env.get("REDUCTION_APPLIANCE", "")
+    appliances = tuple(a.strip() for a in raw.split(",") if a.strip())
+    if not appliances:
+        raise ReductionError(
+            "REDUCTION_APPLIANCE is not set: give the appliance API address(es) as "
+            "host:port[,host:port...]"
+        )
+    return ApplianceConfig(
+        appliances=appliances,
+        token=env.get("REDUCTION_TOKEN") or None,
+        job=env.get("REDUCTION_JOB") or None,
+        local_address=env.get("REDUCTION_LOCAL_ADDRESS") or "0.0.0.0",
+        deterministic=env.get("REDUCTION_DETERMINISTIC", "").strip().lower()
+        in {"1", "true", "yes", "on"},
+    )
+
+
+def new_job_name() -> str:
+    return f"torch-{uuid.uuid4().hex[:16]}"
+
+
+def connect(config: ApplianceConfig, job: str, rank: int, world_size: int
+            ) -> tuple[ApplianceClient, list[JobInfo]]:
+    """Register `job` at every configured appliance as `rank` and open a client on it."""
+    jobs = [
+        register(a, job, world_size, rank=rank, deterministic=config.deterministic,
+                 token=config.token)
+        for a in config.appliances
+    ]
+    return ApplianceClient(jobs, rank, local_address=config.local_address), jobs
+
+
+# ---- tensors <-> the numpy client ----
+
+def _numpy_view(t: torch.Tensor) -> NDArray[Any]:
+    """A numpy array sharing `t`'s memory (a contiguous CPU tensor of an appliance dtype)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+class _PinnedStaging:
+    """Reusable pinned host buffers for CUDA tensors, one per dtype, grown on demand."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def get(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        buf = self._buffers.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 1), dtype=dtype,
+                              pin_memory=torch.cuda.is_available())
+            self._buffers[dtype] = buf
+        return buf[:numel]
+
+
+def reduce_tensor(client: ApplianceClient, t: torch.Tensor, op: str,
+                  staging: _PinnedStaging | None = None) -> torch.Tensor:
+    """Allreduce `t` in place through `client` (blocking) and return it."""
+    if t.dtype not in APPLIANCE_DTYPES:
+        raise ReductionError(f"the appliance reduces float32, float16 and bfloat16, not {t.dtype}")
+    if t.device.type != "cpu":
+        # Untested here: no GPU. Copy to pinned host memory, reduce, copy back.
+        host = (staging or _PinnedStaging()).get(t.dtype, t.numel())
+        host.copy_(t.reshape(-1))
+        client.allreduce(_numpy_view(host), op)
+        t.copy_(host.view_as(t))
+        return t
+    if t.is_contiguous():
+        client.allreduce(_numpy_view(t.detach()), op)
+        return t
+    staged = t.detach().contiguous()
+    client.allreduce(_numpy_view(staged), op)
+    t.copy_(staged)
+    return t
+
+
+# ---- the background thread ----
+
+class RoundWorker:
+    """One daemon thread running submitted calls in order; each call's outcome (its return
+    value or its exception) lands on the returned `torch.futures.Future`."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.Queue[tuple[Callable[[], Any], torch.futures.Future[Any]] | None] = (
+            queue.Queue())
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> torch.futures.Future[Any]:
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        if self._closed:
+            fut.set_exception(ReductionError("the appliance process group is shut down"))
+            return fut
+        self._queue.put((fn, fut))
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, fut = item
+            try:
+                result = fn()
+            except BaseException as exc:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+
+class FutureWork(dist.Work):
+    """A Work over a `torch.futures.Future`: `wait()` blocks until it is done and raises its
+    exception (torch's own future-wrapping Work drops exceptions set from Python)."""
+
+    def __init__(self, fut: torch.futures.Future[Any]) -> None:
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        del timeout  # the client enforces its own deadline (AllreduceTimeout)
+        self._fut.wait()  # raises the round's exception
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return bool(self._fut.done())
+
+    def is_success(self) -> bool:
+        if not self._fut.done():
+            return False
+        try:
+            self._fut.value()
+        except Exception:
+            return False
+        return True
+
+    def result(self) -> list[torch.Tensor]:
+        return list(self._fut.wait())
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _work(fut: torch.futures.Future[Any]) -> FutureWork:
+    return FutureWork(fut)
+
+
+_OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
+
+
+def _op_name(op: Any) -> str | None:
+    """"sum"/"avg"/"min"/"max" for the ReduceOps the appliance does, else None."""
+    kind = getattr(op, "op", op)  # a ReduceOp instance or the RedOpType enum
+    for red, name in _OPS.items():
+        if kind == red:
+            return name
+    return None
+
+
+# ---- the process group ----
+
+# The collectives delegated to Gloo, by ProcessGroup method name.
+DELEGATED = (
+    "broadcast", "allgather", "_allgather_base", "all_gather_single", "allgather_coalesced",
+    "all_gather_single_coalesced", "allgather_into_tensor_coalesced", "gather", "scatter",
+    "reduce", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
+    "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced", "alltoall",
+    "alltoall_base", "all_to_all_single", "send", "recv", "recv_anysource", "monitored_barrier",
+)
+
+
+class ApplianceProcessGroup(ProcessGroup):
+    """allreduce and barrier through the appliance; everything else through Gloo (see the
+    module docstring)."""
+
+    def __init__(self, store: Store, rank: int, world_size: int, timeout: timedelta,
+                 config: ApplianceConfig) -> None:
+        super().__init__(rank, world_size)  # type: ignore[call-arg]
+        self._rank = rank
+        self._world_size = world_size
+        gloo_store = PrefixStore("gloo", store)
+        gloo = dist.ProcessGroupGloo(gloo_store, rank, world_size, timeout)
+        self.gloo = ProcessGroup(gloo_store, rank, world_size)
+        self.gloo._set_default_backend(ProcessGroup.BackendType.GLOO)
+        self.gloo._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
+        job = config.job
+        if job is None:
+            if rank == 0:
+                store.set(_JOB_KEY, new_job_name())
+            job = store.get(_JOB_KEY).decode()
+        self.job = job
+        self.client, self.jobs = connect(config, job, rank, world_size)
+        self._staging = _PinnedStaging()
+        self._worker = RoundWorker(f"reduction-appliance-{job}-{rank}")
+        self._shut = False
+
+    # -- identity --
+    def size(self) -> int:
+        return self._world_size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return BACKEND_NAME
+
+    def __repr__(self) -> str:
+        return f"ApplianceProcessGroup(job={self.job!r}, rank={self._rank}/{self._world_size})"
+
+    # -- appliance collectives --
+    def allreduce(self, tensors: Any, opts: Any = None) -> Any:  # type: ignore[override]
+        tensor_list: list[torch.Tensor] = (
+            [tensors] if isinstance(tensors, torch.Tensor) else list(tensors))
+        if opts is None:
+            opts = AllreduceOptions()
+        elif not isinstance(opts, AllreduceOptions):  # allreduce(tensors, ReduceOp)
+            op, opts = opts, AllreduceOptions()
+            opts.reduceOp = op
+        op_name = _op_name(opts.reduceOp)
+        ours = op_name is not None and all(t.dtype in APPLIANCE_DTYPES for t in tensor_list)
+        if not ours:
+            if op_name == "avg":
+                raise ValueError(
+                    "ReduceOp.AVG through the reduction backend needs float32, float16 or "
+                    f"bfloat16 tensors, not {sorted({str(t.dtype) for t in tensor_list})}")
+            return self.gloo.allreduce(tensor_list, opts)
+        assert op_name is not None
+        return _work(self._submit(tensor_list, op_name))
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> Any:
+        return self.allreduce(list(tensors), opts)
+
+    def barrier(self, opts: Any = None) -> Any:
+        del opts
+        return _work(self._submit([torch.zeros(1, dtype=torch.float32)], "sum"))
+
+    def _submit(self, tensors: list[torch.Tensor], op: str) -> torch.futures.Future[Any]:
+        client, staging = self.client, self._staging
+
+        def run() -> list[torch.Tensor]:
+            for t in tensors:
+                reduce_tensor(client, t, op, staging)
+            return tensors
+
+        return self._worker.submit(run)
+
+    # -- lifetime --
+    def shutdown(self) -> None:
+        """Finish queued rounds, leave the job at every appliance, close the client and Gloo."""
+        if self._shut:
+            return
+        self._shut = True
+        self._worker.close()
+        for info in self.jobs:
+            with contextlib.suppress(ReductionError):
+                leave(info, self._rank)
+        self.client.close()
+        with contextlib.suppress(RuntimeError, AttributeError):
+            self.gloo.shutdown()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+def _delegate(name: str) -> Callable[..., Any]:
+    def method(self: ApplianceProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.gloo, name)(*args, **kwargs)
+
+    method.__name__ = name
+    method.__doc__ = f"`{name}`, delegated to the Gloo group alongside."
+    return method
+
+
+for _name in DELEGATED:
+    setattr(ApplianceProcessGroup, _name, _delegate(_name))
+
+
+def create_appliance_pg(store: Store, rank: int, world_size: int,
+                        timeout: timedelta) -> ApplianceProcessGroup:
+    """The backend creator `init_process_group(backend="reduction")` calls."""
+    return ApplianceProcessGroup(store, rank, world_size, timeout, config_from_env())
+
+
+if BACKEND_NAME not in dist.Backend.backend_list:
+    dist.Backend.register_backend(BACKEND_NAME, create_appliance_pg, devices=["cpu", "cuda"])

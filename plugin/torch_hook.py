@@ -1,0 +1,78 @@
+"""A DDP communication hook that averages gradient buckets through the appliance, for jobs that
+keep Gloo (or anything else) as the default backend::
+
+    from plugin.torch_hook import ApplianceHookState, appliance_allreduce_hook
+    model = DDP(model)                          # default process group: gloo
+    model.register_comm_hook(ApplianceHookState(), appliance_allreduce_hook)
+
+The state's client is configured from the same REDUCTION_* environment variables as the
+"reduction" backend (see `plugin.torch_backend`); without REDUCTION_JOB, rank 0 makes up a job
+name and broadcasts it over the default process group. Buckets are reduced on one background
+thread, in the order DDP hands them over (one round on the wire at a time); the hook returns at
+once with a Future that completes with the averaged bucket, or fails with the appliance's
+`ReductionError` (e.g. `AllreduceTimeout`, `JobAborted`), which DDP raises from backward().
+CUDA buckets go through a pinned host buffer (untested here: no GPU).
+"""
+
+# No `from __future__ import annotations`: DDP checks the hook's annotations at run time.
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .rendezvous import leave
+from .torch_backend import (
+    ApplianceConfig,
+    RoundWorker,
+    _PinnedStaging,
+    config_from_env,
+    connect,
+    new_job_name,
+    reduce_tensor,
+)
+
+__all__ = ["ApplianceHookState", "appliance_allreduce_hook"]
+
+
+class ApplianceHookState:
+    """An `ApplianceClient` joined to the job as this rank, and the thread that drives it."""
+
+    def __init__(self, config: ApplianceConfig | None = None, *,
+                 group: dist.ProcessGroup | None = None) -> None:
+        config = config or config_from_env()
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        job = config.job
+        if job is None:
+            names: list[Any] = [new_job_name() if self.rank == 0 else None]
+            dist.broadcast_object_list(names, src=0, group=group)
+            job = str(names[0])
+        self.job = job
+        self.client, self.jobs = connect(config, job, self.rank, self.world_size)
+        self.staging = _PinnedStaging()
+        self.worker = RoundWorker(f"reduction-ddp-hook-{self.rank}")
+
+    def close(self) -> None:
+        self.worker.close()
+        for info in self.jobs:
+            leave(info, self.rank)
+        self.client.close()
+
+    def __enter__(self) -> "ApplianceHookState":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def appliance_allreduce_hook(
+    state: ApplianceHookState,
+    bucket: dist.GradBucket,  # type: ignore[name-defined]
+) -> torch.futures.Future[torch.Tensor]:
+    """Average `bucket.buffer()` over all ranks through the appliance, off the caller's thread."""
+    buffer = bucket.buffer()
+
+    def run() -> torch.Tensor:
+        return reduce_tensor(state.client, buffer, "avg", state.staging)
+
+    return state.worker.submit(run)

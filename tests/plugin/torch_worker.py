@@ -1,0 +1,123 @@
+"""One rank of the torch plugin tests: `python -m tests.plugin.torch_worker MODE RANK WORLD PORT`.
+
+MODE "backend": collectives on the "reduction" backend against a Gloo group on the same ranks.
+MODE "ddp": a tiny model in DDP with Gloo default, once with the appliance hook and once plain.
+Prints one JSON line per check.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import plugin.torch_backend  # noqa: F401 - registers the backend
+from plugin.torch_hook import ApplianceHookState, appliance_allreduce_hook
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+TOLERANCE = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "min": dist.ReduceOp.MIN,
+       "max": dist.ReduceOp.MAX}
+
+
+def emit(**record: object) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def inputs(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    # Small integers: exact in every dtype and for every op (avg of world 2/4 is exact too).
+    base = torch.arange(n, dtype=torch.float32)
+    return ((base * (rank + 3) + salt) % 13 - 6).to(dtype)
+
+
+def backend(rank: int, world: int, port: int) -> None:
+    dist.init_process_group("reduction", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=30))
+    gloo = dist.new_group(backend="gloo")
+    assert dist.get_backend() == "reduction"
+    n = 3000  # several segments
+    for dname, dtype in DTYPES.items():
+        for oname, op in OPS.items():
+            t = inputs(rank, n, dtype)
+            dist.all_reduce(t, op=op)
+            ref = inputs(rank, n, dtype).float()
+            dist.all_reduce(ref, op=dist.ReduceOp.SUM if oname == "avg" else op, group=gloo)
+            if oname == "avg":
+                ref /= world
+            if oname == "avg":  # x/world may round differently: within the dtype's tolerance
+                ok = torch.allclose(t.float(), ref, rtol=TOLERANCE[dtype], atol=0)
+            else:  # integer-valued: exact
+                ok = torch.equal(t, ref.to(dtype))
+            emit(check="allreduce", dtype=dname, op=oname, ok=bool(ok))
+    # three outstanding async rounds
+    ts = [inputs(rank, 5000, torch.float32, salt=s) for s in range(3)]
+    works = [dist.all_reduce(t, async_op=True) for t in ts]
+    futs = [w.get_future() for w in works]
+    for w in works:
+        w.wait()
+    ok = True
+    for s, (t, f) in enumerate(zip(ts, futs, strict=True)):
+        ref = inputs(rank, 5000, torch.float32, salt=s)
+        dist.all_reduce(ref, group=gloo)
+        ok = ok and torch.equal(t, ref) and torch.equal(f.value()[0], ref)
+    emit(check="async", ok=bool(ok))
+    dist.barrier()
+    emit(check="barrier", ok=True)
+    b = torch.full((7,), float(rank)) if rank == 1 else torch.zeros(7)
+    dist.broadcast(b, src=1)
+    emit(check="broadcast", ok=bool(torch.equal(b, torch.ones(7))))
+    ints = torch.tensor([rank + 1, 2], dtype=torch.int64)
+    dist.all_reduce(ints, op=dist.ReduceOp.PRODUCT)  # delegated to gloo
+    emit(check="delegated-int", ok=ints.tolist() == [int(torch.arange(1, world + 1).prod()),
+                                                       2 ** world])
+    dist.destroy_process_group()
+
+
+def train(hooked: bool, rank: int, world: int) -> tuple[list[float], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = None
+    if hooked:
+        state = ApplianceHookState()
+        ddp.register_comm_hook(state, appliance_allreduce_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for _ in range(20):
+        x = torch.randn(16, 8, generator=gen)
+        y = x.sum(dim=1, keepdim=True)
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    if state is not None:
+        state.close()
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def ddp(rank: int, world: int, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=30))
+    hooked_losses, hooked_params = train(True, rank, world)
+    plain_losses, plain_params = train(False, rank, world)
+    flat = torch.cat([p.reshape(-1) for p in hooked_params])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    emit(check="ddp-identical", ok=all(torch.equal(g, gathered[0]) for g in gathered))
+    close = all(abs(a - b) <= 1e-4 * max(1.0, abs(b))
+                for a, b in zip(hooked_losses, plain_losses, strict=True))
+    params_close = all(torch.allclose(a, b, atol=1e-5)
+                       for a, b in zip(hooked_params, plain_params, strict=True))
+    emit(check="ddp-vs-gloo", ok=bool(close and params_close), hooked=hooked_losses[-1],
+         plain=plain_losses[-1], first=hooked_losses[0])
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mode, rank, world, port = sys.argv[1], *map(int, sys.argv[2:5])
+    {"backend": backend, "ddp": ddp}[mode](rank, world, port)
