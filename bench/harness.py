@@ -31,7 +31,6 @@ __all__ = [
     "LabNetwork",
     "LoopbackNetwork",
     "Network",
-    "api_get",
     "api_request",
     "run_workers",
     "start_appliance",
@@ -81,11 +80,6 @@ def api_request(net: Network, index: int, method: str, url: str) -> Any:
     if proc.returncode != 0:
         raise HarnessError(f"{method} {url} failed: {err.strip()[-1000:]}")
     return json.loads(out)
-
-
-def api_get(net: Network, index: int, url: str) -> Any:
-    """GET a JSON document from appliance `index`'s API (see api_request)."""
-    return api_request(net, index, "GET", url)
 
 
 def _env() -> dict[str, str]:

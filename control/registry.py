@@ -23,7 +23,6 @@ Job states and the events that move them (anything else raises `IllegalTransitio
 from __future__ import annotations
 
 import ipaddress
-import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
@@ -232,8 +231,3 @@ class Registry:
         else:
             self._by_id[plan.spec.job_id] = plan
 
-
-def slots_for(nbytes: int, segment_bytes: int, cores: int, default: int) -> int:
-    """Slot pairs per core a job needs when its allreduces are `nbytes`: no more than it can
-    keep in flight, no more than the default window."""
-    return max(1, min(default, math.ceil(nbytes / segment_bytes / cores)))

@@ -217,19 +217,6 @@ class Aggregator:
         return JobStats(job.rounds, job.bytes_reduced, job.segments_reduced,
                         job.last_activity, waiting)
 
-    def waiting_ranks(self, job_id: int) -> dict[int, list[int]]:
-        """For diagnostics: slot -> ranks not yet arrived, for every filling copy."""
-        job = self._jobs.get(job_id)
-        if job is None:
-            return {}
-        out: dict[int, list[int]] = {}
-        for i, slot in enumerate(job.slots):
-            copy = slot.copies[slot.latest]
-            if copy.round >= 0 and not copy.complete:
-                missing = job.all_ranks & ~copy.arrived
-                out[i] = [r for r in range(job.spec.world_size) if missing >> r & 1]
-        return out
-
     # ---- datagram path ----
     def rx_view(self) -> memoryview:
         """Where the transport must receive the next payload."""
