@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import select
 import socket
 import time
@@ -25,8 +26,9 @@ from dataplane.errors import ReductionError
 from dataplane.udp import DatagramBatcher, enlarge_buffers
 from dataplane.wire import HEADER_SIZE, DType, Header, Kind, Op, WireError, unpack
 
+from .pipeline import Outcome, RoundPipeline
 from .rendezvous import JobInfo
-from .session import AllreduceRound, Endpoint, RttEstimator, Timing, Transmit
+from .session import Endpoint, RttEstimator, Timing, Transmit
 
 __all__ = ["ApplianceClient", "dtype_of", "op_of"]
 
@@ -67,7 +69,10 @@ class ApplianceClient:
     """One rank of one job, on one or more appliances (segments are spread over all of them).
 
     `local_address` is this worker's address on the data network: contributions leave from it
-    and the multicast group is joined on it.
+    and the multicast group is joined on it. `lanes` > 1 splits the job's slots so that up to
+    that many rounds (`start`) are on the wire at once (see plugin/pipeline.py); every rank of
+    the job must use the same number. One thread drives a client (`allreduce`, `wait`,
+    `progress`); it is not thread-safe.
     """
 
     def __init__(
@@ -77,6 +82,7 @@ class ApplianceClient:
         *,
         local_address: str = "0.0.0.0",
         timing: Timing | None = None,
+        lanes: int = 1,
     ) -> None:
         if not jobs:
             raise ReductionError("ApplianceClient needs at least one registered job")
@@ -91,8 +97,11 @@ class ApplianceClient:
         self.endpoints: tuple[Endpoint, ...] = tuple(e for j in jobs for e in j.endpoints)
         self.segment_bytes = min(j.segment_bytes for j in jobs)
         self.rtt = RttEstimator(timing or Timing())
-        self.round = 0
+        self.pipeline = RoundPipeline(self.endpoints, rank, self.world_size, self.segment_bytes,
+                                      self.rtt, lanes)
         self.retransmissions = 0
+        self._views: dict[int, memoryview] = {}  # round -> the bytes of its caller's array
+        self._unclaimed: list[Outcome] = []
         self._header = bytearray(HEADER_SIZE)
         self._scratch = bytearray(_RECV_SCRATCH)
         self._sockets: list[socket.socket] = []
@@ -124,6 +133,13 @@ class ApplianceClient:
         return sock
 
     def close(self) -> None:
+        """Close the sockets; rounds still queued or in flight end with a `ReductionError`."""
+        if self._sockets:
+            self._unclaimed.extend(self.pipeline.fail_all(
+                ReductionError("the appliance client was closed during the allreduce")))
+        for view in self._views.values():
+            view.release()
+        self._views.clear()
         for sock in self._sockets:
             sock.close()
         self._sockets.clear()
@@ -140,47 +156,83 @@ class ApplianceClient:
     def allreduce(self, array: NDArray[Any], op: str | Op = "sum") -> NDArray[Any]:
         """Reduce `array` over all ranks in place and return it. Raises `AllreduceTimeout`
         (naming the silent appliance cores and missing ranks) instead of hanging."""
-        dtype = dtype_of(array)
         if not array.flags.c_contiguous or not array.flags.writeable:
             staged = np.ascontiguousarray(array)
             self.allreduce(staged, op)
             array[...] = staged
             return array
-        self.round += 1
-        now = time.monotonic()
-        rnd = AllreduceRound(
-            self.endpoints, self.rank, self.world_size, self.round, dtype, op_of(op),
-            array.nbytes, self.segment_bytes, self.rtt, now,
-        )
-        view = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-        try:
-            self._run(rnd, view)
-        finally:
-            view.release()
-        self.retransmissions += rnd.retransmissions
+        self.wait(self.start(array, op))
         return array
 
-    def _run(self, rnd: AllreduceRound, view: memoryview) -> None:
+    def start(self, array: NDArray[Any], op: str | Op = "sum") -> int:
+        """Queue an in-place allreduce of `array` (contiguous, writable, left untouched by the
+        caller until it finishes) and return its round number; `progress` or `wait` run it.
+        With several lanes, up to `lanes` rounds are on the wire at once."""
+        dtype = dtype_of(array)
+        if not array.flags.c_contiguous or not array.flags.writeable:
+            raise ReductionError("start() needs a contiguous, writable array "
+                                 "(allreduce() stages any other)")
+        round_no = self.pipeline.submit(dtype, op_of(op), array.nbytes)
+        self._views[round_no] = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+        return round_no
+
+    def wait(self, round_no: int) -> None:
+        """Drive the rounds until `round_no` is done; raise its error if it failed. Outcomes
+        of other rounds that end meanwhile are kept for the next `progress`."""
+        while True:
+            for outcome in self._unclaimed:
+                if outcome.round == round_no:
+                    self._unclaimed.remove(outcome)
+                    if outcome.error is not None:
+                        raise outcome.error
+                    return
+            if round_no not in self._views:
+                raise ReductionError(f"round {round_no} was never started on this client")
+            ended = self.progress()  # (it takes the unclaimed list over: extend after)
+            self._unclaimed.extend(ended)
+
+    def progress(self, timeout: float | None = None,
+                 wake: socket.socket | None = None) -> list[Outcome]:
+        """One turn of the transport: send what is due, wait for datagrams (at most until the
+        next retransmission, `timeout`, or until `wake` is readable; forever when idle with
+        neither), take them in. Returns the rounds that ended."""
+        pipeline = self.pipeline
+        self._send_due()
+        wait = pipeline.wakeup() - time.monotonic()
+        if timeout is not None:
+            wait = min(wait, timeout)
+        sockets = self._sockets if wake is None else [*self._sockets, wake]
+        readable, _, _ = select.select(sockets, [], [], None if wait == math.inf else max(0, wait))
+        for s in readable:
+            if s is not wake:
+                self._drain(s)
+        self._send_due()  # results just stored released their slots' next segments
+        outcomes = [*self._unclaimed, *pipeline.finished()]
+        self._unclaimed = []
+        for outcome in outcomes:
+            view = self._views.pop(outcome.round, None)
+            if view is not None:
+                view.release()
+                self.retransmissions += outcome.retransmissions
+        return outcomes
+
+    def _send_due(self) -> None:
         batcher = self._batcher
         endpoints = self.endpoints
-        while not rnd.done:
-            now = time.monotonic()
-            # Group by endpoint so consecutive segments to one core leave in one GSO send.
-            for t in sorted(rnd.due(now), key=_by_endpoint):
-                offset = t.header.offset
-                batcher.add_header(endpoints[t.endpoint].address, t.header,
-                                   view[offset:offset + t.header.length])
-            batcher.flush()
-            error = batcher.last_error
-            if error is not None and error.errno not in _TRANSIENT:
-                raise ReductionError(f"cannot send to the appliance from "
-                                     f"{self.sock.getsockname()[0]}: {error}") from error
-            timeout = max(0.0, rnd.wakeup() - time.monotonic())
-            readable, _, _ = select.select(self._sockets, [], [], timeout)
-            for s in readable:
-                self._drain(s, rnd, view)
+        views = self._views
+        # Group by endpoint so consecutive segments to one core leave in one GSO send.
+        for t in sorted(self.pipeline.due(time.monotonic()), key=_by_endpoint):
+            h = t.header
+            batcher.add_header(endpoints[t.endpoint].address, h,
+                               views[h.round][h.offset:h.offset + h.length])
+        batcher.flush()
+        error = batcher.last_error
+        if error is not None and error.errno not in _TRANSIENT:
+            raise ReductionError(f"cannot send to the appliance from "
+                                 f"{self.sock.getsockname()[0]}: {error}") from error
 
-    def _drain(self, sock: socket.socket, rnd: AllreduceRound, view: memoryview) -> None:
+    def _drain(self, sock: socket.socket) -> None:
+        pipeline = self.pipeline
         peek = self._header
         flags = socket.MSG_DONTWAIT
         while True:
@@ -194,15 +246,17 @@ class ApplianceClient:
                 h: Header | None = unpack(peek) if size >= HEADER_SIZE else None
             except WireError:
                 h = None
-            k = rnd.accept(h) if h is not None and size == HEADER_SIZE + h.length else None
-            if k is None or h is None:
-                # Not wanted (a duplicate, another round, a PENDING): take it off the queue.
+            wanted = (pipeline.accept(h) if h is not None and size == HEADER_SIZE + h.length
+                      else None)
+            if wanted is None or h is None:
+                # Not wanted (a duplicate, an old round, a PENDING): take it off the queue.
                 got = sock.recv_into(self._scratch, len(self._scratch), flags)
                 if h is not None and h.kind is Kind.PENDING and got >= HEADER_SIZE:
-                    rnd.on_pending(h, bytes(self._scratch[HEADER_SIZE:got]))
+                    pipeline.on_pending(h, bytes(self._scratch[HEADER_SIZE:got]))
                 elif h is not None and h.kind is Kind.ABORTED:
-                    rnd.on_aborted(h)
+                    pipeline.on_aborted(h)
                 continue
+            rnd, k = wanted
             offset = h.offset
-            sock.recvmsg_into([peek, view[offset:offset + h.length]], 0, flags)
-            rnd.stored(k, time.monotonic())
+            sock.recvmsg_into([peek, self._views[h.round][offset:offset + h.length]], 0, flags)
+            pipeline.stored(rnd, k, time.monotonic())

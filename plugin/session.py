@@ -35,6 +35,7 @@ class Endpoint:
     cookie: int
     slots: int
     name: str
+    slot_base: int = 0  # this round uses slots slot_base .. slot_base + slots - 1 (its lane)
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ class AllreduceRound:
 
     def _header(self, k: int, retransmit: bool) -> Header:
         ep = self.endpoints[k % len(self.endpoints)]
-        slot = (k // len(self.endpoints)) % ep.slots
+        slot = ep.slot_base + (k // len(self.endpoints)) % ep.slots
         return Header(
             Kind.CONTRIBUTION, self.dtype, self.op,
             Flags.RETRANSMIT if retransmit else Flags.NONE, ep.job_id, self.rank, ep.cookie,

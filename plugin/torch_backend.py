@@ -19,46 +19,46 @@ Configuration comes from the environment:
     this worker's address on the data network (default ``0.0.0.0``).
 ``REDUCTION_DETERMINISTIC``
     ``1``/``true``/``yes``: register the job as deterministic (bitwise identical results).
+``REDUCTION_LANES``
+    how many allreduces may be on the wire at once (default 4; the job's slots on each core are
+    split between them, so it may not exceed the appliance's ``jobs.slots``). Every rank of a
+    job must use the same value.
 
 What goes where:
 
 * ``allreduce`` of float32, float16 and bfloat16 tensors with SUM, AVG, MIN or MAX goes through
   the appliance. Other dtypes and PRODUCT/BAND/BOR/BXOR are delegated to Gloo; AVG on a dtype the
   appliance does not reduce raises ``ValueError`` (Gloo has no AVG). ``allreduce_coalesced``
-  runs each tensor through the appliance in turn.
+  runs one appliance round per tensor, overlapped like separate calls.
 * ``barrier`` is an allreduce of a one-element tensor through the appliance.
 * Every other collective (broadcast, allgather, all_gather_single, allgather_coalesced,
   gather, scatter, reduce, reduce_scatter, reduce_scatter_single, alltoall, all_to_all_single,
   send, recv, recv_anysource, monitored_barrier, ...) is delegated to a Gloo process group
   created alongside from the same store (under the prefix ``gloo``).
 
-Appliance work runs on one background thread per process group, in the order it was issued:
-``async_op=True`` returns at once and the returned Work's ``wait()`` / ``get_future()`` finish
-when the round does. Rounds of one process group are not concurrent on the wire (one
-`ApplianceClient` does one allreduce at a time); overlapping several rounds (several clients on
-separate jobs) is future work. An appliance error (`AllreduceTimeout`, `JobAborted`, any
-`ReductionError`) is set on the future and raised from ``wait()``, never a hang.
+Appliance work runs on one background thread per process group (`plugin.torch_pump`), started
+in the order it was issued, with up to ``REDUCTION_LANES`` rounds on the wire at once:
+``async_op=True`` returns at once, several outstanding all_reduces (DDP's buckets) overlap, and
+the returned Work's ``wait()`` / ``get_future()`` finish when that call's rounds do. An
+appliance error (`AllreduceTimeout`, `JobAborted`, any `ReductionError`) is set on the future
+and raised from ``wait()``, never a hang.
 
-CUDA tensors are copied into a reusable pinned host buffer, reduced, and copied back. That path
-is untested here (no GPU on the development machines).
+CUDA tensors are copied into pinned host buffers (a pool, reused), reduced, and copied back.
+That path is untested here (no GPU on the development machines).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import queue
-import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import ml_dtypes
 import torch
 import torch.distributed as dist
-from numpy.typing import NDArray
 from torch._C._distributed_c10d import (
     AllreduceOptions,
     PrefixStore,
@@ -71,20 +71,19 @@ from dataplane.errors import ReductionError
 
 from .client import ApplianceClient
 from .rendezvous import JobInfo, leave, register
+from .torch_pump import APPLIANCE_DTYPES, RoundPump
 
 __all__ = [
     "APPLIANCE_DTYPES",
     "ApplianceConfig",
     "ApplianceProcessGroup",
     "FutureWork",
-    "RoundWorker",
     "config_from_env",
     "create_appliance_pg",
-    "reduce_tensor",
 ]
 
 BACKEND_NAME = "reduction"
-APPLIANCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DEFAULT_LANES = 4
 _JOB_KEY = "reduction_appliance/job"
 
 
@@ -95,6 +94,7 @@ class ApplianceConfig:
     job: str | None
     local_address: str
     deterministic: bool
+    lanes: int = DEFAULT_LANES
 
 
 def config_from_env(environ: dict[str, str] | None = None) -> ApplianceConfig:
@@ -107,6 +107,13 @@ def config_from_env(environ: dict[str, str] | None = None) -> ApplianceConfig:
             "REDUCTION_APPLIANCE is not set: give the appliance API address(es) as "
             "host:port[,host:port...]"
         )
+    raw_lanes = env.get("REDUCTION_LANES", "").strip() or str(DEFAULT_LANES)
+    try:
+        lanes = int(raw_lanes)
+    except ValueError:
+        lanes = 0
+    if lanes < 1:
+        raise ReductionError(f"REDUCTION_LANES must be a whole number >= 1, not {raw_lanes!r}")
     return ApplianceConfig(
         appliances=appliances,
         token=env.get("REDUCTION_TOKEN") or None,
@@ -114,6 +121,7 @@ def config_from_env(environ: dict[str, str] | None = None) -> ApplianceConfig:
         local_address=env.get("REDUCTION_LOCAL_ADDRESS") or "0.0.0.0",
         deterministic=env.get("REDUCTION_DETERMINISTIC", "").strip().lower()
         in {"1", "true", "yes", "on"},
+        lanes=lanes,
     )
 
 
@@ -129,95 +137,8 @@ def connect(config: ApplianceConfig, job: str, rank: int, world_size: int
                  token=config.token)
         for a in config.appliances
     ]
-    return ApplianceClient(jobs, rank, local_address=config.local_address), jobs
-
-
-# ---- tensors <-> the numpy client ----
-
-def _numpy_view(t: torch.Tensor) -> NDArray[Any]:
-    """A numpy array sharing `t`'s memory (a contiguous CPU tensor of an appliance dtype)."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
-class _PinnedStaging:
-    """Reusable pinned host buffers for CUDA tensors, one per dtype, grown on demand."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[torch.dtype, torch.Tensor] = {}
-
-    def get(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        buf = self._buffers.get(dtype)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(max(numel, 1), dtype=dtype,
-                              pin_memory=torch.cuda.is_available())
-            self._buffers[dtype] = buf
-        return buf[:numel]
-
-
-def reduce_tensor(client: ApplianceClient, t: torch.Tensor, op: str,
-                  staging: _PinnedStaging | None = None) -> torch.Tensor:
-    """Allreduce `t` in place through `client` (blocking) and return it."""
-    if t.dtype not in APPLIANCE_DTYPES:
-        raise ReductionError(f"the appliance reduces float32, float16 and bfloat16, not {t.dtype}")
-    if t.device.type != "cpu":
-        # Untested here: no GPU. Copy to pinned host memory, reduce, copy back.
-        host = (staging or _PinnedStaging()).get(t.dtype, t.numel())
-        host.copy_(t.reshape(-1))
-        client.allreduce(_numpy_view(host), op)
-        t.copy_(host.view_as(t))
-        return t
-    if t.is_contiguous():
-        client.allreduce(_numpy_view(t.detach()), op)
-        return t
-    staged = t.detach().contiguous()
-    client.allreduce(_numpy_view(staged), op)
-    t.copy_(staged)
-    return t
-
-
-# ---- the background thread ----
-
-class RoundWorker:
-    """One daemon thread running submitted calls in order; each call's outcome (its return
-    value or its exception) lands on the returned `torch.futures.Future`."""
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.Queue[tuple[Callable[[], Any], torch.futures.Future[Any]] | None] = (
-            queue.Queue())
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], Any]) -> torch.futures.Future[Any]:
-        fut: torch.futures.Future[Any] = torch.futures.Future()
-        if self._closed:
-            fut.set_exception(ReductionError("the appliance process group is shut down"))
-            return fut
-        self._queue.put((fn, fut))
-        return fut
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fn, fut = item
-            try:
-                result = fn()
-            except BaseException as exc:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(result)
-
-    def close(self, timeout_s: float = 30.0) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
+    return ApplianceClient(jobs, rank, local_address=config.local_address,
+                           lanes=config.lanes), jobs
 
 
 class FutureWork(dist.Work):
@@ -253,10 +174,6 @@ class FutureWork(dist.Work):
 
     def synchronize(self) -> None:
         pass
-
-
-def _work(fut: torch.futures.Future[Any]) -> FutureWork:
-    return FutureWork(fut)
 
 
 _OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
@@ -304,8 +221,7 @@ class ApplianceProcessGroup(ProcessGroup):
             job = store.get(_JOB_KEY).decode()
         self.job = job
         self.client, self.jobs = connect(config, job, rank, world_size)
-        self._staging = _PinnedStaging()
-        self._worker = RoundWorker(f"reduction-appliance-{job}-{rank}")
+        self._pump = RoundPump(self.client, f"reduction-appliance-{job}-{rank}")
         self._shut = False
 
     # -- identity --
@@ -343,24 +259,14 @@ class ApplianceProcessGroup(ProcessGroup):
                     f"bfloat16 tensors, not {sorted({str(t.dtype) for t in tensor_list})}")
             return self.gloo.allreduce(tensor_list, opts)
         assert op_name is not None
-        return _work(self._submit(tensor_list, op_name))
+        return FutureWork(self._pump.submit(tensor_list, op_name))
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> Any:
         return self.allreduce(list(tensors), opts)
 
     def barrier(self, opts: Any = None) -> Any:
         del opts
-        return _work(self._submit([torch.zeros(1, dtype=torch.float32)], "sum"))
-
-    def _submit(self, tensors: list[torch.Tensor], op: str) -> torch.futures.Future[Any]:
-        client, staging = self.client, self._staging
-
-        def run() -> list[torch.Tensor]:
-            for t in tensors:
-                reduce_tensor(client, t, op, staging)
-            return tensors
-
-        return self._worker.submit(run)
+        return FutureWork(self._pump.submit([torch.zeros(1, dtype=torch.float32)], "sum"))
 
     # -- lifetime --
     def shutdown(self) -> None:
@@ -368,7 +274,7 @@ class ApplianceProcessGroup(ProcessGroup):
         if self._shut:
             return
         self._shut = True
-        self._worker.close()
+        self._pump.close()
         for info in self.jobs:
             with contextlib.suppress(ReductionError):
                 leave(info, self._rank)

@@ -7,11 +7,12 @@ keep Gloo (or anything else) as the default backend::
 
 The state's client is configured from the same REDUCTION_* environment variables as the
 "reduction" backend (see `plugin.torch_backend`); without REDUCTION_JOB, rank 0 makes up a job
-name and broadcasts it over the default process group. Buckets are reduced on one background
-thread, in the order DDP hands them over (one round on the wire at a time); the hook returns at
-once with a Future that completes with the averaged bucket, or fails with the appliance's
-`ReductionError` (e.g. `AllreduceTimeout`, `JobAborted`), which DDP raises from backward().
-CUDA buckets go through a pinned host buffer (untested here: no GPU).
+name and broadcasts it over the default process group. Buckets are started on one background
+thread in the order DDP hands them over, with up to REDUCTION_LANES of them on the wire at once
+(`plugin.torch_pump`); the hook returns at once with a Future that completes with the averaged
+bucket, or fails with the appliance's `ReductionError` (e.g. `AllreduceTimeout`, `JobAborted`),
+which DDP raises from backward(). CUDA buckets go through pinned host buffers (untested here:
+no GPU).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at run time.
@@ -21,15 +22,8 @@ import torch
 import torch.distributed as dist
 
 from .rendezvous import leave
-from .torch_backend import (
-    ApplianceConfig,
-    RoundWorker,
-    _PinnedStaging,
-    config_from_env,
-    connect,
-    new_job_name,
-    reduce_tensor,
-)
+from .torch_backend import ApplianceConfig, config_from_env, connect, new_job_name
+from .torch_pump import RoundPump
 
 __all__ = ["ApplianceHookState", "appliance_allreduce_hook"]
 
@@ -49,11 +43,10 @@ class ApplianceHookState:
             job = str(names[0])
         self.job = job
         self.client, self.jobs = connect(config, job, self.rank, self.world_size)
-        self.staging = _PinnedStaging()
-        self.worker = RoundWorker(f"reduction-ddp-hook-{self.rank}")
+        self.pump = RoundPump(self.client, f"reduction-ddp-hook-{self.rank}")
 
     def close(self) -> None:
-        self.worker.close()
+        self.pump.close()
         for info in self.jobs:
             leave(info, self.rank)
         self.client.close()
@@ -70,9 +63,5 @@ def appliance_allreduce_hook(
     bucket: dist.GradBucket,  # type: ignore[name-defined]
 ) -> torch.futures.Future[torch.Tensor]:
     """Average `bucket.buffer()` over all ranks through the appliance, off the caller's thread."""
-    buffer = bucket.buffer()
-
-    def run() -> torch.Tensor:
-        return reduce_tensor(state.client, buffer, "avg", state.staging)
-
-    return state.worker.submit(run)
+    reduced = state.pump.submit([bucket.buffer()], "avg")
+    return reduced.then(lambda fut: fut.value()[0])

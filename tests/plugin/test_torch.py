@@ -4,7 +4,6 @@ communication hook, each rank a subprocess (see torch_worker.py), compared with 
 from __future__ import annotations
 
 import importlib.util
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,27 +12,16 @@ import pytest
 if importlib.util.find_spec("torch") is None:
     pytest.skip("torch is not installed: the PyTorch plugin needs it", allow_module_level=True)
 
-import numpy as np
 import torch
 
-from bench.harness import ApplianceProcess, LoopbackNetwork, run_workers, start_appliance
-from dataplane.errors import ReductionError
+from bench.harness import ApplianceProcess, LoopbackNetwork, start_appliance
+from dataplane.errors import AllreduceTimeout, ReductionError
 from plugin.rendezvous import leave
 from plugin.session import Timing
-from plugin.torch_backend import (
-    ApplianceConfig,
-    RoundWorker,
-    _work,
-    config_from_env,
-    connect,
-    reduce_tensor,
-)
+from plugin.torch_backend import ApplianceConfig, FutureWork, config_from_env, connect
+from plugin.torch_pump import RoundPump
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from .ranks import run_ranks
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +34,8 @@ def _run(rack: tuple[LoopbackNetwork, ApplianceProcess], mode: str, world: int,
          monkeypatch: pytest.MonkeyPatch) -> list[list[dict[str, Any]]]:
     net, appliance = rack
     monkeypatch.setenv("REDUCTION_APPLIANCE", appliance.api)
-    monkeypatch.setenv("REDUCTION_LOCAL_ADDRESS", net.worker_address(0))
     monkeypatch.delenv("REDUCTION_JOB", raising=False)
-    port = _free_port()
-    argv = [["-m", "tests.plugin.torch_worker", mode, str(r), str(world), str(port)]
-            for r in range(world)]
-    return run_workers(net, argv, timeout_s=60)
+    return run_ranks(net, mode, world, timeout_s=60)
 
 
 def test_backend_collectives_match_gloo(rack: tuple[LoopbackNetwork, ApplianceProcess],
@@ -83,26 +67,34 @@ def test_missing_appliance_names_the_variable() -> None:
     config = config_from_env({"REDUCTION_APPLIANCE": " a:1, b:2 ", "REDUCTION_DETERMINISTIC": "1"})
     assert config.appliances == ("a:1", "b:2") and config.deterministic
     assert config.local_address == "0.0.0.0" and config.job is None and config.token is None
+    assert config.lanes == 4
+    assert config_from_env({"REDUCTION_APPLIANCE": "a:1", "REDUCTION_LANES": "2"}).lanes == 2
+    with pytest.raises(ReductionError, match=r"REDUCTION_LANES.*'zero'"):
+        config_from_env({"REDUCTION_APPLIANCE": "a:1", "REDUCTION_LANES": "zero"})
 
 
 def test_appliance_errors_surface_from_wait() -> None:
-    """Only rank 0 of 2 shows up: the round times out, and wait() raises instead of hanging."""
+    """Only rank 0 of 2 shows up: the round times out, and wait() raises instead of hanging;
+    the pump goes on serving later calls."""
     with LoopbackNetwork.create(multicast=False) as net, \
             start_appliance(net, cores=1, multicast=False) as appliance:
-        config = ApplianceConfig((appliance.api,), None, None, "127.0.0.1", False)
+        config = ApplianceConfig((appliance.api,), None, None, "127.0.0.1", False, lanes=2)
         client, jobs = connect(config, "lonely", 0, 2)
         client.rtt.timing = Timing(deadline=1.0)
-        worker = RoundWorker("test")
+        pump = RoundPump(client, "test")
         try:
-            t = torch.ones(100)
-            work = _work(worker.submit(lambda: [reduce_tensor(client, t, "sum")]))
-            with pytest.raises(ReductionError):
+            work = FutureWork(pump.submit([torch.ones(100)], "sum"))
+            with pytest.raises(AllreduceTimeout, match=r"still waits for ranks \[1\]"):
                 work.wait()
-            ok = _work(worker.submit(lambda: [torch.zeros(1)]))
-            assert ok.wait()  # the thread survives a failed round
-            assert np.array_equal(ok.get_future().value()[0].numpy(), np.zeros(1))
+            bad = FutureWork(pump.submit([torch.ones(3, dtype=torch.int32)], "sum"))
+            with pytest.raises(ReductionError, match=r"not torch\.int32"):
+                bad.wait()
+            empty = FutureWork(pump.submit([], "sum"))
+            assert empty.wait() and empty.get_future().value() == []
         finally:
-            worker.close()
+            pump.close()
+            with pytest.raises(ReductionError, match="closed"):
+                pump.submit([torch.ones(1)], "sum").wait()
             for info in jobs:
                 leave(info, 0)
             client.close()

@@ -1,6 +1,11 @@
-"""One rank of the torch plugin tests: `python -m tests.plugin.torch_worker MODE RANK WORLD PORT`.
+"""One rank of the torch plugin tests:
+`python -m tests.plugin.torch_worker MODE RANK WORLD STORE_HOST:PORT LOCAL_ADDRESS IFNAME`.
 
-MODE "backend": collectives on the "reduction" backend against a Gloo group on the same ranks.
+MODE "backend": collectives on the "reduction" backend against a Gloo group on the same ranks
+(bitwise against the fixed-order reference when REDUCTION_DETERMINISTIC is set).
+MODE "overlap": eight async all_reduces at once; reports how many were on the wire together.
+MODE "stall": every rank but the last calls all_reduce (which cannot finish); reports the
+exception wait() raised, and after how long.
 MODE "ddp": a tiny model in DDP with Gloo default, once with the appliance hook and once plain.
 Prints one JSON line per check.
 """
@@ -8,16 +13,23 @@ Prints one JSON line per check.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-import plugin.torch_backend  # noqa: F401 - registers the backend
+from bench.reference import random_values, reference, same_bits
+from dataplane.wire import DType, Op
+from plugin.torch_backend import ApplianceProcessGroup  # importing registers the backend
 from plugin.torch_hook import ApplianceHookState, appliance_allreduce_hook
+from plugin.torch_pump import numpy_view
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+WIRE_DTYPES = {"fp32": DType.FLOAT32, "fp16": DType.FLOAT16, "bf16": DType.BFLOAT16}
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "min": dist.ReduceOp.MIN,
        "max": dist.ReduceOp.MAX}
@@ -33,11 +45,46 @@ def inputs(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor
     return ((base * (rank + 3) + salt) % 13 - 6).to(dtype)
 
 
-def backend(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("reduction", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=30))
+def init(backend: str, rank: int, world: int, store: str) -> None:
+    dist.init_process_group(backend, init_method=f"tcp://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+
+
+def appliance_group() -> ApplianceProcessGroup:
+    pg = dist.distributed_c10d._get_default_group()  # a Python backend is the group itself
+    assert isinstance(pg, ApplianceProcessGroup), pg
+    return pg
+
+
+def deterministic_checks(rank: int, world: int, gloo: dist.ProcessGroup) -> None:
+    """Random (non-integer) inputs: any other summation order would show in the low bits."""
+    rng = np.random.default_rng(1000 + rank)
+    n = 5000
+    for dname, dtype in DTYPES.items():
+        wire = WIRE_DTYPES[dname]
+        for oname, op in OPS.items():
+            mine = random_values(rng, n, wire)
+            # Gathered as raw int32 bits (widened for 16-bit dtypes): Gloo has no bfloat16
+            # and no int16.
+            raw = torch.from_numpy(mine.view(np.int16 if mine.itemsize == 2 else np.int32).copy())
+            everyone = [torch.empty(n, dtype=torch.int32) for _ in range(world)]
+            dist.all_gather(everyone, raw.to(torch.int32), group=gloo)
+            t = raw.view(dtype)
+            dist.all_reduce(t, op=op)
+            want = reference([x.to(raw.dtype).numpy().view(mine.dtype) for x in everyone],
+                             Op[oname.upper()])
+            emit(check="deterministic", dtype=dname, op=oname,
+                 ok=bool(same_bits(numpy_view(t), want)))
+
+
+def backend(rank: int, world: int, store: str) -> None:
+    init("reduction", rank, world, store)
     gloo = dist.new_group(backend="gloo")
     assert dist.get_backend() == "reduction"
+    if appliance_group().jobs[0].deterministic:
+        deterministic_checks(rank, world, gloo)
+        dist.destroy_process_group()
+        return
     n = 3000  # several segments
     for dname, dtype in DTYPES.items():
         for oname, op in OPS.items():
@@ -76,6 +123,37 @@ def backend(rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
+def overlap(rank: int, world: int, store: str) -> None:
+    init("reduction", rank, world, store)
+    gloo = dist.new_group(backend="gloo")
+    pg = appliance_group()
+    ts = [inputs(rank, 65536, torch.float32, salt=s) for s in range(8)]  # 256 KiB each
+    works = [dist.all_reduce(t, async_op=True) for t in ts]
+    for w in works:
+        w.wait()
+    refs = [inputs(rank, 65536, torch.float32, salt=s) for s in range(8)]
+    for ref in refs:
+        dist.all_reduce(ref, group=gloo)
+    emit(check="overlap", ok=all(torch.equal(t, r) for t, r in zip(ts, refs, strict=True)),
+         most_in_flight=pg.client.pipeline.most_in_flight, lanes=pg.client.pipeline.lanes)
+    dist.destroy_process_group()
+
+
+def stall(rank: int, world: int, store: str) -> None:
+    init("reduction", rank, world, store)
+    if rank < world - 1:
+        t = torch.ones(100_000)
+        began = time.monotonic()
+        work = dist.all_reduce(t, async_op=True)
+        try:
+            work.wait()
+            emit(check="stall", raised=None)
+        except Exception as exc:
+            emit(check="stall", raised=type(exc).__name__, message=str(exc),
+                 seconds=time.monotonic() - began)
+    dist.destroy_process_group()
+
+
 def train(hooked: bool, rank: int, world: int) -> tuple[list[float], list[torch.Tensor]]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
@@ -100,9 +178,8 @@ def train(hooked: bool, rank: int, world: int) -> tuple[list[float], list[torch.
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
-def ddp(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=30))
+def ddp(rank: int, world: int, store: str) -> None:
+    init("gloo", rank, world, store)
     hooked_losses, hooked_params = train(True, rank, world)
     plain_losses, plain_params = train(False, rank, world)
     flat = torch.cat([p.reshape(-1) for p in hooked_params])
@@ -119,5 +196,8 @@ def ddp(rank: int, world: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    mode, rank, world, port = sys.argv[1], *map(int, sys.argv[2:5])
-    {"backend": backend, "ddp": ddp}[mode](rank, world, port)
+    mode, rank, world, store, local, ifname = sys.argv[1:7]
+    os.environ["REDUCTION_LOCAL_ADDRESS"] = local
+    os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    modes = {"backend": backend, "overlap": overlap, "stall": stall, "ddp": ddp}
+    modes[mode](int(rank), int(world), store)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +19,7 @@ from dataplane.counters import Counters
 from dataplane.reduce import KernelTable
 from dataplane.slots import SlotArena
 from dataplane.wire import HEADER_SIZE, DType, Header, Kind, Op, pack_into, unpack
+from plugin.pipeline import Outcome, RoundPipeline
 from plugin.session import AllreduceRound, Endpoint, RttEstimator, Timing
 
 MULTICAST = ("239.255.0.1", 7100)
@@ -95,7 +97,8 @@ class SimNet:
             self.now = max(self.now, min(wake, nxt))
             if self._queue and self._queue[0][0] <= self.now:
                 _, _, dest, datagram = heapq.heappop(self._queue)
-                self._deliver(dest, datagram, rounds, views)
+                self._deliver(dest, datagram, lambda rank, h, payload: self._worker_receives(
+                    rounds[rank], views[rank], h, payload))
             for r, rnd in enumerate(rounds):
                 if not rnd.done:
                     self._send_due(rnd, views[r], hdr, r)
@@ -108,8 +111,58 @@ class SimNet:
             payload = view[t.header.offset:t.header.offset + t.header.length].tobytes()
             self._transmit(self.endpoints[t.endpoint].address, bytes(hdr) + payload)
 
+    def allreduce_many(self, batches: list[list[NDArray[np.generic]]], dtype: DType, op: Op,
+                       lanes: int) -> tuple[list[Outcome], int]:
+        """Run several rounds (batches[i][rank] is rank's array of round i) through one
+        `RoundPipeline` per rank with `lanes` lanes, all submitted at once. Returns rank 0's
+        outcomes and the most rounds any rank had in flight at one time."""
+        pipelines = [RoundPipeline(self.endpoints, r, self.world, self.max_payload,
+                                   self.rtts[r], lanes) for r in range(self.world)]
+        views: list[dict[int, NDArray[np.uint8]]] = [{} for _ in range(self.world)]
+        for batch in batches:
+            for r, p in enumerate(pipelines):
+                views[r][p.submit(dtype, op, batch[r].nbytes)] = batch[r].reshape(-1).view(np.uint8)
+        outcomes: list[list[Outcome]] = [[] for _ in range(self.world)]
+        most = 0
+        hdr = bytearray(HEADER_SIZE)
+
+        def send_due(r: int) -> None:
+            for t in pipelines[r].due(self.now):
+                pack_into(hdr, t.header)
+                view = views[r][t.header.round]
+                payload = view[t.header.offset:t.header.offset + t.header.length].tobytes()
+                self._transmit(self.endpoints[t.endpoint].address, bytes(hdr) + payload)
+
+        def receive(rank: int, h: Header, payload: bytes) -> None:
+            p = pipelines[rank]
+            if h.kind is Kind.PENDING:
+                p.on_pending(h, payload)
+            elif h.kind is Kind.ABORTED:
+                p.on_aborted(h)
+            elif (wanted := p.accept(h)) is not None:
+                views[rank][h.round][h.offset:h.offset + h.length] = np.frombuffer(payload,
+                                                                                   np.uint8)
+                p.stored(*wanted, self.now)
+
+        while not all(p.idle for p in pipelines):
+            for r in range(self.world):
+                send_due(r)
+                outcomes[r].extend(pipelines[r].finished())
+                most = max(most, pipelines[r].in_flight())
+            wake = min(p.wakeup() for p in pipelines)
+            nxt = self._queue[0][0] if self._queue else wake
+            if nxt == float("inf"):
+                break
+            self.now = max(self.now, min(wake, nxt))
+            if self._queue and self._queue[0][0] <= self.now:
+                _, _, dest, datagram = heapq.heappop(self._queue)
+                self._deliver(dest, datagram, receive)
+        for r, p in enumerate(pipelines):
+            outcomes[r].extend(p.finished())
+        return outcomes[0], most
+
     def _deliver(self, dest: tuple[str, int], datagram: bytes,
-                 rounds: list[AllreduceRound], views: list[NDArray[np.uint8]]) -> None:
+                 receive: Callable[[int, Header, bytes], None]) -> None:
         h = unpack(datagram)
         if dest[0] == "appliance":
             agg = self.aggregators[dest[1]]
@@ -123,8 +176,7 @@ class SimNet:
                 else:
                     self._transmit(send.dest, out)
             return
-        rank = dest[1]
-        self._worker_receives(rounds[rank], views[rank], h, datagram[HEADER_SIZE:])
+        receive(dest[1], h, datagram[HEADER_SIZE:])
 
     def _worker_receives(self, rnd: AllreduceRound, view: NDArray[np.uint8], h: Header,
                          payload: bytes) -> None:

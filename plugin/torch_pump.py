@@ -1,0 +1,200 @@
+"""The thread that drives an `ApplianceClient` for torch: tensors in, futures out, several rounds
+on the wire at once.
+
+`RoundPump.submit(tensors, op)` returns a `torch.futures.Future` at once. One daemon thread per
+pump takes submissions in order (so every rank numbers its rounds alike), starts one appliance
+round per tensor, and keeps up to the client's `lanes` rounds in flight while it waits for
+results: DDP's gradient buckets overlap on the wire instead of queueing behind each other. A
+future completes with its tensor list when all its rounds are done, or fails with the first
+`ReductionError` (`AllreduceTimeout`, `JobAborted`, ...) once none of its rounds is still
+writing into the tensors. If the thread itself dies, every pending and later future fails with
+the reason: a caller never waits on a future nobody will complete.
+
+Tensors are reduced in place. CPU tensors that are contiguous go straight to the wire; others
+are staged through a contiguous copy, and CUDA tensors through pinned host buffers taken from a
+pool and given back (that path is untested here: no GPU on the development machines).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_dtypes
+import torch
+from numpy.typing import NDArray
+
+from dataplane.errors import ReductionError
+
+from .client import ApplianceClient
+
+__all__ = ["APPLIANCE_DTYPES", "PinnedPool", "RoundPump", "numpy_view"]
+
+APPLIANCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def numpy_view(t: torch.Tensor) -> NDArray[Any]:
+    """A numpy array sharing `t`'s memory (a contiguous CPU tensor of an appliance dtype)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+class PinnedPool:
+    """Reusable pinned host buffers for CUDA tensors: one per round in flight, given back after."""
+
+    def __init__(self) -> None:
+        self._free: dict[torch.dtype, list[torch.Tensor]] = {}
+
+    def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        free = self._free.setdefault(dtype, [])
+        fitting = [b for b in free if b.numel() >= numel]
+        if fitting:
+            buf = min(fitting, key=torch.Tensor.numel)
+            free.remove(buf)
+        else:
+            buf = torch.empty(max(numel, 1), dtype=dtype, pin_memory=torch.cuda.is_available())
+        return buf
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        self._free.setdefault(buf.dtype, []).append(buf)
+
+
+@dataclass
+class _Collective:
+    tensors: list[torch.Tensor]
+    op: str
+    future: torch.futures.Future[Any]
+    rounds: set[int] = field(default_factory=set)
+    # (the caller's tensor, the contiguous host copy the round reduces, its pooled buffer)
+    staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(
+        default_factory=list)
+    error: BaseException | None = None
+
+
+class RoundPump:
+    """Owns `client` (nothing else may use it) and one thread that drives it."""
+
+    def __init__(self, client: ApplianceClient, name: str) -> None:
+        self._client = client
+        self._pool = PinnedPool()
+        self._inbox: queue.SimpleQueue[_Collective | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._death: BaseException | None = None
+        # A byte on this pair wakes the thread out of its wait for datagrams.
+        self._wake, self._waker = socket.socketpair()
+        self._wake.setblocking(False)
+        self._waker.setblocking(False)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, tensors: list[torch.Tensor], op: str) -> torch.futures.Future[Any]:
+        """Allreduce `tensors` in place with `op` ("sum", "avg", "min", "max")."""
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        with self._lock:
+            if self._closed:
+                reason = (f": its thread died: {self._death!r}" if self._death else "")
+                fut.set_exception(ReductionError(f"the appliance round pump is closed{reason}"))
+                return fut
+            self._inbox.put(_Collective(list(tensors), op, fut))
+        self._poke()
+        return fut
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Finish what was submitted, then stop the thread (the client stays open)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._inbox.put(None)
+        self._poke()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+        self._wake.close()
+        self._waker.close()
+
+    def _poke(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):  # full: it is awake anyway
+            self._waker.send(b"!")
+
+    # ---- the thread ----
+    def _run(self) -> None:
+        active: dict[int, _Collective] = {}
+        stopping = False
+        try:
+            while True:
+                while True:
+                    try:
+                        item = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is None:
+                        stopping = True
+                    else:
+                        self._start(item, active)
+                if stopping and not active:
+                    return
+                for outcome in self._client.progress(wake=self._wake):
+                    coll = active.pop(outcome.round)
+                    coll.rounds.discard(outcome.round)
+                    if outcome.error is not None and coll.error is None:
+                        coll.error = outcome.error
+                    if not coll.rounds:
+                        self._complete(coll)
+                with contextlib.suppress(BlockingIOError):
+                    while self._wake.recv(4096):
+                        pass
+        except BaseException as exc:
+            with self._lock:
+                self._closed = True
+                self._death = exc
+            failed = {id(c): c for c in active.values()}
+            with contextlib.suppress(queue.Empty):
+                while (item := self._inbox.get_nowait()) is not None:
+                    failed[id(item)] = item
+            for coll in failed.values():
+                if not coll.future.done():
+                    coll.future.set_exception(ReductionError(
+                        f"the appliance round pump died: {exc!r}"))
+            raise
+
+    def _start(self, coll: _Collective, active: dict[int, _Collective]) -> None:
+        try:
+            for t in coll.tensors:
+                if t.dtype not in APPLIANCE_DTYPES:
+                    raise ReductionError(f"the appliance reduces float32, float16 and bfloat16, "
+                                         f"not {t.dtype}")
+            for t in coll.tensors:
+                if t.device.type != "cpu":
+                    buf = self._pool.take(t.dtype, t.numel())
+                    host = buf[:t.numel()]
+                    host.copy_(t.reshape(-1))
+                    coll.staged.append((t, host, buf))
+                elif not t.is_contiguous():
+                    host = t.detach().contiguous()
+                    coll.staged.append((t, host, None))
+                else:
+                    host = t.detach()
+                round_no = self._client.start(numpy_view(host.reshape(-1)), coll.op)
+                coll.rounds.add(round_no)
+                active[round_no] = coll
+        except Exception as exc:  # a bad tensor fails its own collective, not the pump
+            coll.error = exc
+        if not coll.rounds:
+            self._complete(coll)
+
+    def _complete(self, coll: _Collective) -> None:
+        for t, host, buf in coll.staged:
+            if coll.error is None:
+                t.copy_(host.view_as(t))
+            if buf is not None:
+                self._pool.give_back(buf)
+        if coll.error is not None:
+            coll.future.set_exception(coll.error)
+        else:
+            coll.future.set_result(coll.tensors)

@@ -1,0 +1,129 @@
+"""Several rounds in flight at once (plugin/pipeline.py): lanes of slots, order, failures, and
+exact results over the lossy in-memory network."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bench.reference import integer_valued, random_values, reference, same_bits
+from dataplane.errors import AllreduceTimeout, JobAborted, ReductionError
+from dataplane.reduce import select_kernels
+from dataplane.wire import DType, Kind, Op
+from plugin.pipeline import RoundPipeline, lane_endpoints
+from plugin.session import Endpoint, RttEstimator, Timing
+
+from .simnet import Faults, SimNet
+
+KERNELS = select_kernels()
+
+
+def endpoints(n: int = 2, slots: int = 4) -> tuple[Endpoint, ...]:
+    return tuple(Endpoint(("a", i), 1, 99, slots, f"appliance core {i}") for i in range(n))
+
+
+@pytest.mark.parametrize(("slots", "lanes"), [(4, 1), (4, 2), (5, 2), (32, 3), (3, 3)])
+def test_lanes_split_every_cores_slots_into_disjoint_ranges(slots: int, lanes: int) -> None:
+    split = lane_endpoints(endpoints(2, slots), lanes)
+    for core in range(2):
+        used = [s for lane in split
+                for s in range(lane[core].slot_base, lane[core].slot_base + lane[core].slots)]
+        assert sorted(used) == list(range(slots))  # disjoint and covering
+        assert all(lane[core].slots >= 1 for lane in split)
+
+
+def test_more_lanes_than_slots_is_refused_with_the_fix() -> None:
+    with pytest.raises(ReductionError, match=r"3 lanes need at least 3 slots.*jobs\.slots"):
+        RoundPipeline(endpoints(2, 2), 0, 2, 64, RttEstimator(), lanes=3)
+
+
+def test_rounds_overlap_in_their_own_slots_and_start_in_order() -> None:
+    p = RoundPipeline(endpoints(1, 4), 0, 2, 64, RttEstimator(), lanes=2)
+    first, second, third = (p.submit(DType.FLOAT32, Op.SUM, 2 * 64) for _ in range(3))
+    sent = p.due(0.0)
+    slots = {r: {t.header.slot for t in sent if t.header.round == r} for r in (first, second)}
+    assert slots == {first: {2, 3}, second: {0, 1}}  # round r runs in lane r mod 2
+    assert p.in_flight() == 2 and third not in {t.header.round for t in sent}
+    # Round 3 shares round 1's lane: it waits for round 1 even though it is the only one left.
+    for t in sent:
+        if t.header.round == second:
+            wanted = p.accept(t.header._replace(kind=Kind.RESULT))
+            assert wanted is not None
+            p.stored(*wanted, 0.001)
+    assert [(o.round, o.error) for o in p.finished()] == [(second, None)]
+    assert p.due(0.001) == [] and p.in_flight() == 1  # lane 0 is free, yet round 3 waits
+
+
+def test_an_abort_fails_rounds_in_flight_and_rounds_started_later() -> None:
+    p = RoundPipeline(endpoints(2, 2), 0, 2, 64, RttEstimator(), lanes=2)
+    rounds = [p.submit(DType.FLOAT32, Op.SUM, 256) for _ in range(3)]
+    sent = p.due(0.0)
+    p.on_aborted(sent[0].header._replace(kind=Kind.ABORTED, cookie=1))  # not our job
+    assert p.due(0.001) == [] and p.finished() == []
+    p.on_aborted(sent[0].header._replace(kind=Kind.ABORTED))
+    p.due(0.002)
+    outcomes = p.finished()
+    assert [o.round for o in outcomes] == rounds
+    assert all(isinstance(o.error, JobAborted) for o in outcomes)
+    assert p.idle
+
+
+def test_a_round_that_times_out_frees_its_lane_for_the_next() -> None:
+    timing = Timing(0.01, 0.002, 0.05, deadline=1.0)
+    p = RoundPipeline(endpoints(1, 2), 0, 2, 64, RttEstimator(timing), lanes=1)
+    lost, nxt = p.submit(DType.FLOAT32, Op.SUM, 128), p.submit(DType.FLOAT32, Op.SUM, 64)
+    p.due(0.0)
+    sent = p.due(1.5)  # past the deadline: round 1 fails, round 2 starts at once
+    (outcome,) = p.finished()
+    assert outcome.round == lost and isinstance(outcome.error, AllreduceTimeout)
+    assert {t.header.round for t in sent} == {nxt}
+    wanted = p.accept(sent[0].header._replace(kind=Kind.RESULT))
+    assert wanted is not None
+    p.stored(*wanted, 1.6)
+    assert [(o.round, o.error) for o in p.finished()] == [(nxt, None)]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    world=st.integers(1, 4),
+    cores=st.integers(1, 2),
+    slots=st.integers(2, 6),
+    lanes=st.integers(1, 4),
+    sizes=st.lists(st.integers(1, 200), min_size=1, max_size=6),
+    drop=st.sampled_from([0.0, 0.1, 0.3]),
+    duplicate=st.sampled_from([0.0, 0.2]),
+    max_delay=st.sampled_from([0.0, 0.002, 0.05]),
+    deterministic=st.booleans(),
+    dtype=st.sampled_from(list(DType)),
+    op=st.sampled_from(list(Op)),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_concurrent_rounds_over_a_lossy_network_are_exact(
+    world: int, cores: int, slots: int, lanes: int, sizes: list[int], drop: float,
+    duplicate: float, max_delay: float, deterministic: bool, dtype: DType, op: Op, seed: int,
+) -> None:
+    lanes = min(lanes, slots)
+    net = SimNet(KERNELS, world=world, cores=cores, slots=slots, deterministic=deterministic,
+                 faults=Faults(drop, duplicate, max_delay, seed))
+    rng = np.random.default_rng(seed)
+    make = random_values if deterministic else integer_valued
+    try:
+        inputs = [[make(rng, n, dtype) for _ in range(world)] for n in sizes]
+        batches = [[x.copy() for x in xs] for xs in inputs]
+        outcomes, most = net.allreduce_many(batches, dtype, op, lanes)
+        assert sorted((o.round, o.error) for o in outcomes) == [
+            (i + 1, None) for i in range(len(sizes))]
+        for xs, arrays in zip(inputs, batches, strict=True):
+            want = reference(xs, op)
+            for a in arrays:
+                assert same_bits(a, want)
+        assert most <= lanes
+        if lanes > 1 and len(sizes) > 1:
+            assert most >= 2  # submitted together, they really overlapped
+        for agg in net.aggregators:
+            stats = agg.stats(7)
+            assert stats is not None and stats.waiting == {}
+    finally:
+        net.close()
