@@ -7,8 +7,9 @@ round per tensor, and keeps up to the client's `lanes` rounds in flight while it
 results: DDP's gradient buckets overlap on the wire instead of queueing behind each other. A
 future completes with its tensor list when all its rounds are done, or fails with the first
 `ReductionError` (`AllreduceTimeout`, `JobAborted`, ...) once none of its rounds is still
-writing into the tensors. If the thread itself dies, every pending and later future fails with
-the reason: a caller never waits on a future nobody will complete.
+writing into the tensors. A large tensor is cut into up to `lanes` rounds, so that alone it
+still uses every slot the job has. If the thread itself dies, every pending and later future
+fails with the reason: a caller never waits on a future nobody will complete.
 
 Tensors are reduced in place. CPU tensors that are contiguous go straight to the wire; others
 are staged through a contiguous copy, and CUDA tensors through pinned host buffers taken from a
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ml_dtypes
+import numpy as np
 import torch
 from numpy.typing import NDArray
 
@@ -35,6 +37,7 @@ from .client import ApplianceClient
 __all__ = ["APPLIANCE_DTYPES", "PinnedPool", "RoundPump", "numpy_view"]
 
 APPLIANCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MIN_CHUNK_BYTES = 256 * 1024
 
 
 def numpy_view(t: torch.Tensor) -> NDArray[Any]:
@@ -180,13 +183,24 @@ class RoundPump:
                     coll.staged.append((t, host, None))
                 else:
                     host = t.detach()
-                round_no = self._client.start(numpy_view(host.reshape(-1)), coll.op)
-                coll.rounds.add(round_no)
-                active[round_no] = coll
+                flat = numpy_view(host.reshape(-1))
+                for chunk in np.array_split(flat, self._chunks(flat.nbytes)):
+                    round_no = self._client.start(chunk, coll.op)
+                    coll.rounds.add(round_no)
+                    active[round_no] = coll
         except Exception as exc:  # a bad tensor fails its own collective, not the pump
             coll.error = exc
         if not coll.rounds:
             self._complete(coll)
+
+    def _chunks(self, nbytes: int) -> int:
+        """How many rounds to cut a tensor into. A lane has only its share of the job's slots,
+        so one big tensor in one round would crawl through a fraction of the window; cut into
+        `lanes` rounds it uses all of it (measured on loopback, 16 MiB fp32, 2 ranks: 4 lanes
+        uncut 47.6 ms, cut 30.6 ms, 1 lane 31.1 ms). Pieces stay >= MIN_CHUNK_BYTES, where the
+        cost of a round outweighs its window. A function of the size alone: every rank cuts
+        alike."""
+        return max(1, min(self._client.pipeline.lanes, nbytes // MIN_CHUNK_BYTES))
 
     def _complete(self, coll: _Collective) -> None:
         for t, host, buf in coll.staged:

@@ -64,6 +64,7 @@ def test_async_buckets_overlap_on_the_wire(rack: Rack, env: pytest.MonkeyPatch) 
         assert record["ok"], f"rank {rank}: wrong results"
         # Eight outstanding all_reduces, four lanes: all four were on the wire together.
         assert record["most_in_flight"] == record["lanes"] == 4, (rank, record)
+        assert record["rounds"] == 8 + 4 + 4  # 4 MiB and 2 MiB: one round per lane each
 
 
 def test_an_abort_raises_jobaborted_in_the_training_process(
