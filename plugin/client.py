@@ -132,14 +132,20 @@ class ApplianceClient:
             raise
         return sock
 
-    def close(self) -> None:
-        """Close the sockets; rounds still queued or in flight end with a `ReductionError`."""
-        if self._sockets:
-            self._unclaimed.extend(self.pipeline.fail_all(
-                ReductionError("the appliance client was closed during the allreduce")))
+    def abandon(self, reason: str) -> list[Outcome]:
+        """End every queued and in-flight round at once with `ReductionError(reason)`; their
+        arrays are no longer written. Returns their outcomes."""
+        outcomes = self.pipeline.fail_all(ReductionError(reason))
         for view in self._views.values():
             view.release()
         self._views.clear()
+        return outcomes
+
+    def close(self) -> None:
+        """Close the sockets; rounds still queued or in flight end with a `ReductionError`."""
+        if self._sockets:
+            self._unclaimed.extend(
+                self.abandon("the appliance client was closed during the allreduce"))
         for sock in self._sockets:
             sock.close()
         self._sockets.clear()

@@ -271,19 +271,23 @@ class ApplianceProcessGroup(ProcessGroup):
     # -- lifetime --
     def shutdown(self) -> None:
         """Finish queued rounds, leave the job at every appliance, close the client and Gloo."""
+        self._stop(abandon=False)
+
+    def abort(self) -> None:
+        """Like shutdown, but outstanding all_reduces fail at once instead of finishing."""
+        self._stop(abandon=True)
+
+    def _stop(self, abandon: bool) -> None:
         if self._shut:
             return
         self._shut = True
-        self._pump.close()
+        self._pump.close(abandon=abandon)
         for info in self.jobs:
             with contextlib.suppress(ReductionError):
                 leave(info, self._rank)
         self.client.close()
         with contextlib.suppress(RuntimeError, AttributeError):
             self.gloo.shutdown()
-
-    def abort(self) -> None:
-        self.shutdown()
 
 
 def _delegate(name: str) -> Callable[..., Any]:

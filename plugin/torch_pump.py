@@ -33,6 +33,7 @@ from numpy.typing import NDArray
 from dataplane.errors import ReductionError
 
 from .client import ApplianceClient
+from .pipeline import Outcome
 
 __all__ = ["APPLIANCE_DTYPES", "PinnedPool", "RoundPump", "numpy_view"]
 
@@ -89,6 +90,7 @@ class RoundPump:
         self._lock = threading.Lock()
         self._closed = False
         self._death: BaseException | None = None
+        self._abandon = False
         # A byte on this pair wakes the thread out of its wait for datagrams.
         self._wake, self._waker = socket.socketpair()
         self._wake.setblocking(False)
@@ -108,12 +110,14 @@ class RoundPump:
         self._poke()
         return fut
 
-    def close(self, timeout_s: float = 60.0) -> None:
-        """Finish what was submitted, then stop the thread (the client stays open)."""
+    def close(self, timeout_s: float = 60.0, *, abandon: bool = False) -> None:
+        """Finish what was submitted (or with `abandon`, fail it at once), then stop the
+        thread. The client stays open."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            self._abandon = abandon
             self._inbox.put(None)
         self._poke()
         if self._thread is not threading.current_thread():
@@ -140,15 +144,11 @@ class RoundPump:
                         stopping = True
                     else:
                         self._start(item, active)
+                if stopping and self._abandon:
+                    self._settle(self._client.abandon("the process group was aborted"), active)
                 if stopping and not active:
                     return
-                for outcome in self._client.progress(wake=self._wake):
-                    coll = active.pop(outcome.round)
-                    coll.rounds.discard(outcome.round)
-                    if outcome.error is not None and coll.error is None:
-                        coll.error = outcome.error
-                    if not coll.rounds:
-                        self._complete(coll)
+                self._settle(self._client.progress(wake=self._wake), active)
                 with contextlib.suppress(BlockingIOError):
                     while self._wake.recv(4096):
                         pass
@@ -165,6 +165,15 @@ class RoundPump:
                     coll.future.set_exception(ReductionError(
                         f"the appliance round pump died: {exc!r}"))
             raise
+
+    def _settle(self, outcomes: list[Outcome], active: dict[int, _Collective]) -> None:
+        for outcome in outcomes:
+            coll = active.pop(outcome.round)
+            coll.rounds.discard(outcome.round)
+            if outcome.error is not None and coll.error is None:
+                coll.error = outcome.error
+            if not coll.rounds:
+                self._complete(coll)
 
     def _start(self, coll: _Collective, active: dict[int, _Collective]) -> None:
         try:

@@ -91,6 +91,12 @@ def test_appliance_errors_surface_from_wait() -> None:
                 bad.wait()
             empty = FutureWork(pump.submit([], "sum"))
             assert empty.wait() and empty.get_future().value() == []
+            # abort(): an outstanding round fails at once (not with the timeout it would hit).
+            client.rtt.timing = Timing(deadline=60.0)
+            stuck = FutureWork(pump.submit([torch.ones(100)], "sum"))
+            pump.close(abandon=True)
+            with pytest.raises(ReductionError, match="the process group was aborted"):
+                stuck.wait()
         finally:
             pump.close()
             with pytest.raises(ReductionError, match="closed"):
