@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from typing import Any, cast
 
 from deploy.testnet.topology import parse_rate
 
+from .cputime import CpuSample
 from .harness import (
     REPO,
     ApplianceProcess,
@@ -84,6 +86,10 @@ class CommRun:
     ranks: list[dict[str, Any]]
     # The appliance's counters over the run, summed over its cores (None: no appliance up).
     counters: dict[str, int] | None = None
+    # CPU over the whole run (rank start-up included): the appliance's (its daemon and data
+    # plane; None: no appliance up), and the machine's busy fraction of every CPU.
+    appliance_cpu_s: float | None = None
+    machine_busy: float = 0.0
 
     @property
     def step_ms(self) -> list[float]:
@@ -104,6 +110,13 @@ class CommRun:
         return len({r["params_sha256"] for r in self.ranks}) == 1
 
     @property
+    def appliance_cpu_ms_per_step(self) -> float | None:
+        """The appliance's CPU per training step (its idle polling included, which is small)."""
+        if self.appliance_cpu_s is None:
+            return None
+        return self.appliance_cpu_s * 1e3 / int(self.ranks[0]["steps"])
+
+    @property
     def eval_loss(self) -> float:
         return float(self.ranks[0]["eval_loss"])
 
@@ -116,7 +129,9 @@ class CommRun:
             "eval_loss": self.eval_loss, "eval_accuracy": first["eval_accuracy"],
             "ranks_agree": self.ranks_agree, "params_sha256": first["params_sha256"],
             "grad_bytes": first["grad_bytes"], "bucket_bytes": first["bucket_bytes"],
-            "appliance_counters": self.counters, "loss_curve": first["loss_curve"],
+            "appliance_counters": self.counters,
+            "appliance_cpu_ms_per_step": self.appliance_cpu_ms_per_step,
+            "machine_busy": self.machine_busy, "loss_curve": first["loss_curve"],
             "step_ms": self.step_ms,
         }
 
@@ -142,7 +157,11 @@ def run_comm(net: Network, comm: str, world: int, index: int, options: Sequence[
     api = appliance.api if appliance else None
     argv = [example_argv(net, comm, rank, world, store, api, options) for rank in range(world)]
     before = appliance.counters() if appliance else {}
+    appliance_pid = appliance.process.pid if appliance else None
+    cpu_before, wall_before = CpuSample.take(appliance_pid), time.monotonic()
     outputs = run_workers(net, argv, timeout_s=timeout_s)
+    cpu = CpuSample.take(appliance_pid).since(cpu_before)
+    wall_s = time.monotonic() - wall_before
     counters = None
     if appliance is not None:
         # The workers have left the job: the appliance is idle, these are the run's totals.
@@ -150,7 +169,9 @@ def run_comm(net: Network, comm: str, world: int, index: int, options: Sequence[
     ranks = [out[-1] for out in outputs if out]
     if len(ranks) != world:
         raise HarnessError(f"{comm}: {world - len(ranks)} ranks printed no report")
-    return CommRun(comm, ranks, counters)
+    return CommRun(comm, ranks, counters,
+                   appliance_cpu_s=cpu.tree_s if appliance else None,
+                   machine_busy=cpu.machine_s / (wall_s * (os.cpu_count() or 1)))
 
 
 @contextlib.contextmanager
@@ -194,21 +215,28 @@ def format_table(plan: Plan, runs: list[CommRun]) -> str:
         f"({plan.warmup} warm-up not timed); step = slowest rank's",
         "",
         f"{'comm':<10} {'median':>10} {'mean':>10} {'speedup':>8} {'final loss':>11} "
-        f"{'held-out':>9} {'accuracy':>9} {'resent':>7}  ranks",
+        f"{'held-out':>9} {'accuracy':>9} {'resent':>7} {'appl.CPU':>9} {'busy':>5}  ranks",
     ]
     for row in rows(runs):
         speedup = "-" if row["speedup"] is None else f"{row['speedup']:.2f}x"
         counters = row["appliance_counters"]
         resent = "-" if counters is None else str(counters.get("results_resent", 0))
+        cpu_ms = row["appliance_cpu_ms_per_step"]
+        appliance_cpu = "-" if cpu_ms is None else f"{cpu_ms:.1f}ms"
         lines.append(
             f"{row['comm']:<10} {row['step_ms_median']:>8.1f}ms {row['step_ms_mean']:>8.1f}ms "
             f"{speedup:>8} {row['final_loss']:>11.4f} {row['eval_loss']:>9.4f} "
-            f"{row['eval_accuracy']:>9.3f} {resent:>7}  "
+            f"{row['eval_accuracy']:>9.3f} {resent:>7} {appliance_cpu:>9} "
+            f"{row['machine_busy']:>5.0%}  "
             f"{'identical' if row['ranks_agree'] else 'DIFFER'}")
     lines += ["", "final loss: rank 0's last training batch; held-out: the same 2048 samples on "
               "every rank.",
               "resent: results the appliance sent again because a worker timed out and "
-              "retransmitted (a starved CPU shows up here first)."]
+              "retransmitted (a starved CPU shows up here first).",
+              f"appl.CPU: the appliance's CPU per step; busy: the machine's {os.cpu_count()} "
+              "CPUs, start-up included. Everything shares them here (an appliance has its own "
+              "server),",
+              "so the appliance's CPU is taken from the ranks'."]
     return "\n".join(lines)
 
 

@@ -40,7 +40,10 @@ def test_tiny_ddp_steps_bench(tmp_path: Path) -> None:
         assert 0 < row["step_ms_median"] <= max(row["step_ms"])
         assert row["speedup"] > 0
         assert len(row["bucket_bytes"]) >= 2, row["bucket_bytes"]
+        assert 0 < row["machine_busy"] <= 1.05, row["machine_busy"]  # tick granularity
     assert rows["gloo"]["speedup"] == 1.0 and rows["gloo"]["appliance_counters"] is None
+    assert rows["gloo"]["appliance_cpu_ms_per_step"] is None  # no appliance ran
     for comm in ("reduction", "hook"):
         reduced = rows[comm]["appliance_counters"]["bytes_reduced"]
         assert reduced >= steps * rows[comm]["grad_bytes"], (comm, reduced)
+        assert rows[comm]["appliance_cpu_ms_per_step"] > 0
