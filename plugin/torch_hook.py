@@ -46,10 +46,14 @@ class ApplianceHookState:
         self.pump = RoundPump(self.client, f"reduction-ddp-hook-{self.rank}")
 
     def close(self) -> None:
-        self.pump.close()
-        for info in self.jobs:
-            leave(info, self.rank)
-        self.client.close()
+        """Finish the buckets in flight, leave the job at every appliance, close the client
+        (even if leaving fails: that error is raised after)."""
+        try:
+            self.pump.close()
+            for info in self.jobs:
+                leave(info, self.rank)
+        finally:
+            self.client.close()
 
     def __enter__(self) -> "ApplianceHookState":
         return self

@@ -17,6 +17,9 @@ print("burnt", flush=True)
 sys.stdin.read()
 """
 BURN_S = 0.3
+# /proc counts CPU time in clock ticks, rounded down per process and per field: a couple of
+# ticks short of what the process measured itself is the same time.
+SLACK_S = 3 / os.sysconf("SC_CLK_TCK")
 
 
 def _burner(code: str) -> subprocess.Popen[str]:
@@ -35,7 +38,7 @@ def test_a_live_grandchild_counts_towards_the_tree() -> None:
         assert child.stdout.readline() == "burnt\n"
         before_exit = tree_cpu_s(child.pid)
         child.stdin.close()
-    assert before_exit >= BURN_S
+    assert before_exit >= BURN_S - SLACK_S
     assert tree_cpu_s(child.pid) == 0.0  # gone
 
 
@@ -46,8 +49,8 @@ def test_reaped_children_count_towards_their_parent() -> None:
         assert child.stdout.readline() == "burnt\n"
         child.stdin.close()
     spent = CpuSample.take(os.getpid()).since(before)
-    assert spent.tree_s >= BURN_S  # our cutime took the child's time in when we reaped it
-    assert spent.machine_s >= BURN_S * 0.9  # tick granularity
+    assert spent.tree_s >= BURN_S - SLACK_S  # our cutime took the child's in when we reaped it
+    assert spent.machine_s >= BURN_S - SLACK_S
 
 
 def test_machine_busy_never_goes_back() -> None:
