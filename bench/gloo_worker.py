@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from dataplane.wire import DType, Op
+from plugin.torch_exit import exit_without_finalizing
 
 from .reference import reference, same_bits
 from .worker import DTYPE_NAMES, add_probe_arguments, inputs, parse_size, probe_of
@@ -170,4 +170,5 @@ def _run_case(args: argparse.Namespace, case: int, dtype: DType, size: int,
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Gloo's threads may abort an interpreter that finalizes: see plugin.torch_exit.
+    exit_without_finalizing(main())

@@ -53,6 +53,7 @@ if __package__ in (None, ""):  # `python examples/train_ddp.py` from a checkout,
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import plugin.torch_backend  # noqa: F401 - registers the "reduction" backend
+from plugin.torch_exit import exit_without_finalizing
 from plugin.torch_hook import ApplianceHookState, appliance_allreduce_hook
 
 __all__ = ["build_model", "main"]
@@ -303,4 +304,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Gloo's threads may abort an interpreter that finalizes: see plugin.torch_exit.
+    exit_without_finalizing(main())
