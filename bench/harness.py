@@ -56,6 +56,11 @@ class Network(Protocol):
 
     def appliance_address(self, index: int) -> str: ...
     def worker_address(self, rank: int) -> str: ...
+    def worker_interface(self, rank: int) -> str:
+        """The interface worker `rank` reaches the others on: Gloo must be told
+        (GLOO_SOCKET_IFNAME), since the hostname resolves to loopback in a namespace."""
+        ...
+
     def popen_appliance(
         self, index: int, argv: Sequence[str], **kw: Any
     ) -> subprocess.Popen[Any]: ...
@@ -109,6 +114,9 @@ class LabNetwork:
     def worker_address(self, rank: int) -> str:
         return self.lab.topology.workers[rank].address
 
+    def worker_interface(self, rank: int) -> str:
+        return self.lab.interface_of(self.lab.topology.workers[rank].name)
+
     def popen_appliance(self, index: int, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
         return self.lab.popen(self.lab.topology.appliances[index].name, argv, env=_env(), **kw)
 
@@ -138,6 +146,9 @@ class LoopbackNetwork:
 
     def worker_address(self, rank: int) -> str:
         return "127.0.0.1"
+
+    def worker_interface(self, rank: int) -> str:
+        return "lo"
 
     def _popen(self, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
         prefix = ["ip", "netns", "exec", self.netns] if self.netns else []

@@ -94,17 +94,13 @@ def multicast_possible(plan: SweepPlan) -> bool:
     return plan.network == "rack" or os.geteuid() == 0
 
 
-def _interface(net: _Net, rank: int) -> str:
-    return cast(LabNetwork, net.net).lab.interface_of(f"w{rank}") if net.links else "lo"
-
-
 def _case_options(plan: SweepPlan, size: int, dtype: str, op: str) -> list[str]:
     return ["--sizes", str(size), "--dtypes", dtype, "--ops", op, "--iters", str(plan.iters),
             "--warmup", str(plan.warmup), *([] if plan.check else ["--no-check"])]
 
 
 def _probe_options(net: _Net, pids: tuple[int, ...]) -> list[str]:
-    link = ["--probe-link", _interface(net, 0)] if net.links else []
+    link = ["--probe-link", net.net.worker_interface(0)] if net.links else []
     return link + (["--probe-pids", ",".join(map(str, pids))] if pids else [])
 
 
@@ -189,7 +185,7 @@ def _gloo_case(plan: SweepPlan, net: _Net, workers: int, index: int,
     row = _base(plan, workers, "gloo", "ring", size, dtype, op)
     master = _gloo_master(net, index)
     argv = [["-m", "bench.gloo_worker", "--master", master, "--world", str(workers),
-             "--rank", str(rank), "--ifname", _interface(net, rank),
+             "--rank", str(rank), "--ifname", net.net.worker_interface(rank),
              *_case_options(plan, size, dtype, op), *(_probe_options(net, ()) if rank == 0 else [])]
             for rank in range(workers)]
     try:

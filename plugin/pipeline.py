@@ -73,7 +73,7 @@ class RoundPipeline:
         self.segment_bytes = segment_bytes
         self.rtt = rtt
         self.lanes = lanes
-        self._lanes = lane_endpoints(endpoints, lanes)
+        self._lane_endpoints = lane_endpoints(endpoints, lanes)
         self._busy: list[AllreduceRound | None] = [None] * lanes
         self._active: dict[int, AllreduceRound] = {}
         self._queued: deque[_Request] = deque()
@@ -105,9 +105,9 @@ class RoundPipeline:
                 return  # strictly in order: later rounds wait behind this one
             self._queued.popleft()
             try:
-                rnd = AllreduceRound(self._lanes[lane], self.rank, self.world_size, req.round,
-                                     req.dtype, req.op, req.nbytes, self.segment_bytes,
-                                     self.rtt, now)
+                rnd = AllreduceRound(self._lane_endpoints[lane], self.rank, self.world_size,
+                                     req.round, req.dtype, req.op, req.nbytes,
+                                     self.segment_bytes, self.rtt, now)
             except ReductionError as exc:
                 self._finished.append(Outcome(req.round, exc, 0))
                 continue

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from typing import Any
 
-from bench.harness import LabNetwork, Network, run_workers
+from bench.harness import Network, run_workers
 
 STORE_PORT_ON_RACK = 29500  # a fresh namespace: nothing else listens there
 
@@ -22,18 +22,10 @@ def store_address(net: Network) -> str:
     return f"{host}:{STORE_PORT_ON_RACK}"
 
 
-def interface_of(net: Network, rank: int) -> str:
-    """The worker's data interface, for Gloo (which otherwise picks whatever the hostname
-    resolves to: loopback, unreachable from the other namespaces)."""
-    if isinstance(net, LabNetwork):
-        return net.lab.interface_of(net.lab.topology.workers[rank].name)
-    return "lo"
-
-
 def torch_argv(net: Network, mode: str, world: int) -> list[list[str]]:
     store = store_address(net)
     return [["-m", "tests.plugin.torch_worker", mode, str(r), str(world), store,
-             net.worker_address(r), interface_of(net, r)] for r in range(world)]
+             net.worker_address(r), net.worker_interface(r)] for r in range(world)]
 
 
 def run_ranks(net: Network, mode: str, world: int,
