@@ -1,8 +1,8 @@
 """Allreduce: the appliance against Gloo ring, in the same run, on the same network.
 
-    python -m bench.allreduce [--network loopback|rack] [--workers 4] [--rate 1gbit]
-        [--sizes 64MiB] [--dtypes fp32] [--ops sum] [--iters 5] [--cores 2] [--unicast]
-        [--json out.json]
+    python -m reduction_appliance.bench.allreduce [--network loopback|rack] [--workers 4]
+        [--rate 1gbit] [--sizes 64MiB] [--dtypes fp32] [--ops sum] [--iters 5] [--cores 2]
+        [--unicast] [--json out.json]
 
 A one-worker-count run of the sweep engine (bench.sweep: same network for both systems, one
 process set and one fresh job per case, the appliance stopped while Gloo runs, every result
@@ -27,12 +27,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .demo import human
-from .harness import HarnessError
-from .plan import SweepPlan, parse_sizes
+from reduction_appliance.dataplane.units import format_size
+from reduction_appliance.deploy.testnet.harness import HarnessError
+
+from .plan import DTYPE_CHOICES, SweepPlan, parse_sizes
 from .progress import ProgressBar
 from .sweep import Row, failed, multicast_possible, run_sweep
-from .worker import DTYPE_NAMES
 
 __all__ = ["main"]
 
@@ -96,7 +96,7 @@ def report(plan: SweepPlan, pairs: list[dict[str, Any]]) -> None:
     for p in pairs:
         a, g = p["appliance"], p["gloo"] or {}
         speed = "-" if p["speedup"] is None else f"{p['speedup']:.2f}x"
-        print(f"{human(p['size']):>9} {p['dtype']:>8} {p['op']:>4} | {_ms(a['time_s']):>9} "
+        print(f"{format_size(p['size']):>9} {p['dtype']:>8} {p['op']:>4} | {_ms(a['time_s']):>9} "
               f"{_bw(a['algbw_gbps']):>10} {_flag(a):>5} | {_ms(g.get('time_s')):>9} "
               f"{_bw(g.get('algbw_gbps')):>10} {_bw(g.get('busbw_gbps')):>10} "
               f"{_flag(p['gloo']):>5} | {speed:>7}")
@@ -120,15 +120,16 @@ def _report_appliance(plan: SweepPlan, pairs: list[dict[str, Any]]) -> None:
     retx = sum(p["appliance"].get("retransmissions") or 0 for p in pairs)
     multicast = bool(pairs) and pairs[0]["multicast"]
     print(f"\nappliance counters: {c.get('segments_reduced', 0)} segments reduced, "
-          f"{human(reduced)} of results, {human(out)} sent = {out / max(1, reduced):.2f} bytes "
-          f"out per result byte ({'multicast' if multicast else 'unicast'}; unicast fan-out "
-          f"would be ~{workers}; includes {c.get('results_resent', 0)} results resent for "
-          f"{retx} worker retransmissions); drops: {drops}")
+          f"{format_size(reduced)} of results, {format_size(out)} sent = "
+          f"{out / max(1, reduced):.2f} bytes out per result byte "
+          f"({'multicast' if multicast else 'unicast'}; unicast fan-out would be ~{workers}; "
+          f"includes {c.get('results_resent', 0)} results resent for {retx} worker "
+          f"retransmissions); drops: {drops}")
     ideal = 2 * (workers - 1) / workers
     for p in pairs:
         a, g = p["appliance"], p["gloo"] or {}
         cpu = a.get("appliance_cpu_cores")
-        line = (f"{human(p['size'])} {p['dtype']}: appliance CPU "
+        line = (f"{format_size(p['size'])} {p['dtype']}: appliance CPU "
                 f"{'-' if cpu is None else f'{cpu:.2f}'} cores busy during the timed calls "
                 f"({plan.cores} data-plane cores configured)")
         if a.get("link_rx_per_byte") is not None and g.get("link_rx_per_byte") is not None:
@@ -162,7 +163,7 @@ def verdict(plan: SweepPlan, pairs: list[dict[str, Any]]) -> bool | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench.allreduce", description=__doc__,
+    p = argparse.ArgumentParser(prog="reduction_appliance.bench.allreduce", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--network", choices=["loopback", "rack"], default="loopback")
     p.add_argument("--workers", type=int, default=4)
@@ -176,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unicast", action="store_true", help="appliance results by unicast fan-out")
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     args = p.parse_args(argv)
-    bad = [d for d in args.dtypes if d not in DTYPE_NAMES]
+    bad = [d for d in args.dtypes if d not in DTYPE_CHOICES]
     if bad:
-        p.error(f"unknown dtypes {bad}; choose from {sorted(DTYPE_NAMES)}")
+        p.error(f"unknown dtypes {bad}; choose from {', '.join(DTYPE_CHOICES)}")
     plan = SweepPlan(network=args.network, workers=(args.workers,),
                      rate=args.rate if args.network == "rack" else None, sizes=tuple(args.sizes),
                      dtypes=tuple(args.dtypes), ops=tuple(args.ops),
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = run_sweep(plan, listener)
     except HarnessError as exc:
         listener.progress.close()
-        print(f"bench.allreduce failed: {exc}", file=sys.stderr)
+        print(f"reduction_appliance.bench.allreduce failed: {exc}", file=sys.stderr)
         return 1
     pairs = pair(rows)
     report(plan, pairs)

@@ -1,6 +1,7 @@
 """DDP training step time: Gloo ring against the appliance, side by side on one emulated rack.
 
-    python -m bench.ddp_steps --workers 4 --rate 1gbit --steps 300 [--out results/ddp]
+    python -m reduction_appliance.bench.ddp_steps --workers 4 --rate 1gbit --steps 300 \\
+        [--out results/ddp]
 
 Builds ONE rack (worker links shaped to --rate, the appliance's link unshaped), then runs
 examples/train_ddp.py on every worker three times with the same model, data and seed:
@@ -33,11 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from deploy.testnet.topology import parse_rate
-
-from .cputime import CpuSample
-from .harness import (
-    REPO,
+from reduction_appliance.deploy.testnet.harness import (
     ApplianceProcess,
     HarnessError,
     LabNetwork,
@@ -45,11 +42,15 @@ from .harness import (
     run_workers,
     start_appliance,
 )
+from reduction_appliance.deploy.testnet.topology import parse_rate
+
+from .cputime import CpuSample
 from .progress import ProgressBar
 
 __all__ = ["COMMS", "EXAMPLE", "CommRun", "Plan", "example_argv", "main", "run_comm", "run_plan"]
 
-EXAMPLE = REPO / "examples" / "train_ddp.py"
+# The repository's example (a checkout's examples/ folder: the benchmark runs from a checkout).
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_ddp.py"
 COMMS = ("gloo", "reduction", "hook")
 # A fresh rendezvous port per run: the previous run's listening socket may sit in TIME_WAIT.
 _STORE_BASE_PORT = 29400
@@ -251,7 +252,7 @@ def write_json(out: Path, plan: Plan, runs: list[CommRun]) -> Path:
 
 
 def parse_args(argv: list[str] | None) -> tuple[Plan, Path | None]:
-    p = argparse.ArgumentParser(prog="bench.ddp_steps", description=__doc__,
+    p = argparse.ArgumentParser(prog="reduction_appliance.bench.ddp_steps", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--rate", default="1gbit",

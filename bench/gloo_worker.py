@@ -1,17 +1,18 @@
 """One worker of the peer run: Gloo ring allreduce via torch.distributed, same cases, same checks.
 
-    python -m bench.gloo_worker --master 198.18.0.101:29500 --world 4 --rank 0 \\
-        --ifname w0 --sizes 64MiB --dtypes fp32 --ops sum
+    python -m reduction_appliance.bench.gloo_worker --master 198.18.0.101:29500 --world 4 \\
+        --rank 0 --ifname w0 --sizes 64MiB --dtypes fp32 --ops sum
 
-The counterpart of bench.worker for the comparison in bench.allreduce: the same CLI shape, the
-same inputs (bench.worker.inputs, integer-valued so sums are exact in any order), the same numpy
-reference, and the same JSON line per case (rank, size, dtype, op, times, checked, ok).
+The counterpart of the lab's worker program (deploy.testnet.worker) for the comparison in
+bench.allreduce: the same case options, the same inputs (deploy.testnet.worker.inputs,
+integer-valued so sums are exact in any order), the same numpy reference, and the same JSON
+line per case (rank, size, dtype, op, times, checked, ok).
 
-Timing policy, identical to bench.worker's: no barrier; each rank copies its input into the
+Timing policy, identical to the lab worker's: no barrier; each rank copies its input into the
 work tensor (untimed), then times one allreduce call, back to back. The untimed warmup
 iterations line the ranks up; the driver takes the slowest rank per iteration, so rank skew
 shows up in both systems the same way. (`--barrier` adds a barrier before each timed iteration,
-for experiments only: bench.worker has no such option, so the comparison never uses it.)
+for experiments only: the lab worker has no such option, so the comparison never uses it.)
 
 AVG is computed as Gloo SUM followed by an fp32 divide, exactly as the reference does (Gloo has
 no ReduceOp.AVG). A dtype/op Gloo rejects is reported as a skipped case, not as a failure.
@@ -24,18 +25,21 @@ import datetime
 import json
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from dataplane.wire import DType, Op
-from plugin.torch_exit import exit_without_finalizing
-
-from .reference import reference, same_bits
-from .worker import DTYPE_NAMES, add_probe_arguments, inputs, parse_size, probe_of
+from reduction_appliance.dataplane.wire import DType, Op
+from reduction_appliance.deploy.testnet.reference import reference, same_bits
+from reduction_appliance.deploy.testnet.worker import (
+    add_probe_arguments,
+    case_arguments,
+    inputs,
+    probe_of,
+)
+from reduction_appliance.plugin.torch_exit import exit_without_finalizing
 
 __all__ = ["main"]
 
@@ -45,20 +49,6 @@ _TORCH_OPS = {
     Op.MIN: dist.ReduceOp.MIN,
     Op.MAX: dist.ReduceOp.MAX,
 }
-
-
-def _choices(names: dict[str, Any]) -> Callable[[str], list[Any]]:
-    def parse(text: str) -> list[Any]:
-        items = [x for x in text.split(",") if x]
-        bad = [x for x in items if x not in names]
-        if bad:
-            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {sorted(names)}")
-        return [names[x] for x in items]
-    return parse
-
-
-def _sizes(text: str) -> list[int]:
-    return [parse_size(x) for x in text.split(",") if x]
 
 
 def to_torch(array: np.ndarray, dtype: DType) -> torch.Tensor:
@@ -81,23 +71,18 @@ def _finish(work: torch.Tensor, op: Op, world: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench.gloo_worker", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m reduction_appliance.bench.gloo_worker",
+                                description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--master", required=True, help="rank 0's HOST:PORT for the TCP rendezvous")
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--ifname", default=None, help="GLOO_SOCKET_IFNAME: this worker's interface")
-    p.add_argument("--sizes", type=_sizes, default=[1 << 20])
-    p.add_argument("--dtypes", type=_choices(DTYPE_NAMES), default=[DType.FLOAT32])
-    p.add_argument("--ops", type=_choices({o.name.lower(): o for o in Op}), default=[Op.SUM])
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--seed", type=int, default=1)
+    case_arguments(p)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per collective")
     p.add_argument("--barrier", action="store_true",
                    help="barrier before each timed iteration (not used by bench.allreduce)")
-    p.add_argument("--no-check", action="store_true", help="skip the reference (big sweeps)")
     add_probe_arguments(p)
     args = p.parse_args(argv)
 

@@ -1,6 +1,7 @@
 """Reduce-kernel throughput next to memcpy, measured in one run on the same buffers.
 
-    python -m bench.kernels [--backend torch] [--sizes 64KiB,256KiB,1MiB,16MiB] [--json]
+    python -m reduction_appliance.bench.kernels [--backend torch] \\
+        [--sizes 64KiB,256KiB,1MiB,16MiB] [--json]
 
 Per segment size and dtype it reports the median GB/s, counted in *input* bytes (what arrives on
 the wire), of ``add`` (the per-contribution hot path), ``first`` and ``finish`` (avg, so its
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -24,8 +24,15 @@ from typing import TypedDict
 import numpy as np
 from numpy.typing import NDArray
 
-from dataplane.reduce import KernelTable, available_backends, element_view, select_kernels
-from dataplane.wire import DType, Op
+from reduction_appliance.dataplane.dtypes import DTYPES
+from reduction_appliance.dataplane.reduce import (
+    KernelTable,
+    available_backends,
+    element_view,
+    select_kernels,
+)
+from reduction_appliance.dataplane.units import format_size, parse_size
+from reduction_appliance.dataplane.wire import DType, Op
 
 __all__ = [
     "DEFAULT_SIZES",
@@ -34,7 +41,6 @@ __all__ = [
     "check_targets",
     "format_table",
     "main",
-    "parse_size",
     "run",
 ]
 
@@ -50,8 +56,7 @@ HALF_ADD_GBPS = 3.0
 # perf_counter's resolution and the loop are noise, short enough to give many samples.
 _SAMPLE_S = 0.5e-3
 _ALIGN = 64  # receive slots are 64-byte aligned in the arena
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "kb": 1000, "mib": 1 << 20, "mb": 1000**2, "gib": 1 << 30}
-_DTYPES = (DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16)
+_DTYPES = tuple(d.dtype for d in DTYPES)
 
 
 class Row(TypedDict):
@@ -76,22 +81,11 @@ class Target(TypedDict):
     at_size: int
 
 
-def parse_size(text: str) -> int:
-    """'64KiB' -> 65536; bare numbers are bytes."""
-    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"bad size {text!r}; use e.g. 64KiB, 1MiB, 4096")
-    size = int(m.group(1)) * _UNITS[m.group(2).lower()]
+def _segment_size(text: str) -> int:
+    size = parse_size(text)
     if size <= 0 or size % 4:
         raise ValueError(f"size {text!r} must be a positive multiple of 4 bytes")
     return size
-
-
-def _human(size: int) -> str:
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if size % scale == 0:
-            return f"{size // scale}{unit}"
-    return f"{size}B"
 
 
 def _aligned_bytes(nbytes: int) -> NDArray[np.uint8]:
@@ -184,7 +178,7 @@ def check_targets(rows: Sequence[Row]) -> list[Target]:
     lo, hi = FP32_TARGET_SIZES
     specs: list[tuple[str, str, Callable[[Row], float], float, Callable[[int], bool]]] = [
         (
-            f"fp32 add >= {FP32_ADD_VS_COPYTO:.0%} of copyto, {_human(lo)}-{_human(hi)}",
+            f"fp32 add >= {FP32_ADD_VS_COPYTO:.0%} of copyto, {format_size(lo)}-{format_size(hi)}",
             DType.FLOAT32.name,
             lambda r: r["add_vs_copyto"],
             FP32_ADD_VS_COPYTO,
@@ -229,22 +223,25 @@ def format_table(rows: Sequence[Row], targets: Sequence[Target]) -> str:
     for r in rows:
         bare = r["bare_add_gbps"]
         lines.append(
-            f"{_human(r['size']):>8} {r['dtype']:>9} {r['copyto_gbps']:8.2f} {r['add_gbps']:8.2f}"
+            f"{format_size(r['size']):>8} {r['dtype']:>9} {r['copyto_gbps']:8.2f} "
+            f"{r['add_gbps']:8.2f}"
             f" {r['first_gbps']:8.2f} {r['finish_gbps']:8.2f} {r['add_vs_copyto']:11.2f}"
             f" {'-' if bare is None else f'{bare:.2f}':>12}"
         )
     for t in targets:
         verdict = "PASS" if t["passed"] else "FAIL"
-        lines.append(f"{verdict}  {t['name']}: worst {t['worst']:.2f} at {_human(t['at_size'])}")
+        lines.append(f"{verdict}  {t['name']}: worst {t['worst']:.2f} at "
+                     f"{format_size(t['at_size'])}")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m reduction_appliance.bench.kernels",
+                                     description=__doc__)
     parser.add_argument("--backend", choices=available_backends(), help="default: best here")
     parser.add_argument(
         "--sizes",
-        type=lambda s: [parse_size(x) for x in s.split(",")],
+        type=lambda s: [_segment_size(x) for x in s.split(",")],
         default=list(DEFAULT_SIZES),
         help="comma-separated segment sizes in input bytes, e.g. 64KiB,1MiB",
     )

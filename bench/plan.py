@@ -1,6 +1,6 @@
 """What a sweep runs, resolved from the command line: one typed, frozen plan.
 
-The options are declared once here and shared by `python -m bench.sweep` and
+The options are declared once here and shared by `python -m reduction_appliance.bench.sweep` and
 `reductionctl bench`, so the two cannot drift apart.
 
 Sizes take nccl-tests-like ranges and lists: `1KiB:256MiB:x4` (start, stop, times 4),
@@ -14,12 +14,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TypeVar
 
-from deploy.testnet.topology import parse_rate
-
-from .worker import DTYPE_NAMES, parse_size
+from reduction_appliance.dataplane.dtypes import DTYPES, by_short
+from reduction_appliance.dataplane.units import parse_size
+from reduction_appliance.deploy.testnet.topology import parse_rate
 
 __all__ = [
     "DEFAULT_SIZES",
+    "DTYPE_CHOICES",
     "MODES",
     "OPS",
     "SweepPlan",
@@ -38,9 +39,12 @@ _MAX_CASES_PER_RANGE = 1000
 T = TypeVar("T")
 
 
+DTYPE_CHOICES = tuple(d.short for d in DTYPES)
+
+
 def dtype_name(short: str) -> str:
     """The workers' name of a dtype (float32) from the command line's (fp32)."""
-    return DTYPE_NAMES[short].name.lower()
+    return by_short(short).name
 
 
 def _size_range(text: str) -> list[int]:
@@ -72,10 +76,7 @@ def parse_sizes(text: str) -> list[int]:
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
-        try:
-            sizes.update(_size_range(item) if ":" in item else [parse_size(item)])
-        except argparse.ArgumentTypeError as exc:
-            raise ValueError(str(exc)) from exc
+        sizes.update(_size_range(item) if ":" in item else [parse_size(item)])
     if not sizes or 0 in sizes:
         raise ValueError(f"sizes {text!r}: need at least one positive size")
     return sorted(sizes)
@@ -119,7 +120,7 @@ class SweepPlan:
     workers: tuple[int, ...]
     rate: str | None  # worker link rate in the rack (tc syntax); None on loopback or unshaped
     sizes: tuple[int, ...]
-    dtypes: tuple[str, ...]  # bench.worker names: fp32, fp16, bf16
+    dtypes: tuple[str, ...]  # reduction_appliance.deploy.testnet.worker names: fp32, fp16, bf16
     ops: tuple[str, ...]
     modes: tuple[str, ...]
     iters: int
@@ -159,7 +160,7 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
                         "the appliance's link is unshaped")
     p.add_argument("--sizes", type=_arg(parse_sizes), default=parse_sizes(DEFAULT_SIZES),
                    metavar="RANGE|LIST", help=f"bytes per allreduce (default: {DEFAULT_SIZES})")
-    p.add_argument("--dtypes", type=_choice_list(list(DTYPE_NAMES)), default=["fp32"],
+    p.add_argument("--dtypes", type=_choice_list(DTYPE_CHOICES), default=["fp32"],
                    metavar="fp32,fp16,bf16")
     p.add_argument("--ops", type=_choice_list(OPS), default=["sum"], metavar="sum,avg,min,max")
     p.add_argument("--modes", type=_choice_list(MODES), default=["multicast"],

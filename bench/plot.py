@@ -15,7 +15,8 @@ matplotlib.use("Agg")  # before pyplot: a benchmark host has no display
 
 import matplotlib.pyplot as plt
 
-from .demo import human
+from reduction_appliance.dataplane.units import format_size
+
 from .plan import SweepPlan
 from .report import bounds_gbps, burst_bytes
 
@@ -51,12 +52,12 @@ def plot_algbw(path: Path, plan: SweepPlan, rows: list[dict[str, Any]]) -> Path:
                            label=f"{name} bound {formula} = {bound:.4g} GB/s")
             burst = burst_bytes(plan.rate_bps)
             ax.axvline(burst, color="lightgrey", linestyle="-.",
-                       label=f"tbf burst {human(burst)}: smaller sizes pass unshaped")
+                       label=f"tbf burst {format_size(burst)}: smaller sizes pass unshaped")
         where = f"rack, worker links {plan.rate}" if plan.network == "rack" else "loopback"
         ax.set_title(f"allreduce algbw: {where}, n = {workers} workers, {dtype} {op}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xticks(sizes, [human(s) for s in sizes], rotation=45, fontsize=8)
+        ax.set_xticks(sizes, [format_size(s) for s in sizes], rotation=45, fontsize=8)
         ax.minorticks_off()
         ax.set_xlabel("bytes per allreduce")
         ax.set_ylabel("algbw (GB/s)")

@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from deploy.testnet.shaping import tbf_params
+from reduction_appliance.dataplane.units import format_size
+from reduction_appliance.deploy.testnet.shaping import tbf_params
 
-from .demo import human
 from .plan import SweepPlan, dtype_name
 from .progress import ProgressBar
 
@@ -111,7 +111,7 @@ _HEAD = (f"{'system':<9} {'mode':<9} {'size':>9} {'dtype':>8} {'op':>3} | {'time
 
 def format_row(row: Row) -> str:
     cpu = row.get("appliance_cpu_cores")
-    return (f"{row['system']:<9} {row['mode']:<9} {human(row['size']):>9} {row['dtype']:>8} "
+    return (f"{row['system']:<9} {row['mode']:<9} {format_size(row['size']):>9} {row['dtype']:>8} "
             f"{row['op']:>3} | {_ms(row['time_s']):>9} {_bw(row['algbw_gbps']):>10} "
             f"{_bw(row['busbw_gbps']):>10} | {_pct(row.get('link_rx_util')):>5} "
             f"{_pct(row.get('link_tx_util')):>5} | "
@@ -129,7 +129,7 @@ def side_by_side(plan: SweepPlan, workers: int, rows: list[Row]) -> list[str]:
         b = bounds_gbps(plan.rate_bps, workers)
         lines.append(f"bounds at {plan.rate} per worker link: reduction server "
                      f"{b['reduction server']:.4f} GB/s, gloo ring {b['gloo ring']:.4f} GB/s "
-                     f"(tbf lets {human(burst_bytes(plan.rate_bps))} bursts through at veth "
+                     f"(tbf lets {format_size(burst_bytes(plan.rate_bps))} bursts through at veth "
                      f"speed: sizes up to about that may beat them)")
     cell = 28
     lines.append(f"{'size':>9} {'dtype':>8} {'op':>3} | "
@@ -146,7 +146,8 @@ def side_by_side(plan: SweepPlan, workers: int, rows: list[Row]) -> list[str]:
             speed = f"{r['speedup']:.2f}x" if r.get("speedup") else ""
             text = f"{_ms(r['time_s'])} {_bw(r['algbw_gbps'])} {speed}"
             cells.append(f"{text if _check(r) in ('exact', 'unchk') else _check(r):<{cell}}")
-        lines.append(f"{human(size):>9} {dtype_name(dtype):>8} {op:>3} | " + " | ".join(cells))
+        lines.append(f"{format_size(size):>9} {dtype_name(dtype):>8} {op:>3} | "
+                     + " | ".join(cells))
     return lines
 
 

@@ -1,7 +1,7 @@
 """An nccl-tests-style allreduce sweep: the appliance (per fan-out mode) against Gloo ring, on
 the same network, in the same run.
 
-    python -m bench.sweep --network rack --workers 4,8 --rate 500mbit \\
+    reductionctl bench --network rack --workers 4,8 --rate 500mbit \\
         --sizes 1KiB:64MiB:x4 --modes multicast,unicast --out results/
 
 For each worker count: build ONE network (the emulated rack, or a private loopback namespace);
@@ -13,7 +13,8 @@ reused, and the measurements of one case are not disturbed by another's set-up.
 Timing, identical for both systems: no barrier, untimed warmup, then back-to-back timed calls; an
 iteration's time is its slowest rank's, a case's time the median over iterations. Rank 0 also
 sums, over exactly its timed calls, the bytes on its link and the appliance's CPU seconds (see
-bench.probe): link utilisation = bytes / (timed seconds * rate), appliance CPU = cores busy.
+deploy.testnet.probe): link utilisation = bytes / (timed seconds * rate), appliance CPU = cores
+busy.
 
 Writes results.json, results.csv and algbw.png to --out; exits 1 if any result was wrong.
 """
@@ -31,8 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-from .demo import human
-from .harness import (
+from reduction_appliance.dataplane.units import format_size
+from reduction_appliance.deploy.testnet.harness import (
+    WORKER,
     ApplianceProcess,
     HarnessError,
     LabNetwork,
@@ -41,10 +43,11 @@ from .harness import (
     run_workers,
     start_appliance,
 )
-from .plan import SweepPlan, add_sweep_arguments, dtype_name, plan_from_args
-from .probe import descendants
+from reduction_appliance.deploy.testnet.probe import descendants
 
-__all__ = ["Listener", "Row", "main", "run", "run_sweep", "sweep_main"]
+from .plan import SweepPlan, add_sweep_arguments, dtype_name, plan_from_args
+
+__all__ = ["Listener", "Row", "main", "run", "run_sweep"]
 
 Row = dict[str, Any]
 _GLOO_BASE_PORT = 29500
@@ -118,7 +121,7 @@ def summarize(plan: SweepPlan, net: _Net, workers: int, outputs: list[list[Row]]
                window_s=max(c["window"][1] for c in cases) - min(c["window"][0] for c in cases))
     if "retransmissions" in first:
         row["retransmissions"] = sum(c["retransmissions"] for c in cases)
-    probed = first["probed_s"]  # the interval the counters cover (bench.probe)
+    probed = first["probed_s"]  # the interval the counters cover (deploy.testnet.probe)
     moved = first["size"] * len(first["times"])
     link, rate = first.get("link"), plan.rate_bps
     if link is not None:
@@ -149,7 +152,7 @@ def _appliance_case(plan: SweepPlan, net: _Net, appliance: ApplianceProcess,
     size, dtype, op = case
     row = _base(plan, workers, "appliance", mode, size, dtype, op)
     job = _job_name(workers, mode, index)
-    argv = [["-m", "bench.worker", "--appliance", appliance.api, "--job", job,
+    argv = [[*WORKER, "--appliance", appliance.api, "--job", job,
              "--world", str(workers), "--rank", str(rank),
              "--local", net.net.worker_address(rank), *_case_options(plan, size, dtype, op),
              *(["--unicast"] if mode == "unicast" else []),
@@ -184,8 +187,9 @@ def _gloo_case(plan: SweepPlan, net: _Net, workers: int, index: int,
     size, dtype, op = case
     row = _base(plan, workers, "gloo", "ring", size, dtype, op)
     master = _gloo_master(net, index)
-    argv = [["-m", "bench.gloo_worker", "--master", master, "--world", str(workers),
-             "--rank", str(rank), "--ifname", net.net.worker_interface(rank),
+    argv = [["-m", "reduction_appliance.bench.gloo_worker", "--master", master,
+             "--world", str(workers), "--rank", str(rank),
+             "--ifname", net.net.worker_interface(rank),
              *_case_options(plan, size, dtype, op), *(_probe_options(net, ()) if rank == 0 else [])]
             for rank in range(workers)]
     try:
@@ -255,7 +259,7 @@ def _run_pass(plan: SweepPlan, net: _Net, workers: int, system: str,
 
 
 def _case_label(case: tuple[int, str, str]) -> str:
-    return f"{human(case[0])} {case[1]} {case[2]}"
+    return f"{format_size(case[0])} {case[1]} {case[2]}"
 
 
 def failed(rows: list[Row]) -> list[Row]:
@@ -285,28 +289,21 @@ def run(plan: SweepPlan, out: Path | None, plot: bool = True) -> int:
     return 0
 
 
-def sweep_main(args: argparse.Namespace) -> int:
-    """Entry shared by `python -m bench.sweep` and `reductionctl bench`."""
+def main(argv: list[str] | None = None) -> int:
+    """`reductionctl bench` (and `python -m reduction_appliance.bench.sweep`)."""
+    p = argparse.ArgumentParser(prog="reductionctl bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_sweep_arguments(p)
+    p.add_argument("--out", type=Path, default=Path("results"),
+                   help="directory for results.json, results.csv, algbw.png (default: results)")
+    p.add_argument("--no-plot", action="store_true", help="skip algbw.png")
+    args = p.parse_args(argv)
     try:
         plan = plan_from_args(args)
     except ValueError as exc:
         print(f"bad usage: {exc}", file=sys.stderr)
         return 2
     return run(plan, args.out, plot=not args.no_plot)
-
-
-def add_output_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=Path("results"),
-                   help="directory for results.json, results.csv, algbw.png (default: results)")
-    p.add_argument("--no-plot", action="store_true", help="skip algbw.png")
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench.sweep", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_sweep_arguments(p)
-    add_output_arguments(p)
-    return sweep_main(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -13,14 +13,17 @@
 
 Served on TCP for workers (a bearer token is required when api.token_file is set: 401
 otherwise) and on a Unix socket for reductionctl (guarded by the socket's file permissions).
-Errors are JSON `{"error": reason}`: 400 bad request, 401 bad token, 404 unknown job, 409
-conflict with the job's state or spec, 503 the appliance cannot serve it now.
+Errors are JSON `{"error": reason}`. The caller's faults (`RequestError`) carry their own 4xx
+status and say what to change: 400 bad request, 401 bad token, 404 unknown job, 409 a conflict
+with the job's state or spec, or a job that does not fit. 503: the appliance cannot serve it
+now (a core restarting, shutting down). 500: our fault, logged with its traceback.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
 import os
 import re
 import socket
@@ -31,14 +34,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from dataplane.errors import AdmissionError, ReductionError
+from reduction_appliance.dataplane.errors import (
+    BadRequest,
+    ReductionError,
+    RequestError,
+    Unavailable,
+)
 
 from .metrics import CONTENT_TYPE, render
-from .registry import ConflictError, IllegalTransition, UnknownJob
-from .service import Appliance, Draining
+from .service import Appliance
 
 __all__ = ["ApiServer", "MetricsServer", "UnixApiServer"]
 
+_log = logging.getLogger("reductiond.api")
 _JOB_ACTION = re.compile(r"^/v1/jobs/(\d+)(?:/(join|leave|abort))?$")
 _MAX_BODY = 64 * 1024
 
@@ -64,13 +72,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _body(self) -> dict[str, Any]:
         length = int(self.headers.get("Content-Length") or 0)
         if length > _MAX_BODY:
-            raise ValueError(f"request body over {_MAX_BODY} bytes")
+            raise BadRequest(f"request body over {_MAX_BODY} bytes")
         try:
             body = json.loads(self.rfile.read(length) or b"{}")
         except json.JSONDecodeError as exc:
-            raise ValueError(f"request body is not JSON: {exc}") from exc
+            raise BadRequest(f"request body is not JSON: {exc}") from exc
         if not isinstance(body, dict):
-            raise ValueError("request body must be a JSON object")
+            raise BadRequest("request body must be a JSON object")
         return body
 
     def _authorised(self) -> bool:
@@ -94,14 +102,15 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             status, body, content_type = action()
-        except UnknownJob as exc:
-            status, body, content_type = HTTPStatus.NOT_FOUND, {"error": str(exc)}, ""
-        except (ConflictError, IllegalTransition) as exc:
-            status, body, content_type = HTTPStatus.CONFLICT, {"error": str(exc)}, ""
-        except (ValueError, AdmissionError) as exc:
-            status, body, content_type = HTTPStatus.BAD_REQUEST, {"error": str(exc)}, ""
-        except (Draining, ReductionError) as exc:
+        except RequestError as exc:  # the caller's fault: say what to change
+            status, body, content_type = HTTPStatus(exc.status), {"error": str(exc)}, ""
+        except Unavailable as exc:
             status, body, content_type = HTTPStatus.SERVICE_UNAVAILABLE, {"error": str(exc)}, ""
+        except Exception as exc:  # ours: never the caller's 4xx
+            _log.exception("%s %s failed", self.command, self.path)
+            kind = type(exc).__name__ if not isinstance(exc, ReductionError) else "error"
+            status, body, content_type = (HTTPStatus.INTERNAL_SERVER_ERROR,
+                                          {"error": f"internal {kind}: {exc}"}, "")
         self._reply(status, body, content_type)
 
     # ---- routes ----
@@ -114,11 +123,10 @@ class _Handler(BaseHTTPRequestHandler):
             if self.path == "/metrics":
                 return HTTPStatus.OK, render(app.snapshot()), CONTENT_TYPE
             if self.path == "/v1/jobs":
-                return HTTPStatus.OK, [app.job(p.spec.job_id) | {"cookie": None}
-                                       for p in app.registry.jobs], ""
+                return HTTPStatus.OK, [j.to_json() for j in app.jobs()], ""
             match = _JOB_ACTION.match(self.path)
             if match and match.group(2) is None:
-                return HTTPStatus.OK, app.job(int(match.group(1))) | {"cookie": None}, ""
+                return HTTPStatus.OK, app.job(int(match.group(1))).to_json(), ""
             return HTTPStatus.NOT_FOUND, {"error": f"no such resource {self.path}"}, ""
 
         self._dispatch(route)
@@ -128,18 +136,18 @@ class _Handler(BaseHTTPRequestHandler):
 
         def route() -> tuple[HTTPStatus, object, str]:
             if self.path == "/v1/jobs":
-                return HTTPStatus.OK, app.create_job(self._body()), ""
+                return HTTPStatus.OK, app.create_job(self._body()).to_json(), ""
             match = _JOB_ACTION.match(self.path)
             if not match or match.group(2) is None:
                 return HTTPStatus.NOT_FOUND, {"error": f"no such resource {self.path}"}, ""
             job_id, action = int(match.group(1)), match.group(2)
             if action == "abort":
-                return HTTPStatus.OK, app.abort(job_id), ""
+                return HTTPStatus.OK, app.abort(job_id).to_json(), ""
             rank = self._body().get("rank")
             if not isinstance(rank, int) or isinstance(rank, bool):
-                raise ValueError(f"{action} needs an integer rank, got {rank!r}")
+                raise BadRequest(f"{action} needs an integer rank, got {rank!r}")
             result = app.join(job_id, rank) if action == "join" else app.leave(job_id, rank)
-            return HTTPStatus.OK, result, ""
+            return HTTPStatus.OK, result.to_json(), ""
 
         self._dispatch(route)
 
@@ -150,7 +158,7 @@ class _Handler(BaseHTTPRequestHandler):
             match = _JOB_ACTION.match(self.path)
             if not match or match.group(2) is not None:
                 return HTTPStatus.NOT_FOUND, {"error": f"no such resource {self.path}"}, ""
-            return HTTPStatus.OK, app.abort(int(match.group(1))), ""
+            return HTTPStatus.OK, app.abort(int(match.group(1))).to_json(), ""
 
         self._dispatch(route)
 

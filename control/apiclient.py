@@ -8,7 +8,7 @@ import json
 import socket
 from typing import Any
 
-from dataplane.errors import ReductionError
+from reduction_appliance.dataplane.errors import ReductionError
 
 __all__ = ["ApiError", "UnixApi"]
 

@@ -2,25 +2,66 @@
 
 Every rejection names the key and why, so `reductionctl check-config` and a failing
 `reductiond` start say exactly what to fix. Unknown keys are errors too: a typo must not silently
-fall back to a default.
+fall back to a default. Values that need parsing (networks, HOST:PORT pairs) are kept parsed in
+the tree (a field whose metadata has "parse" is a string in the file, `parse(text, key)` in the
+tree), so nothing downstream parses or validates them again; `to_toml` writes a tree back
+out (the labs configure their appliances that way, never with a second copy of the schema).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, NamedTuple, cast
 
-from dataplane.errors import ConfigError
-from dataplane.wire import HEADER_SIZE
+from reduction_appliance.dataplane.errors import ConfigError
+from reduction_appliance.dataplane.spec import KERNEL_BACKENDS
+from reduction_appliance.dataplane.wire import HEADER_SIZE
 
-__all__ = ["ApiConfig", "ApplianceConfig", "DataplaneConfig", "JobDefaults", "MetricsConfig",
-           "MulticastConfig", "load", "parse", "read_token", "split_host_port"]
+__all__ = ["KERNEL_CHOICES", "ApiConfig", "ApplianceConfig", "DataplaneConfig", "HostPort",
+           "JobDefaults", "MetricsConfig", "MulticastConfig", "load", "parse", "read_token",
+           "to_toml"]
 
 _IP_UDP_HEADERS = 28
 _MAX_UDP_PAYLOAD = 65507
+KERNEL_CHOICES = ("auto", *KERNEL_BACKENDS)
+
+
+class HostPort(NamedTuple):
+    """A listen address, parsed from "HOST:PORT"."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def _ip(value: str, key: str) -> str:
+    try:
+        ipaddress.IPv4Address(value)
+    except ValueError:
+        raise ConfigError(f"{key}: {value!r} is not an IPv4 address") from None
+    return value
+
+
+def _host_port(value: str, key: str) -> HostPort | None:
+    if not value:
+        return None
+    host, sep, port = value.rpartition(":")
+    if not (sep and port.isdigit() and 0 <= int(port) <= 65535):
+        raise ConfigError(f"{key}: expected HOST:PORT, got {value!r}")
+    return HostPort(_ip(host, key), int(port))
+
+
+def _network(value: str, key: str) -> ipaddress.IPv4Network:
+    try:
+        return ipaddress.IPv4Network(value)
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -35,7 +76,7 @@ class DataplaneConfig:
     segment_bytes: int = 0  # 0 = the largest that fits the MTU
     slot_memory_mb: int = 64  # per core: accumulators and results of every admitted job
     rx_buffers: int = 512
-    kernels: str = "auto"
+    kernels: str = "auto"  # one of KERNEL_CHOICES
     interface: str = ""  # data interface: checked and steered when set (see steering.py)
     dscp: int = 26  # DSCP class marked on data-plane datagrams (AF31)
 
@@ -61,7 +102,8 @@ class DataplaneConfig:
 @dataclass(frozen=True)
 class MulticastConfig:
     enabled: bool = True
-    groups: str = "239.255.0.0/16"
+    groups: ipaddress.IPv4Network = field(
+        default=ipaddress.IPv4Network("239.255.0.0/16"), metadata={"parse": _network})
     port: int = 7100
     interface_address: str = ""  # "" = the data address
     loop: bool = True  # also deliver results to workers on the appliance's own host
@@ -76,14 +118,17 @@ class JobDefaults:
 
 @dataclass(frozen=True)
 class ApiConfig:
-    listen: str = "127.0.0.1:7070"  # TCP, for workers; "" = no TCP API
+    # TCP, for workers; None ("" in the file) = no TCP API
+    listen: HostPort | None = field(default=HostPort("127.0.0.1", 7070),
+                                    metadata={"parse": _host_port})
     unix_socket: str = "/run/reduction-appliance/api.sock"  # for reductionctl; "" = none
     token_file: str = ""  # bearer token required on TCP; "" = no authentication (labs only)
 
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    listen: str = ""  # HOST:PORT of the Prometheus endpoint; "" = /metrics on the API only
+    # The Prometheus endpoint; None ("" in the file) = /metrics on the API only
+    listen: HostPort | None = field(default=None, metadata={"parse": _host_port})
 
 
 @dataclass(frozen=True)
@@ -94,6 +139,9 @@ class ApplianceConfig:
     api: ApiConfig = field(default_factory=ApiConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     source: str = "<defaults>"
+
+
+_SECTIONS = ("dataplane", "multicast", "jobs", "api", "metrics")
 
 
 def load(path: str | Path) -> ApplianceConfig:
@@ -111,16 +159,22 @@ def _section(raw: dict[str, Any], name: str, cls: type[Any]) -> dict[str, Any]:
     section = raw.get(name, {})
     if not isinstance(section, dict):
         raise ConfigError(f"[{name}] must be a table")
-    known = set(cls.__dataclass_fields__)
+    known = {f.name: f for f in fields(cls)}
     for key in section:
         if key not in known:
             raise ConfigError(f"{name}.{key}: unknown key (known: {', '.join(sorted(known))})")
     defaults = cls()
     values: dict[str, Any] = {}
-    for key in known:
+    for key, spec in known.items():
         default = getattr(defaults, key)
-        value = section.get(key, default)
-        if isinstance(default, bool):
+        if key not in section:
+            values[key] = default
+            continue
+        value = section[key]
+        parse = spec.metadata.get("parse")
+        if parse is not None:
+            ok = isinstance(value, str)
+        elif isinstance(default, bool):
             ok = isinstance(value, bool)
         elif isinstance(default, float):
             ok = isinstance(value, int | float) and not isinstance(value, bool)
@@ -133,8 +187,9 @@ def _section(raw: dict[str, Any], name: str, cls: type[Any]) -> dict[str, Any]:
         else:
             ok = isinstance(value, type(default))
         if not ok:
-            raise ConfigError(f"{name}.{key}: expected {type(default).__name__}, got {value!r}")
-        values[key] = value
+            wanted = "str" if parse is not None else type(default).__name__
+            raise ConfigError(f"{name}.{key}: expected {wanted}, got {value!r}")
+        values[key] = parse(value, f"{name}.{key}") if parse is not None else value
     return values
 
 
@@ -145,9 +200,8 @@ def _check(ok: bool, key: str, why: str) -> None:
 
 def parse(raw: dict[str, Any], source: str = "<memory>") -> ApplianceConfig:
     for key in raw:
-        if key not in ("dataplane", "multicast", "jobs", "api", "metrics"):
-            raise ConfigError(
-                f"{key}: unknown section (known: api, dataplane, jobs, metrics, multicast)")
+        if key not in _SECTIONS:
+            raise ConfigError(f"{key}: unknown section (known: {', '.join(sorted(_SECTIONS))})")
     dp = _section(raw, "dataplane", DataplaneConfig)
     cpus = dp["cpus"]
     _check(1 <= dp["cores"] <= 64, "dataplane.cores", "must be 1..64")
@@ -158,8 +212,11 @@ def parse(raw: dict[str, Any], source: str = "<memory>") -> ApplianceConfig:
                "dataplane.cpus", f"entries are CPU numbers >= 0, got {cpu!r}")
     dp["cpus"] = tuple(cast(int, c) for c in cpus)
     _check(dp["poll"] in ("busy", "adaptive"), "dataplane.poll", "must be busy or adaptive")
+    _check(dp["kernels"] in KERNEL_CHOICES, "dataplane.kernels",
+           f"must be one of {', '.join(KERNEL_CHOICES)}, got {dp['kernels']!r}")
     _check(1 <= dp["base_port"] <= 65535 - dp["cores"], "dataplane.base_port", "out of range")
     _check(576 <= dp["mtu"] <= 65535, "dataplane.mtu", "must be 576..65535")
+    _check(dp["spin_us"] >= 0, "dataplane.spin_us", "must be >= 0")
     _check(dp["slot_memory_mb"] >= 1, "dataplane.slot_memory_mb", "must be >= 1")
     _check(0 <= dp["dscp"] <= 63, "dataplane.dscp", "must be 0..63")
     _check(dp["rx_buffers"] >= 16, "dataplane.rx_buffers", "must be >= 16")
@@ -173,11 +230,9 @@ def parse(raw: dict[str, Any], source: str = "<memory>") -> ApplianceConfig:
            f"holds no slot pair of {dataplane.slot_pair_bytes} bytes")
 
     mc = MulticastConfig(**_section(raw, "multicast", MulticastConfig))
-    try:
-        groups = ipaddress.IPv4Network(mc.groups)
-    except ValueError as exc:
-        raise ConfigError(f"multicast.groups: {exc}") from exc
-    _check(groups.is_multicast, "multicast.groups", f"{mc.groups} is not a multicast range")
+    _check(mc.groups.is_multicast, "multicast.groups", f"{mc.groups} is not a multicast range")
+    _check(mc.groups.num_addresses >= 2, "multicast.groups",
+           "needs at least 2 addresses (the range's first is never handed out)")
     _check(1 <= mc.port <= 65535, "multicast.port", "out of range")
     if mc.interface_address:
         _ip(mc.interface_address, "multicast.interface_address")
@@ -189,27 +244,35 @@ def parse(raw: dict[str, Any], source: str = "<memory>") -> ApplianceConfig:
     _check(jobs.deadline_s > 0, "jobs.deadline_s", "must be > 0")
 
     api = ApiConfig(**_section(raw, "api", ApiConfig))
-    if api.listen:
-        _host_port(api.listen, "api.listen")
     _check(bool(api.listen or api.unix_socket), "api", "needs listen or unix_socket")
     if api.token_file:
-        _check(bool(api.listen), "api.token_file", "protects the TCP API; set api.listen")
+        _check(api.listen is not None, "api.token_file", "protects the TCP API; set api.listen")
     metrics = MetricsConfig(**_section(raw, "metrics", MetricsConfig))
-    if metrics.listen:
-        _host_port(metrics.listen, "metrics.listen")
     return ApplianceConfig(dataplane, mc, jobs, api, metrics, source)
 
 
-def split_host_port(value: str) -> tuple[str, int]:
-    host, _, port = value.rpartition(":")
-    return host, int(port)
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, tuple) and not isinstance(value, HostPort):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if value is None:
+        return '""'
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
 
 
-def _host_port(value: str, key: str) -> None:
-    host, sep, port = value.rpartition(":")
-    _check(bool(sep) and port.isdigit() and 0 <= int(port) <= 65535, key,
-           f"expected HOST:PORT, got {value!r}")
-    _ip(host, key)
+def to_toml(cfg: ApplianceConfig) -> str:
+    """The configuration as a TOML file that `parse` reads back to an equal tree."""
+    lines: list[str] = []
+    for name in _SECTIONS:
+        section = getattr(cfg, name)
+        lines.append(f"[{name}]")
+        lines.extend(f"{f.name} = {_toml_value(getattr(section, f.name))}"
+                     for f in fields(section))
+        lines.append("")
+    return "\n".join(lines)
 
 
 def read_token(cfg: ApplianceConfig) -> str | None:
@@ -225,10 +288,3 @@ def read_token(cfg: ApplianceConfig) -> str | None:
         raise ConfigError(f"api.token_file: {cfg.api.token_file} holds fewer than 16 "
                           "characters; use a long random token")
     return token
-
-
-def _ip(value: str, key: str) -> None:
-    try:
-        ipaddress.IPv4Address(value)
-    except ValueError:
-        raise ConfigError(f"{key}: {value!r} is not an IPv4 address") from None

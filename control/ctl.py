@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dataplane.errors import ConfigError, ReductionError
+from reduction_appliance.dataplane.errors import ConfigError, ReductionError
+from reduction_appliance.dataplane.units import format_size
 
 from . import steering
 from .apiclient import ApiError, UnixApi
@@ -29,14 +30,6 @@ def _api(args: argparse.Namespace) -> UnixApi:
     if args.config:
         path = load(args.config).api.unix_socket or path
     return UnixApi(path)
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
-        n /= 1000
-    raise AssertionError
 
 
 def _age(seconds: float | None) -> str:
@@ -59,7 +52,7 @@ def render_status(s: dict[str, Any]) -> str:
             f"{c['index']:>4} {c['pid'] or '-':>7} {c['cpu'] if c['cpu'] is not None else '-':>4} "
             f"{c['port']:>6} {c['state']:>10} {c['restarts']:>8} {c['packets_per_s']:>9.0f} "
             f"{c['bytes_per_s'] / 1e9:>8.3f} {k.get('packets_in', 0):>10} "
-            f"{_human_bytes(k.get('bytes_reduced', 0)):>10} {drops:>6} "
+            f"{format_size(k.get('bytes_reduced', 0)):>10} {drops:>6} "
             f"{c['busy_fraction'] * 100:>5.1f}%")
     lines.append("")
     if not s["jobs"]:
@@ -71,7 +64,7 @@ def render_status(s: dict[str, Any]) -> str:
             lagging = ", ".join(f"{r} ({w:.1f}s)" for r, w in j["lagging"].items()) or "-"
             lines.append(
                 f"{j['job_id']:>4} {j['name'][:16]:<16} {j['state']:<8} {j['world_size']:>5} "
-                f"{len(j['joined']):>6} {j['rounds']:>7} {_human_bytes(j['bytes_reduced']):>10} "
+                f"{len(j['joined']):>6} {j['rounds']:>7} {format_size(j['bytes_reduced']):>10} "
                 f"{_age(j['last_activity_s']):>14}  {lagging}")
             lines.extend(f"     ! {d}" for d in j.get("disruptions", []))
     lines.append("")

@@ -13,11 +13,11 @@ from collections.abc import Iterator
 from socketserver import BaseServer
 from types import FrameType
 
-from dataplane.errors import ReductionError
+from reduction_appliance.dataplane.errors import ReductionError
 
 from . import steering
 from .api import ApiServer, MetricsServer, UnixApiServer
-from .config import ApplianceConfig, load, read_token, split_host_port
+from .config import ApplianceConfig, load, read_token
 from .registry import Registry
 from .service import Appliance
 from .snapshot import InterfaceSnapshot
@@ -75,17 +75,16 @@ def serve(cfg: ApplianceConfig, stop: threading.Event) -> None:
 
         appliance = Appliance(Registry(cfg), supervisor, network_view=network_view)
         where = []
-        if cfg.api.listen:
-            tcp = stack.enter_context(ApiServer(split_host_port(cfg.api.listen), appliance, token))
+        if cfg.api.listen is not None:
+            tcp = stack.enter_context(ApiServer(cfg.api.listen, appliance, token))
             stack.enter_context(_serving(tcp, "api"))
             where.append(f"api {cfg.api.listen}{' (token)' if token else ''}")
         if cfg.api.unix_socket:
             unix = stack.enter_context(UnixApiServer(cfg.api.unix_socket, appliance))
             stack.enter_context(_serving(unix, "api-unix"))
             where.append(f"unix {cfg.api.unix_socket}")
-        if cfg.metrics.listen:
-            metrics = stack.enter_context(
-                MetricsServer(split_host_port(cfg.metrics.listen), appliance))
+        if cfg.metrics.listen is not None:
+            metrics = stack.enter_context(MetricsServer(cfg.metrics.listen, appliance))
             stack.enter_context(_serving(metrics, "metrics"))
             where.append(f"metrics {cfg.metrics.listen}")
         dp = cfg.dataplane

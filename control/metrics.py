@@ -38,7 +38,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from control.snapshot import ApplianceSnapshot, CoreSnapshot, JobSnapshot
+from reduction_appliance.control.snapshot import ApplianceSnapshot, CoreSnapshot, JobSnapshot
 
 __all__ = ["CONTENT_TYPE", "CORE_COUNTERS", "CORE_GAUGES", "SnapshotCollector", "render"]
 

@@ -22,18 +22,24 @@ Job states and the events that move them (anything else raises `IllegalTransitio
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from dataplane.aggregator import JobSpec
-from dataplane.errors import AdmissionError, ReductionError
+from reduction_appliance.dataplane.errors import (
+    AdmissionError,
+    BadRequest,
+    Conflict,
+    NotFound,
+)
+from reduction_appliance.dataplane.registration import EndpointInfo, JobDescription
+from reduction_appliance.dataplane.spec import JobSpec
 
 from .config import ApplianceConfig
 
 __all__ = [
     "ConflictError",
     "IllegalTransition",
+    "JobEvent",
     "JobPlan",
     "JobRequest",
     "JobState",
@@ -42,15 +48,15 @@ __all__ = [
 ]
 
 
-class ConflictError(AdmissionError):
+class ConflictError(Conflict):
     """A job of that name exists with a different spec: the ranks disagree. Fix the callers."""
 
 
-class UnknownJob(ReductionError):
+class UnknownJob(NotFound):
     """No job with that id (never created, or already removed)."""
 
 
-class IllegalTransition(ReductionError):
+class IllegalTransition(Conflict):
     """The event does not apply to the job's state (see the table in registry.py)."""
 
 
@@ -62,15 +68,22 @@ class JobState(Enum):
     EVICTED = "evicted"
 
 
-_TRANSITIONS: dict[tuple[JobState, str], JobState] = {
-    (JobState.CREATED, "join"): JobState.CREATED,  # ACTIVE when the last rank joins
-    (JobState.ACTIVE, "join"): JobState.ACTIVE,
-    (JobState.CREATED, "leave"): JobState.CREATED,
-    (JobState.ACTIVE, "leave"): JobState.ACTIVE,  # DONE when the last rank leaves
-    (JobState.CREATED, "abort"): JobState.ABORTED,
-    (JobState.ACTIVE, "abort"): JobState.ABORTED,
-    (JobState.CREATED, "idle"): JobState.EVICTED,
-    (JobState.ACTIVE, "idle"): JobState.EVICTED,
+class JobEvent(Enum):
+    JOIN = "join"
+    LEAVE = "leave"
+    ABORT = "abort"
+    IDLE = "idle"
+
+
+_TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {
+    (JobState.CREATED, JobEvent.JOIN): JobState.CREATED,  # ACTIVE when the last rank joins
+    (JobState.ACTIVE, JobEvent.JOIN): JobState.ACTIVE,
+    (JobState.CREATED, JobEvent.LEAVE): JobState.CREATED,
+    (JobState.ACTIVE, JobEvent.LEAVE): JobState.ACTIVE,  # DONE when the last rank leaves
+    (JobState.CREATED, JobEvent.ABORT): JobState.ABORTED,
+    (JobState.ACTIVE, JobEvent.ABORT): JobState.ABORTED,
+    (JobState.CREATED, JobEvent.IDLE): JobState.EVICTED,
+    (JobState.ACTIVE, JobEvent.IDLE): JobState.EVICTED,
 }
 GONE = frozenset({JobState.DONE, JobState.ABORTED, JobState.EVICTED})
 
@@ -93,21 +106,18 @@ class JobPlan:
     state: JobState = JobState.CREATED
     joined: frozenset[int] = field(default_factory=frozenset)
 
-    def describe(self, cfg: ApplianceConfig) -> dict[str, object]:
+    def describe(self, cfg: ApplianceConfig) -> JobDescription:
         """The registration answer a worker receives."""
         dp = cfg.dataplane
-        mc = self.spec.multicast
-        return {
-            "name": self.name, "job_id": self.spec.job_id, "cookie": self.spec.cookie,
-            "world_size": self.spec.world_size, "deterministic": self.spec.deterministic,
-            "segment_bytes": dp.max_payload, "state": self.state.value,
-            "joined": sorted(self.joined), "deadline_s": cfg.jobs.deadline_s,
-            "endpoints": [
-                {"core": i, "host": dp.address, "port": dp.base_port + i, "slots": self.spec.slots}
-                for i in range(dp.cores)
-            ],
-            "multicast": {"group": mc[0], "port": mc[1]} if mc else None,
-        }
+        return JobDescription(
+            name=self.name, job_id=self.spec.job_id, cookie=self.spec.cookie,
+            world_size=self.spec.world_size, deterministic=self.spec.deterministic,
+            segment_bytes=dp.max_payload, state=self.state.value,
+            joined=tuple(sorted(self.joined)), deadline_s=cfg.jobs.deadline_s,
+            endpoints=tuple(EndpointInfo(i, dp.address, dp.base_port + i, self.spec.slots)
+                            for i in range(dp.cores)),
+            multicast=self.spec.multicast,
+        )
 
 
 class Registry:
@@ -117,7 +127,7 @@ class Registry:
         self.cfg = cfg
         self._by_id: dict[int, JobPlan] = {}
         self._next_id = 1
-        groups = ipaddress.IPv4Network(cfg.multicast.groups)
+        groups = cfg.multicast.groups
         # Skip the range's first address: 239.x.0.0 style addresses confuse some switches.
         count = min(groups.num_addresses, 65536)
         self._groups = [str(groups.network_address + i) for i in range(1, count)]
@@ -144,9 +154,9 @@ class Registry:
         """Admit `request` (a plan to apply, then `commit`), return the existing plan when the
         same job registers again, or raise `AdmissionError` saying which budget it exceeds."""
         if not request.name or len(request.name) > 128:
-            raise AdmissionError("job name must be 1..128 characters")
+            raise BadRequest("job name must be 1..128 characters")
         if not 1 <= request.world_size <= 4096:
-            raise AdmissionError(f"world_size must be 1..4096, got {request.world_size}")
+            raise BadRequest(f"world_size must be 1..4096, got {request.world_size}")
         existing = self.find(request.name)
         if existing is not None:
             if existing.request != request:
@@ -157,7 +167,7 @@ class Registry:
         dp = self.cfg.dataplane
         slots = request.slots or self.cfg.jobs.slots
         if slots < 1:
-            raise AdmissionError(f"slots must be >= 1 per core, got {slots}")
+            raise BadRequest(f"slots must be >= 1 per core, got {slots}")
         free = dp.slot_capacity - self.slots_in_use()
         if slots > free:
             need_mib = slots * dp.slot_pair_bytes / 2**20
@@ -180,17 +190,17 @@ class Registry:
         self._by_id[plan.spec.job_id] = plan
         self._next_id = max(self._next_id, plan.spec.job_id + 1)
 
-    def _move(self, job_id: int, event: str) -> JobPlan:
+    def _move(self, job_id: int, event: JobEvent) -> JobPlan:
         plan = self.get(job_id)
         target = _TRANSITIONS.get((plan.state, event))
         if target is None:
-            raise IllegalTransition(f"job {job_id} is {plan.state.value}: cannot {event}")
+            raise IllegalTransition(f"job {job_id} is {plan.state.value}: cannot {event.value}")
         return replace(plan, state=target)
 
     def join(self, job_id: int, rank: int) -> JobPlan:
-        plan = self._move(job_id, "join")
+        plan = self._move(job_id, JobEvent.JOIN)
         if not 0 <= rank < plan.spec.world_size:
-            raise AdmissionError(f"rank {rank} outside world size {plan.spec.world_size}")
+            raise BadRequest(f"rank {rank} outside world size {plan.spec.world_size}")
         joined = plan.joined | {rank}
         state = JobState.ACTIVE if len(joined) == plan.spec.world_size else plan.state
         plan = replace(plan, joined=joined, state=state)
@@ -199,7 +209,7 @@ class Registry:
 
     def leave(self, job_id: int, rank: int) -> JobPlan:
         """A rank is done. Returns the plan; state DONE means remove the job now."""
-        plan = self._move(job_id, "leave")
+        plan = self._move(job_id, JobEvent.LEAVE)
         joined = plan.joined - {rank}
         state = JobState.DONE if plan.state is JobState.ACTIVE and not joined else plan.state
         plan = replace(plan, joined=joined, state=state)
@@ -207,7 +217,7 @@ class Registry:
         return plan
 
     def abort(self, job_id: int) -> JobPlan:
-        plan = self._move(job_id, "abort")
+        plan = self._move(job_id, JobEvent.ABORT)
         self._record(plan)
         return plan
 
@@ -220,7 +230,7 @@ class Registry:
             seen = last_activity.get(job_id)
             since = plan.created if seen is None else max(seen, plan.created)
             if now - since >= limit:
-                gone = self._move(job_id, "idle")
+                gone = self._move(job_id, JobEvent.IDLE)
                 self._record(gone)
                 evicted.append(gone)
         return evicted

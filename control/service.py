@@ -9,8 +9,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dataplane.counters import Counter
-from dataplane.errors import ReductionError
+from reduction_appliance.dataplane.counters import Counter
+from reduction_appliance.dataplane.errors import BadRequest, Unavailable
+from reduction_appliance.dataplane.registration import JobDescription
 
 from .registry import JobPlan, JobRequest, JobState, Registry
 from .snapshot import ApplianceSnapshot, CoreSnapshot, InterfaceSnapshot, JobSnapshot
@@ -21,7 +22,7 @@ __all__ = ["VERSION", "Appliance", "Draining"]
 VERSION = "0.1.0"
 
 
-class Draining(ReductionError):
+class Draining(Unavailable):
     """The appliance is shutting down and takes no new jobs."""
 
 
@@ -52,7 +53,7 @@ class Appliance:
         return self.registry.cfg
 
     # ---- job lifecycle ----
-    def create_job(self, body: dict[str, Any]) -> dict[str, object]:
+    def create_job(self, body: dict[str, Any]) -> JobDescription:
         request = parse_request(body)
         with self._lock:
             if self.draining:
@@ -63,27 +64,33 @@ class Appliance:
                 self.registry.commit(plan)
         return plan.describe(self.cfg)
 
-    def join(self, job_id: int, rank: int) -> dict[str, object]:
+    def join(self, job_id: int, rank: int) -> JobDescription:
         with self._lock:
             return self.registry.join(job_id, rank).describe(self.cfg)
 
-    def leave(self, job_id: int, rank: int) -> dict[str, object]:
+    def leave(self, job_id: int, rank: int) -> JobDescription:
         with self._lock:
             plan = self.registry.leave(job_id, rank)
             if plan.state is JobState.DONE:
                 self.supervisor.remove_job(job_id)
         return plan.describe(self.cfg)
 
-    def abort(self, job_id: int) -> dict[str, object]:
+    def abort(self, job_id: int) -> JobDescription:
         """Remove the job; its workers are told (ABORTED) and fail at once."""
         with self._lock:
             plan = self.registry.abort(job_id)
             self.supervisor.remove_job(job_id, abort=True)
         return plan.describe(self.cfg)
 
-    def job(self, job_id: int) -> dict[str, object]:
+    def job(self, job_id: int) -> JobDescription:
+        """One job as listings show it (no cookie)."""
         with self._lock:
-            return self.registry.get(job_id).describe(self.cfg)
+            return self.registry.get(job_id).describe(self.cfg).public()
+
+    def jobs(self) -> list[JobDescription]:
+        """Every job, as one snapshot taken under the lock (no cookies)."""
+        with self._lock:
+            return [p.describe(self.cfg).public() for p in self.registry.jobs]
 
     def evict_idle(self) -> list[JobPlan]:
         with self._lock:
@@ -132,8 +139,9 @@ class Appliance:
         for plan in plans:
             job_id = plan.spec.job_id
             act = _Activity(job_id)
-            for core_now, stats in per_core:
-                st = stats.get(job_id)
+            for core in per_core:
+                core_now = core.now
+                st = core.jobs.get(job_id)
                 if st is None:
                     continue
                 act.rounds = max(act.rounds, st.rounds)
@@ -175,7 +183,8 @@ class Appliance:
             cores.append(CoreSnapshot(
                 index=core.config.index,
                 pid=core.process.pid if core.process is not None else None,
-                cpu=core.config.cpu, port=core.config.bind[1], state=core.state,
+                cpu=core.config.cpu, port=core.config.bind[1], state=core.state.value,
+                kernels=core.kernels,
                 restarts=core.restarts, counters=counters,
                 busy_fraction=core.counters[Counter.POLL_BUSY_LOOPS] / loops if loops else 0.0,
                 packets_per_s=self._rates.get(core.config.index, (0.0, 0.0))[0],
@@ -208,21 +217,21 @@ class _Activity:
 
 
 def parse_request(body: dict[str, Any]) -> JobRequest:
-    """A job request from its JSON body; ValueError says what is wrong."""
+    """A job request from its JSON body; `BadRequest` says what is wrong."""
     known = {"name", "world_size", "deterministic", "multicast", "slots"}
     unknown = sorted(set(body) - known)
     if unknown:
-        raise ValueError(f"unknown fields {unknown}; known: {sorted(known)}")
+        raise BadRequest(f"unknown fields {unknown}; known: {sorted(known)}")
     if "name" not in body or "world_size" not in body:
-        raise ValueError("a job needs name and world_size")
+        raise BadRequest("a job needs name and world_size")
     name, world, slots = body["name"], body["world_size"], body.get("slots", 0)
     if not isinstance(name, str):
-        raise ValueError("name must be a string")
+        raise BadRequest("name must be a string")
     for key, value in (("world_size", world), ("slots", slots)):
         if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"{key} must be an integer, got {value!r}")
+            raise BadRequest(f"{key} must be an integer, got {value!r}")
     for key in ("deterministic", "multicast"):
         if not isinstance(body.get(key, False), bool):
-            raise ValueError(f"{key} must be true or false")
+            raise BadRequest(f"{key} must be true or false")
     return JobRequest(name, world, bool(body.get("deterministic", False)),
                       bool(body.get("multicast", True)), slots)

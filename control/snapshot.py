@@ -19,12 +19,13 @@ class CoreSnapshot:
     pid: int | None
     cpu: int | None  # pinned CPU, None when unpinned
     port: int
-    state: str  # "running", "restarting", "stopped"
+    state: str  # dataplane.spec.CoreState value: starting, running, restarting, stopped
     restarts: int
     counters: dict[str, int]  # dataplane.counters.Counter names, lower case
     busy_fraction: float  # poll loops that found work / all poll loops, since start
     packets_per_s: float = 0.0  # received, over the last sampling second
     bytes_per_s: float = 0.0  # received, over the last sampling second
+    kernels: str = ""  # the reduce-kernel backend the core chose
 
 
 @dataclass(frozen=True)

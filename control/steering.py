@@ -36,10 +36,10 @@ from typing import Any
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
-from control.config import ApplianceConfig
-from control.snapshot import InterfaceSnapshot
-from dataplane.errors import ConfigError, ReductionError
-from dataplane.wire import HEADER_SIZE
+from reduction_appliance.control.config import ApplianceConfig
+from reduction_appliance.control.snapshot import InterfaceSnapshot
+from reduction_appliance.dataplane.errors import ConfigError, ReductionError
+from reduction_appliance.dataplane.wire import HEADER_SIZE
 
 __all__ = [
     "IP_UDP_HEADERS",
@@ -67,7 +67,6 @@ _SCOPE_LINK = 253  # RT_SCOPE_LINK: the range is reached directly on the interfa
 _IFF_UP = 0x1
 _IFF_MULTICAST = 0x1000
 _AF_INET = 2
-_MAX_DSCP = 63
 _INFINIBAND = Path("/sys/class/infiniband")
 _MULTICAST = ipaddress.IPv4Network("224.0.0.0/4")
 # Per-hop behaviour names, so notes and status say "EF" rather than a bare number (RFC 4594).
@@ -129,7 +128,7 @@ Rule = MulticastRoute | PortToQueue
 class SteeringInputs:
     ifname: str  # the data interface
     segment_bytes: int  # payload bytes per datagram (dataplane.max_payload)
-    group_range: str  # multicast.groups
+    group_range: ipaddress.IPv4Network  # multicast.groups
     base_port: int  # core i listens on base_port + i
     cores: int
     dscp: int | None  # DSCP class of data traffic (46 EF, 26 AF31, ...); None: unmarked
@@ -162,26 +161,12 @@ class SteeringPlan:
 
 
 def plan(dataplane: SteeringInputs) -> SteeringPlan:
-    """Decide the steering rules for a data plane. Pure: no I/O, same inputs, same plan."""
+    """Decide the steering rules for a data plane. Pure: no I/O, same inputs, same plan. The
+    inputs come from a loaded config (`from_config`), whose loader validated every value."""
     dp = dataplane
     if not dp.ifname:
         raise ConfigError("steering: the data interface name is empty")
-    if dp.cores < 1:
-        raise ConfigError(f"dataplane.cores: must be >= 1, got {dp.cores}")
-    if not 1 <= dp.base_port <= 65535 - dp.cores + 1:
-        raise ConfigError(f"dataplane.base_port: {dp.base_port} + {dp.cores} cores leaves 1..65535")
-    if dp.segment_bytes < 1:
-        raise ConfigError(f"dataplane.segment_bytes: must be >= 1, got {dp.segment_bytes}")
-    if dp.dscp is not None and not 0 <= dp.dscp <= _MAX_DSCP:
-        raise ConfigError(f"steering dscp: must be 0..{_MAX_DSCP}, got {dp.dscp}")
-    try:
-        groups = ipaddress.IPv4Network(dp.group_range)
-    except ValueError as exc:
-        raise ConfigError(f"multicast.groups: {exc}") from exc
-    if not groups.subnet_of(_MULTICAST):
-        raise ConfigError(f"multicast.groups: {dp.group_range} is not a multicast range")
-
-    rules: list[Rule] = [MulticastRoute(str(groups), dp.ifname)]
+    rules: list[Rule] = [MulticastRoute(str(dp.group_range), dp.ifname)]
     notes: list[str] = []
     queues = "RX queue" if dp.rx_queues == 1 else "RX queues"
     if dp.cores == 1:
@@ -307,10 +292,9 @@ def _describe_route(prefix: str, ifname: str) -> str:
     return MulticastRoute(prefix, ifname).describe()
 
 
-def current(ifname: str, group_range: str, netns: str | None = None) -> list[str]:
-    """Descriptions of the installed rules for ``ifname`` that concern ``group_range``: the
+def current(ifname: str, groups: ipaddress.IPv4Network, netns: str | None = None) -> list[str]:
+    """Descriptions of the installed rules for ``ifname`` that concern ``groups``: the
     multicast routes in the main table inside the range, on that interface."""
-    groups = ipaddress.IPv4Network(group_range)
     with _ipr(netns) as ipr:
         index = _index(ipr, ifname)
         if index is None:

@@ -1,53 +1,90 @@
 """Starts the data-plane processes, one per configured core, keeps them alive, and talks to them.
 
 Each core gets a pipe (its mailbox) and a small shared-memory array (its counters, which only it
-writes). A monitor thread waits on the processes: a core that dies is restarted with
+writes). Requests carry an id and the reply must carry it back (`dataplane.spec`): a reply that
+arrives after its request gave up is recognised and dropped, so replies can never slip out of
+step with requests. A monitor thread waits on the processes: a core that dies is restarted with
 exponential backoff, gets every current job again, and the event is recorded for the jobs that
 had traffic on it (status shows it; their workers either complete by retransmission to the new
 process, or get a clear timeout error naming that core). `Supervisor` is a context manager:
 leaving it stops every core and frees the memory.
+
+A core's states and what moves them (`_TRANSITIONS`; anything else raises)::
+
+    STARTING   --ready------>  RUNNING
+    RUNNING    --died------->  RESTARTING
+    RESTARTING --ready------>  RUNNING
+    RESTARTING --failed----->  RESTARTING   (the next attempt waits longer)
+    any        --stop------->  STOPPED
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import multiprocessing as mp
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from multiprocessing.shared_memory import SharedMemory
 from types import TracebackType
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
-from dataplane.aggregator import JobSpec, JobStats
-from dataplane.counters import N_COUNTERS, Counters
-from dataplane.errors import AdmissionError, ReductionError
-from dataplane.loop import (
+from reduction_appliance.dataplane.counters import N_COUNTERS, Counters
+from reduction_appliance.dataplane.errors import CoreFailure, ReductionError, Unavailable
+from reduction_appliance.dataplane.loop import run_core
+from reduction_appliance.dataplane.spec import (
     AbortJob,
     AddJob,
+    Command,
     CoreConfig,
-    Message,
+    CoreState,
+    CoreStats,
+    ErrorReport,
+    JobSpec,
     QueryStats,
+    Ready,
     RemoveJob,
+    Reply,
+    Request,
     Stop,
-    run_core,
 )
 
 from .config import ApplianceConfig
 
-__all__ = ["CoreHandle", "CoreUnavailable", "Supervisor"]
+__all__ = ["CoreHandle", "CoreUnavailable", "Disruption", "Supervisor"]
 
-_REPLY_TIMEOUT_S = 30.0  # a spawned core imports numpy (and torch) before it answers
+R = TypeVar("R")
+
+_READY_TIMEOUT_S = 30.0  # a spawned core imports numpy (and torch) before it answers
+_REPLY_TIMEOUT_S = 10.0  # a running core answers between bursts: milliseconds normally
 _BACKOFF_FIRST_S = 0.2
 _BACKOFF_MAX_S = 10.0
 _STABLE_S = 30.0  # running this long resets the backoff
 
 
-class CoreUnavailable(ReductionError):
+class _Event(Enum):
+    READY = "ready"
+    DIED = "died"
+    FAILED = "failed"
+    STOP = "stop"
+
+
+_TRANSITIONS: dict[tuple[CoreState, _Event], CoreState] = {
+    (CoreState.STARTING, _Event.READY): CoreState.RUNNING,
+    (CoreState.RUNNING, _Event.DIED): CoreState.RESTARTING,
+    (CoreState.RESTARTING, _Event.READY): CoreState.RUNNING,
+    (CoreState.RESTARTING, _Event.FAILED): CoreState.RESTARTING,
+    **{(state, _Event.STOP): CoreState.STOPPED for state in CoreState},
+}
+
+
+class CoreUnavailable(Unavailable):
     """A data-plane core is not running right now (restarting after a crash). Retry shortly."""
 
 
@@ -59,10 +96,18 @@ class CoreHandle:
     lock: threading.Lock = field(default_factory=threading.Lock)
     process: BaseProcess | None = None
     mailbox: Connection | None = None
-    state: str = "starting"  # starting, running, restarting, stopped
+    state: CoreState = CoreState.STARTING
     restarts: int = 0
     started_at: float = 0.0
     last_exit: str = ""
+    kernels: str = ""  # the reduce-kernel backend the core chose
+
+    def move(self, event: _Event) -> None:
+        target = _TRANSITIONS.get((self.state, event))
+        if target is None:
+            raise AssertionError(f"core {self.config.index} is {self.state.value}: "
+                                 f"{event.value} is not a transition")
+        self.state = target
 
 
 @dataclass(frozen=True)
@@ -82,6 +127,7 @@ class Supervisor:
         self._stopping = threading.Event()
         self._jobs_lock = threading.Lock()
         self._monitor: threading.Thread | None = None
+        self._ids = itertools.count(1)
 
     def core_configs(self) -> list[CoreConfig]:
         dp = self.cfg.dataplane
@@ -122,8 +168,23 @@ class Supervisor:
         core.process, core.mailbox = process, ours
 
     def _await_ready(self, core: CoreHandle) -> None:
-        self._expect(core, "ready")
-        core.state = "running"
+        """Wait for the core's Ready; raise what it reported instead (a bad kernel backend is
+        the operator's `ConfigError`), or that it never answered."""
+        assert core.mailbox is not None
+        index = core.config.index
+        if not core.mailbox.poll(_READY_TIMEOUT_S):
+            raise CoreFailure(f"data-plane core {index} did not start within "
+                              f"{_READY_TIMEOUT_S:g} s")
+        try:
+            first = core.mailbox.recv()
+        except (EOFError, OSError) as exc:
+            raise CoreFailure(f"data-plane core {index} died while starting") from exc
+        if isinstance(first, ErrorReport):
+            raise first.exception(index)
+        if not isinstance(first, Ready):
+            raise CoreFailure(f"data-plane core {index} sent {first!r} instead of Ready")
+        core.kernels = first.kernels
+        core.move(_Event.READY)
         core.started_at = time.monotonic()
 
     def _watch(self) -> None:
@@ -131,11 +192,11 @@ class Supervisor:
         failures = [0] * len(self.cores)
         while not self._stopping.is_set():
             sentinels = {c.process.sentinel: c for c in self.cores
-                         if c.process is not None and c.state == "running"}
+                         if c.process is not None and c.state is CoreState.RUNNING}
             for ready in wait(list(sentinels), timeout=0.5):
                 if self._stopping.is_set():
                     return
-                core = sentinels[ready]  # type: ignore[index]
+                core = sentinels[cast(int, ready)]
                 assert core.process is not None
                 core.process.join(timeout=1)  # reap it: exitcode is None until then
                 code = core.process.exitcode
@@ -148,35 +209,44 @@ class Supervisor:
         if time.monotonic() - core.started_at > _STABLE_S:
             failures[i] = 0
         with core.lock:
-            core.state = "restarting"
+            core.move(_Event.DIED)
             core.restarts += 1
-            if core.mailbox is not None:
-                core.mailbox.close()
             with self._jobs_lock:
                 for job_id in self.jobs:
                     self.disruptions.setdefault(job_id, []).append(
                         Disruption(i, time.time(), f"core {i} {core.last_exit}; restarted"))
+        while core.state is CoreState.RESTARTING:
             delay = min(_BACKOFF_MAX_S, _BACKOFF_FIRST_S * 2 ** failures[i])
             failures[i] += 1
             if self._stopping.wait(delay):
                 return
-            try:
-                self._spawn(core)
-                self._await_ready(core)
-                with self._jobs_lock:
-                    specs = list(self.jobs.values())
-                for spec in specs:
-                    self._send(core, AddJob(spec))
-            except (ReductionError, OSError) as exc:
-                core.last_exit = f"restart failed: {exc}"
-                core.state = "running"  # the watcher sees the dead process and tries again
+            with core.lock:
+                if core.mailbox is not None:
+                    core.mailbox.close()
+                    core.mailbox = None
+                started = False
+                try:
+                    self._spawn(core)
+                    self._await_ready(core)
+                    started = True
+                    with self._jobs_lock:
+                        specs = list(self.jobs.values())
+                    for spec in specs:
+                        self._exchange(core, AddJob(spec))
+                except (ReductionError, OSError) as exc:
+                    core.last_exit = f"restart failed: {exc}"
+                    core.move(_Event.DIED if started else _Event.FAILED)
+                    if core.process is not None:
+                        core.process.kill()
+                        core.process.join()
 
     def stop(self) -> None:
         self._stopping.set()
         if self._monitor is not None:
             self._monitor.join()
         for core in self.cores:
-            if core.process is not None and core.process.is_alive() and core.state == "running":
+            if (core.process is not None and core.process.is_alive()
+                    and core.state is CoreState.RUNNING):
                 with contextlib.suppress(ReductionError, OSError):
                     self.ask(core, Stop())
             if core.process is not None:
@@ -186,7 +256,7 @@ class Supervisor:
                     core.process.join()
             if core.mailbox is not None:
                 core.mailbox.close()
-            core.state = "stopped"
+            core.move(_Event.STOP)
         for core in self.cores:
             core.counters = Counters()  # drop the view before closing the shared memory
             core.memory.close()
@@ -207,35 +277,46 @@ class Supervisor:
         self.stop()
 
     # ---- mailbox ----
-    def _expect(self, core: CoreHandle, status: str) -> object:
-        assert core.mailbox is not None
-        if not core.mailbox.poll(_REPLY_TIMEOUT_S):
-            alive = core.process is not None and core.process.is_alive()
-            raise ReductionError(f"data-plane core {core.config.index} did not answer "
-                                 f"within {_REPLY_TIMEOUT_S:g} s (alive: {alive})")
+    def _exchange(self, core: CoreHandle, command: Command[R]) -> R:
+        """Send one request and wait for its reply (the caller holds core.lock). Replies to
+        requests that gave up earlier are recognised by their id and dropped."""
+        mailbox = core.mailbox
+        index = core.config.index
+        if mailbox is None:
+            raise CoreUnavailable(f"data-plane core {index} is {core.state.value}")
+        request = Request(next(self._ids), command)
         try:
-            got, value = core.mailbox.recv()
-        except (EOFError, OSError) as exc:
-            raise CoreUnavailable(f"data-plane core {core.config.index} died") from exc
-        if got == "error":
-            raise AdmissionError(f"core {core.config.index}: {value}")
-        if got != status:
-            raise ReductionError(f"core {core.config.index} answered {got!r}, not {status!r}")
-        return value
-
-    def _send(self, core: CoreHandle, msg: Message) -> object:
-        assert core.mailbox is not None
-        try:
-            core.mailbox.send(msg)
+            mailbox.send(request)
         except OSError as exc:
-            raise CoreUnavailable(f"data-plane core {core.config.index} died") from exc
-        return self._expect(core, "ok")
+            raise CoreUnavailable(f"data-plane core {index} died") from exc
+        deadline = time.monotonic() + _REPLY_TIMEOUT_S
+        while True:
+            if not mailbox.poll(max(0.0, deadline - time.monotonic())):
+                alive = core.process is not None and core.process.is_alive()
+                raise CoreUnavailable(f"data-plane core {index} did not answer "
+                                      f"{type(command).__name__} within {_REPLY_TIMEOUT_S:g} s "
+                                      f"(alive: {alive})")
+            try:
+                reply = mailbox.recv()
+            except (EOFError, OSError) as exc:
+                raise CoreUnavailable(f"data-plane core {index} died") from exc
+            if isinstance(reply, Reply) and reply.id == request.id:
+                break
+            if not isinstance(reply, Reply) or reply.id > request.id:
+                raise CoreFailure(f"core {index} sent {reply!r} while {request.id} was asked")
+        if reply.error is not None:
+            raise reply.error.exception(index)
+        if not isinstance(reply.value, command.reply_type):
+            raise CoreFailure(f"core {index} answered {type(command).__name__} with "
+                              f"{type(reply.value).__name__}, not {command.reply_type.__name__}")
+        return cast(R, reply.value)
 
-    def ask(self, core: CoreHandle, msg: Message) -> object:
+    def ask(self, core: CoreHandle, command: Command[R]) -> R:
         with core.lock:
-            if core.state != "running":
-                raise CoreUnavailable(f"data-plane core {core.config.index} is {core.state}")
-            return self._send(core, msg)
+            if core.state is not CoreState.RUNNING:
+                raise CoreUnavailable(f"data-plane core {core.config.index} is "
+                                      f"{core.state.value}")
+            return self._exchange(core, command)
 
     # ---- jobs (all cores or none) ----
     def add_job(self, spec: JobSpec) -> None:
@@ -262,11 +343,10 @@ class Supervisor:
             with contextlib.suppress(CoreUnavailable):  # a restarting core gets the new list
                 self.ask(core, AbortJob(job_id) if abort else RemoveJob(job_id))
 
-    def stats(self, job_ids: tuple[int, ...]) -> list[tuple[float, dict[int, JobStats | None]]]:
-        """Per running core: (its monotonic now, job id -> stats)."""
-        out: list[tuple[float, dict[int, JobStats | None]]] = []
+    def stats(self, job_ids: tuple[int, ...]) -> list[CoreStats]:
+        """What every running core says about these jobs."""
+        out: list[CoreStats] = []
         for core in self.cores:
             with contextlib.suppress(CoreUnavailable):
-                reply = self.ask(core, QueryStats(job_ids))
-                out.append(cast(tuple[float, dict[int, JobStats | None]], reply))
+                out.append(self.ask(core, QueryStats(job_ids)))
         return out

@@ -1,7 +1,7 @@
 """Sans-I/O aggregation core of one data-plane core: datagrams in, datagrams to send out.
 
-No sockets, no clock: the transport hands in a decoded header, the payload length it received
-into `rx_view()`, the sender's address, and gets back a list of `Send` decisions to apply.
+No sockets, no clock: the transport hands in an `RxBatch` (datagrams already in receive-pool
+buffers, with their sources) and the time, and gets back a list of `Send` decisions to apply.
 
 Slot protocol (after SwitchML, without its limits):
 
@@ -19,61 +19,68 @@ Slot protocol (after SwitchML, without its limits):
   and dropped. A newer round arriving at a slot still filling an older round means that round was
   abandoned by its workers (they timed out); the slot is recycled and `ABANDONED` counted.
 
-Slot states per copy (the table the code follows)::
+The states of one slot copy and what moves them (`_COPY_TRANSITIONS`; anything else raises)::
 
-    EMPTY   --first contribution of a newer tag-->  FILLING
-    FILLING --contribution, count < world------->   FILLING
-    FILLING --last contribution----------------->   COMPLETE   (send result once)
-    COMPLETE --retransmission of the same tag--->   COMPLETE   (resend result to that worker)
-    COMPLETE/FILLING --reused for a newer tag--->   FILLING
+    EMPTY    --first contribution of a newer tag-->  FILLING
+    FILLING  --contribution, count < world------->   FILLING
+    FILLING  --last contribution----------------->   COMPLETE   (send the result once)
+    COMPLETE --retransmission of the same tag---->   COMPLETE   (resend it to that worker)
+    FILLING/COMPLETE --reused for a newer tag---->   FILLING
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import NamedTuple
+from enum import Enum
 
 import numpy as np
 from numpy.typing import NDArray
 
 from .counters import Counter, Counters
-from .errors import AdmissionError
+from .errors import AdmissionError, PeerError
 from .reduce import KernelTable, SegmentKernel
-from .slots import SlotArena
-from .wire import HEADER_SIZE, ITEMSIZE, DType, Flags, Header, Kind, Op, pack_into
+from .slots import RxPool, SlotArena
+from .spec import Address, JobSpec, JobStats
+from .transport import RxBatch, Send
+from .wire import HEADER_SIZE, ITEMSIZE, DType, Flags, Header, Kind, Op, pack_into, unpack
 
-__all__ = ["Address", "Aggregator", "JobSpec", "JobStats", "Send"]
-
-Address = tuple[str, int]
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """What one core needs to know about a job. `multicast` None means unicast fan-out."""
-
-    job_id: int
-    cookie: int
-    world_size: int
-    slots: int
-    deterministic: bool = False
-    multicast: Address | None = None
+__all__ = ["Aggregator", "CopyState"]
 
 
-class Send(NamedTuple):
-    """One datagram to transmit: header then payload, gathered by the transport."""
+class CopyState(Enum):
+    EMPTY = "empty"
+    FILLING = "filling"
+    COMPLETE = "complete"
 
-    dest: Address
-    header: bytes | bytearray
-    payload: memoryview | bytes
+
+class _Event(Enum):
+    START = "start"  # first contribution of a newer tag
+    ADD = "add"  # one more contribution, not the last
+    LAST = "last"  # the contribution that makes it whole
+
+
+_COPY_TRANSITIONS: dict[tuple[CopyState, _Event], CopyState] = {
+    (CopyState.EMPTY, _Event.START): CopyState.FILLING,
+    (CopyState.FILLING, _Event.START): CopyState.FILLING,  # an abandoned round recycled
+    (CopyState.COMPLETE, _Event.START): CopyState.FILLING,
+    (CopyState.FILLING, _Event.ADD): CopyState.FILLING,
+    (CopyState.FILLING, _Event.LAST): CopyState.COMPLETE,
+}
+
+
+def _move(state: CopyState, event: _Event) -> CopyState:
+    target = _COPY_TRANSITIONS.get((state, event))
+    if target is None:  # our bug: the datagram path checks the state before it moves it
+        raise AssertionError(f"slot copy {state.value}: {event.value} is not a transition")
+    return target
 
 
 class _Copy:
     """One of a slot's two copies."""
 
     __slots__ = (
-        "acc", "acc_n", "arrived", "complete", "count", "dtype", "header", "held", "kernel",
-        "length", "next_rank", "offset", "op", "out", "result", "round", "slot", "started",
+        "acc", "acc_n", "arrived", "count", "dtype", "header", "held", "kernel", "length",
+        "next_rank", "offset", "op", "out", "result", "round", "slot", "started", "state",
     )
 
     def __init__(self, slot: int, acc: NDArray[np.float32], out: NDArray[np.uint8]) -> None:
@@ -92,7 +99,7 @@ class _Copy:
         self.count = 0
         self.next_rank = 0  # deterministic mode: ranks [0, next_rank) are summed into acc
         self.held: dict[int, int] = {}  # deterministic mode: rank -> receive buffer index
-        self.complete = False
+        self.state = CopyState.EMPTY
         self.started = 0.0  # `now` when the current segment's first contribution came
         self.result: memoryview = memoryview(b"")
 
@@ -121,18 +128,8 @@ class _Job:
         self.last_activity: float | None = None
 
 
-@dataclass(frozen=True)
-class JobStats:
-    """One core's view of one job, for status and metrics."""
-
-    rounds: int
-    bytes_reduced: int
-    segments_reduced: int
-    last_activity: float | None  # the `now` of its last accepted contribution
-    waiting: dict[int, float]  # rank -> since when (a `now`) some filling segment waits for it
-
-
 _TOMBSTONES = 1024  # aborted jobs remembered, so their workers hear why instead of timing out
+_RECEIVE_RESERVE = 64  # receive buffers never held back: a full burst always has somewhere to go
 
 
 class Aggregator:
@@ -146,9 +143,7 @@ class Aggregator:
         self._jobs: dict[int, _Job] = {}
         self._aborted: OrderedDict[int, int] = OrderedDict()  # job id -> cookie
         self._cells = counters.cells
-        rx = self._pool.take()
-        assert rx is not None
-        self._rx = rx
+        self._reserve = min(_RECEIVE_RESERVE, len(self._pool) // 2)
 
     # ---- job table (driven by the control plane through the mailbox) ----
     def add_job(self, spec: JobSpec) -> None:
@@ -198,6 +193,11 @@ class Aggregator:
         self._cells[Counter.SLOTS_IN_USE] -= job.spec.slots
 
     @property
+    def pool(self) -> RxPool:
+        """The receive buffers transports must receive into (ours: see `on_batch`)."""
+        return self._pool
+
+    @property
     def job_ids(self) -> list[int]:
         return list(self._jobs)
 
@@ -208,7 +208,7 @@ class Aggregator:
         waiting: dict[int, float] = {}
         for slot in job.slots:
             copy = slot.copies[slot.latest]
-            if copy.round < 0 or copy.complete:
+            if copy.state is not CopyState.FILLING:
                 continue
             missing = job.all_ranks & ~copy.arrived
             for rank in range(job.spec.world_size):
@@ -218,36 +218,54 @@ class Aggregator:
                         job.last_activity, waiting)
 
     # ---- datagram path ----
-    def rx_view(self) -> memoryview:
-        """Where the transport must receive the next payload."""
-        return self._pool.views[self._rx]
+    def on_batch(self, batch: RxBatch, now: float) -> list[Send]:
+        """Take in the datagrams of `batch` (their buffers are ours now: each goes back to the
+        pool unless a deterministic job holds it) and return what to send."""
+        out: list[Send] = []
+        pool = self._pool
+        cells = self._cells
+        for index, nbytes, source in zip(batch.index, batch.nbytes, batch.source, strict=True):
+            try:
+                h = unpack(pool.views[index])
+            except PeerError:
+                cells[Counter.DROP_MALFORMED] += 1
+                pool.release(index)
+                continue
+            if h.kind is not Kind.CONTRIBUTION:
+                cells[Counter.DROP_MALFORMED] += 1
+                pool.release(index)
+                continue
+            if not self._contribution(h, index, nbytes - HEADER_SIZE, source, now, out):
+                pool.release(index)
+        return out
 
-    def on_contribution(
-        self, h: Header, received: int, source: Address, now: float = 0.0
-    ) -> list[Send]:
-        """`received` payload bytes of the datagram headed `h` now sit in `rx_view()`."""
+    def _contribution(self, h: Header, index: int, received: int, source: Address,
+                      now: float, out: list[Send]) -> bool:
+        """Handle one contribution whose datagram sits in buffer `index`; True when a
+        deterministic job keeps that buffer."""
         cells = self._cells
         job = self._jobs.get(h.job_id)
         if job is None:
             if self._aborted.get(h.job_id) == h.cookie:
                 cells[Counter.ABORT_NOTICES] += 1
-                return [self._notice(Kind.ABORTED, h, source)]
+                out.append(self._notice(Kind.ABORTED, h, source))
+                return False
             cells[Counter.DROP_UNKNOWN_JOB] += 1
-            return []
+            return False
         spec = job.spec
         if h.cookie != spec.cookie:
             cells[Counter.DROP_BAD_COOKIE] += 1
-            return []
-        if h.kind is not Kind.CONTRIBUTION or h.rank >= spec.world_size:
+            return False
+        if h.rank >= spec.world_size:
             cells[Counter.DROP_BAD_RANK] += 1
-            return []
+            return False
         if h.slot >= spec.slots:
             cells[Counter.DROP_BAD_SLOT] += 1
-            return []
+            return False
         if (received != h.length or received == 0 or received % ITEMSIZE[h.dtype]
                 or received > self._arena.max_payload):
             cells[Counter.DROP_BAD_LENGTH] += 1
-            return []
+            return False
         if job.addresses[h.rank] != source:
             job.addresses[h.rank] = source
         job.last_activity = now
@@ -260,32 +278,34 @@ class Aggregator:
         elif other.round == h.round and other.offset == h.offset:
             copy = other
         else:
-            return self._start_use(job, slot, h, now)
+            return self._start_use(job, slot, h, index, now, out)
 
-        if copy.complete:
+        if copy.state is CopyState.COMPLETE:
             cells[Counter.RESULTS_RESENT] += 1
-            return [Send(source, copy.header, copy.result)]
+            out.append(Send(source, copy.header, copy.result))
+            return False
         if copy.arrived >> h.rank & 1:
             cells[Counter.DUPLICATES] += 1
             if h.flags & Flags.RETRANSMIT:
-                return [self._pending(job, copy, h, source)]
-            return []
+                out.append(self._pending(job, copy, h, source))
+            return False
         if copy.dtype is not h.dtype or copy.op is not h.op or copy.length != received:
             cells[Counter.DROP_MISMATCH] += 1
-            return []
-        return self._accumulate(job, copy, h.rank)
+            return False
+        return self._accumulate(job, copy, h.rank, index, out)
 
-    def _start_use(self, job: _Job, slot: _Slot, h: Header, now: float) -> list[Send]:
+    def _start_use(self, job: _Job, slot: _Slot, h: Header, index: int, now: float,
+                   out: list[Send]) -> bool:
         latest = slot.copies[slot.latest]
         if (h.round, h.offset) < (latest.round, latest.offset):
             self._cells[Counter.DROP_STALE] += 1
-            return []
-        if latest.round >= 0 and not latest.complete:
+            return False
+        if latest.state is CopyState.FILLING:
             if h.round == latest.round:
                 # Workers never start a slot's next segment before its previous result: a
                 # peer out of protocol. Dropping keeps the filling segment intact.
                 self._cells[Counter.DROP_SLOT_BUSY] += 1
-                return []
+                return False
             self._cells[Counter.ABANDONED] += 1
             self._release_held(latest)
         slot.latest = 1 - slot.latest
@@ -301,26 +321,29 @@ class Aggregator:
         copy.arrived = 0
         copy.count = 0
         copy.next_rank = 0
-        copy.complete = False
+        copy.state = _move(copy.state, _Event.START)
         copy.started = now
-        return self._accumulate(job, copy, h.rank)
+        return self._accumulate(job, copy, h.rank, index, out)
 
-    def _accumulate(self, job: _Job, copy: _Copy, rank: int) -> list[Send]:
+    def _accumulate(self, job: _Job, copy: _Copy, rank: int, index: int,
+                    out: list[Send]) -> bool:
+        """Fold the payload in buffer `index` in; True when the buffer is kept (held)."""
         kernel = copy.kernel
         assert kernel is not None
         acc = copy.acc_n
         n = len(acc)
         elements = self._pool.elements[ITEMSIZE[copy.dtype]]
+        held = False
         if job.spec.deterministic and rank != copy.next_rank:
-            # Out of turn: keep the datagram's buffer until the ranks before it are summed.
-            fresh = self._pool.take()
-            if fresh is None:
+            # Out of turn: keep the datagram's buffer until the ranks before it are summed,
+            # but never the pool's last buffers: the transport needs some to receive into.
+            if self._pool.free < self._reserve:
                 self._cells[Counter.DROP_NO_BUFFER] += 1
-                return []  # not marked arrived: the worker's retransmission will bring it
-            copy.held[rank] = self._rx
-            self._rx = fresh
+                return False  # not marked arrived: the worker's retransmission will bring it
+            copy.held[rank] = index
+            held = True
         else:
-            payload = elements[self._rx]
+            payload = elements[index]
             if len(payload) != n:
                 payload = payload[:n]
             if copy.count == 0 or (job.spec.deterministic and rank == 0):
@@ -330,22 +353,23 @@ class Aggregator:
             if job.spec.deterministic:
                 copy.next_rank = rank + 1
                 while copy.next_rank in copy.held:
-                    index = copy.held.pop(copy.next_rank)
-                    kernel.add(acc, elements[index][:n])
-                    self._pool.release(index)
+                    waiting = copy.held.pop(copy.next_rank)
+                    kernel.add(acc, elements[waiting][:n])
+                    self._pool.release(waiting)
                     copy.next_rank += 1
         copy.arrived |= 1 << rank
         copy.count += 1
         if copy.count < job.spec.world_size:
-            return []
-        return self._finish(job, copy, kernel, acc)
+            copy.state = _move(copy.state, _Event.ADD)
+            return held
+        self._finish(job, copy, kernel, acc, out)
+        return held
 
-    def _finish(
-        self, job: _Job, copy: _Copy, kernel: SegmentKernel, acc: NDArray[np.float32]
-    ) -> list[Send]:
+    def _finish(self, job: _Job, copy: _Copy, kernel: SegmentKernel,
+                acc: NDArray[np.float32], out: list[Send]) -> None:
         spec = job.spec
         copy.result = memoryview(kernel.finish(acc, spec.world_size, copy.out))  # type: ignore[arg-type]
-        copy.complete = True
+        copy.state = _move(copy.state, _Event.LAST)
         pack_into(copy.header, Header(
             Kind.RESULT, copy.dtype, copy.op, 0, spec.job_id, 0, spec.cookie, copy.round,
             copy.slot, copy.offset, copy.length,
@@ -357,8 +381,9 @@ class Aggregator:
         if copy.round > job.rounds:
             job.rounds = copy.round
         if spec.multicast is not None:
-            return [Send(spec.multicast, copy.header, copy.result)]
-        return [Send(a, copy.header, copy.result) for a in job.addresses if a is not None]
+            out.append(Send(spec.multicast, copy.header, copy.result))
+        else:
+            out.extend(Send(a, copy.header, copy.result) for a in job.addresses if a is not None)
 
     def _pending(self, job: _Job, copy: _Copy, h: Header, source: Address) -> Send:
         """Tell a retransmitting worker which ranks have arrived (its timeout error names the

@@ -12,7 +12,7 @@ global binding on import would make every UDP datagram to that port look like ou
 that happens to import this module. An operator binds the ports of the deployment explicitly::
 
     from scapy.all import rdpcap
-    from dataplane.dissect import ReductionHeader, bind_port
+    from reduction_appliance.dataplane.dissect import ReductionHeader, bind_port
 
     bind_port(7000)                      # or bind_default_ports() for 7000-7063
     for pkt in rdpcap("appliance.pcap"):
@@ -41,7 +41,7 @@ from scapy.fields import (
 from scapy.layers.inet import UDP
 from scapy.packet import Packet, Raw, bind_bottom_up, bind_layers, split_bottom_up, split_layers
 
-from dataplane.wire import MAGIC, VERSION, DType, Flags, Kind, Op
+from reduction_appliance.dataplane.wire import MAGIC, VERSION, DType, Flags, Kind, Op
 
 __all__ = [
     "DEFAULT_PORTS",

@@ -1,26 +1,87 @@
-"""Errors, split by whose fault they are.
+"""Errors, split by whose fault they are. Everything raised derives from `ReductionError`.
 
-The peer's fault (a malformed or stale datagram, a wrong cookie) is never raised out of the data
-plane: it is counted under a `Drop` reason and the datagram is dropped. What *is* raised derives
-from `ReductionError`: our own misuse (bad configuration, a job that does not fit) or a
-collective the caller must hear about (a deadline passed).
+* The peer's fault (a malformed, forged or stale datagram) is never raised out of the data
+  plane: it is counted under a `Drop` reason and dropped. `PeerError` names that family where
+  code outside the hot path must still say it (a capture that does not decode).
+* The caller's fault is a `RequestError`: the API answers it with its `status` (4xx) and the
+  message, which says what to change.
+* A temporary state of the appliance is `Unavailable` (503): retry later.
+* Ours: `ConfigError` (the operator's file: fix it), `CoreFailure` (a data-plane core failed a
+  request it should have served: a bug, answered 500 and logged), and anything else.
+* What a worker hears about a collective: `AllreduceTimeout`, `JobAborted`.
+
+Exceptions cross the control/core process boundary by class name (`by_name`), so a core's
+refusal reaches the API as the same class it raised.
 """
 
 from __future__ import annotations
 
-__all__ = ["AdmissionError", "AllreduceTimeout", "ConfigError", "JobAborted", "ReductionError"]
+__all__ = [
+    "AdmissionError",
+    "AllreduceTimeout",
+    "BadRequest",
+    "ConfigError",
+    "Conflict",
+    "CoreFailure",
+    "JobAborted",
+    "NotFound",
+    "PeerError",
+    "ReductionError",
+    "RequestError",
+    "Unavailable",
+    "by_name",
+]
 
 
 class ReductionError(Exception):
     """Base of every error this project raises."""
 
 
+class PeerError(ReductionError):
+    """A datagram from a peer that is not ours or is malformed: counted and dropped, never
+    raised out of the data plane."""
+
+
+class RequestError(ReductionError):
+    """The caller asked for something wrong; the message says what. Answered with `status`."""
+
+    status = 400
+
+
+class BadRequest(RequestError):
+    """A request that does not parse or names an invalid value (400)."""
+
+
+class NotFound(RequestError):
+    """The request names something that does not exist (404)."""
+
+    status = 404
+
+
+class Conflict(RequestError):
+    """The request conflicts with the current state of what it names (409)."""
+
+    status = 409
+
+
+class AdmissionError(RequestError):
+    """A job does not fit the appliance (slot memory, buffers, cores); the message says which
+    budget. Ask for less, or wait for other jobs to finish (409)."""
+
+    status = 409
+
+
+class Unavailable(ReductionError):
+    """The appliance cannot serve this right now (a core restarting, shutting down); retry."""
+
+
 class ConfigError(ReductionError):
     """A configuration value is unusable; the message names the key and why. Fix the config."""
 
 
-class AdmissionError(ReductionError):
-    """A job does not fit the appliance (slot memory, cores); the message says which budget."""
+class CoreFailure(ReductionError):
+    """A data-plane core failed a request with an error it should never raise: our bug. The
+    message carries the core's exception class and text."""
 
 
 class AllreduceTimeout(ReductionError):
@@ -30,5 +91,16 @@ class AllreduceTimeout(ReductionError):
 
 
 class JobAborted(ReductionError):
-    """The appliance removed the job (an operator's abort, idle eviction, or its shutdown) and
+    """The appliance removed the job (an operator's abort, idle eviction or its shutdown) and
     said so. Register the job again to continue."""
+
+
+def by_name(name: str) -> type[ReductionError] | None:
+    """The `ReductionError` subclass called `name` (any module), or None."""
+    pending: list[type[ReductionError]] = [ReductionError]
+    while pending:
+        cls = pending.pop()
+        if cls.__name__ == name:
+            return cls
+        pending.extend(cls.__subclasses__())
+    return None

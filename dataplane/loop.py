@@ -1,194 +1,132 @@
-"""The pinned poll loop of one data-plane core: a UDP socket, an aggregator, a mailbox.
+"""The pinned poll loop of one data-plane core: a transport, an aggregator, a mailbox.
 
-The loop receives datagrams in bursts straight into the aggregator's receive buffers
-(`recvmsg_into` scatters header and payload: no payload copy), applies the aggregator's `Send`
-decisions with `sendmsg([header, payload])` (gather: no copy either), and between bursts reads
-job changes from its mailbox. Poll modes: `busy` never blocks (a dedicated core); `adaptive`
-spins for `spin_us` then blocks in `select`, so it shares a small machine politely.
+The loop takes bursts of datagrams from its `CoreTransport` (straight into the aggregator's
+receive buffers), hands each burst to the aggregator, applies the `Send` decisions it returns
+through the same transport, and between bursts serves its mailbox (`dataplane.spec`). It knows
+nothing about sockets. Poll modes: `busy` never blocks (a dedicated core); `adaptive` spins for
+`spin_us` then blocks in `select`, so it shares a small machine politely.
 """
 
 from __future__ import annotations
 
 import os
 import select
-import socket
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
-from typing import Literal
 
 import numpy as np
 
-from .aggregator import Aggregator, JobSpec
+from .aggregator import Aggregator
 from .counters import N_COUNTERS, Counter, Counters
 from .reduce import select_kernels
 from .slots import SlotArena
-from .udp import DatagramBatcher, enlarge_buffers
-from .wire import HEADER_SIZE, Kind, WireError, unpack
+from .spec import (
+    AbortJob,
+    AddJob,
+    Command,
+    CoreConfig,
+    CoreStats,
+    ErrorReport,
+    QueryStats,
+    Ready,
+    RemoveJob,
+    Reply,
+    Request,
+    Stop,
+)
+from .transport import CoreTransport, RxBatch, Send
+from .udp import UdpCoreTransport
 
-__all__ = ["AbortJob", "AddJob", "CoreConfig", "Message", "QueryStats", "RemoveJob", "Stop",
-           "run_core"]
+__all__ = ["CoreLoop", "run_core"]
 
-PollMode = Literal["busy", "adaptive"]
 _MAILBOX_EVERY = 256  # busy mode: loop iterations between mailbox checks
 _IDLE_BLOCK_S = 0.05  # adaptive mode: longest block, bounds mailbox latency
-_SOCKET_BUFFER = 64 * 1024 * 1024  # holds a few full windows of every worker
-
-
-@dataclass(frozen=True)
-class CoreConfig:
-    index: int
-    cpu: int | None
-    bind: tuple[str, int]
-    max_payload: int
-    slot_capacity: int
-    rx_buffers: int
-    poll: PollMode = "adaptive"
-    spin_us: int = 200
-    burst: int = 64
-    multicast_interface: str | None = None  # local IPv4 address results are multicast from
-    multicast_ttl: int = 1
-    multicast_loop: bool = True  # deliver results to workers on this host too
-    tos: int = 0  # IP TOS byte (DSCP << 2) marked on every datagram the core sends
-    kernels: str | None = None
-
-
-@dataclass(frozen=True)
-class AddJob:
-    spec: JobSpec
-
-
-@dataclass(frozen=True)
-class RemoveJob:
-    job_id: int
-
-
-@dataclass(frozen=True)
-class AbortJob:
-    job_id: int
-
-
-@dataclass(frozen=True)
-class QueryStats:
-    job_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Stop:
-    pass
-
-
-Message = AddJob | RemoveJob | AbortJob | QueryStats | Stop
-
-
-def open_socket(cfg: CoreConfig) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        enlarge_buffers(sock, _SOCKET_BUFFER)
-        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, cfg.multicast_ttl)
-        # Workers on the appliance's own host (loopback labs) must hear the multicast too.
-        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, int(cfg.multicast_loop))
-        # Data traffic carries its class so switches can queue it apart (see steering.py).
-        sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, cfg.tos)
-        if cfg.multicast_interface:
-            sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF,
-                            socket.inet_aton(cfg.multicast_interface))
-        sock.bind(cfg.bind)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 class CoreLoop:
-    """One core's state; `run` until a `Stop` arrives."""
+    """One core's state; `run` until a `Stop` arrives. Tests drive `receive_burst` and
+    `serve` directly, with an in-memory transport and their own clock."""
 
-    def __init__(self, cfg: CoreConfig, mailbox: Connection, counters: Counters) -> None:
+    def __init__(self, cfg: CoreConfig, mailbox: Connection, counters: Counters,
+                 transport: CoreTransport, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.mailbox = mailbox
         self.counters = counters
+        self.clock = clock
         self.arena = SlotArena(cfg.slot_capacity, cfg.max_payload, cfg.rx_buffers)
-        self.aggregator = Aggregator(self.arena, select_kernels(cfg.kernels), counters)
-        self.sock = open_socket(cfg)
-        self.batcher = DatagramBatcher(self.sock)
-        self._header = bytearray(HEADER_SIZE)
+        self.kernels = select_kernels(cfg.kernels)
+        self.aggregator = Aggregator(self.arena, self.kernels, counters)
+        self.transport = transport
+        self._batch = RxBatch()
         self._running = True
 
     def close(self) -> None:
-        self.sock.close()
+        self.transport.close()
         self.arena.close()
 
-    def handle(self, msg: Message) -> None:
-        if isinstance(msg, AddJob):
-            try:
-                self.aggregator.add_job(msg.spec)
-                self.mailbox.send(("ok", msg.spec.job_id))
-            except Exception as exc:  # our refusal goes back to the control plane, not up
-                self.mailbox.send(("error", str(exc)))
-        elif isinstance(msg, RemoveJob):
-            self.aggregator.remove_job(msg.job_id)
-            self.mailbox.send(("ok", msg.job_id))
-        elif isinstance(msg, AbortJob):
-            for send in self.aggregator.abort_job(msg.job_id):
-                self.batcher.add(send.dest, send.header, send.payload)
-            self.batcher.flush()
-            self.mailbox.send(("ok", msg.job_id))
-        elif isinstance(msg, QueryStats):
-            # Times inside stats are this process's monotonic clock: send "now" along so the
-            # control plane can turn them into ages.
-            stats = {j: self.aggregator.stats(j) for j in msg.job_ids}
-            self.mailbox.send(("ok", (time.monotonic(), stats)))
-        else:
+    # ---- mailbox ----
+    def execute(self, command: Command[object]) -> object:
+        """Apply one control-plane command; what it returns is the reply value."""
+        agg = self.aggregator
+        if isinstance(command, AddJob):
+            agg.add_job(command.spec)
+            return None
+        if isinstance(command, RemoveJob):
+            agg.remove_job(command.job_id)
+            return None
+        if isinstance(command, AbortJob):
+            self._send(agg.abort_job(command.job_id))
+            return None
+        if isinstance(command, QueryStats):
+            return CoreStats(self.clock(), {j: agg.stats(j) for j in command.job_ids})
+        if isinstance(command, Stop):
             self._running = False
-            self.mailbox.send(("ok", None))
+            return None
+        raise TypeError(f"unknown mailbox command {type(command).__name__}")
+
+    def serve(self, request: Request) -> Reply:
+        """Execute a request; a refusal or a failure goes back to the control plane as an
+        `ErrorReport` (its class name and text) and the core goes on serving."""
+        try:
+            return Reply(request.id, self.execute(request.command))
+        except Exception as exc:
+            return Reply(request.id, error=ErrorReport.of(exc))
 
     def drain_mailbox(self) -> None:
-        while self.mailbox.poll():
-            self.handle(self.mailbox.recv())
+        while self._running and self.mailbox.poll():
+            request = self.mailbox.recv()
+            if not isinstance(request, Request):
+                # Not even an envelope: nothing to correlate a reply with. Say so anyway.
+                self.mailbox.send(Reply(-1, error=ErrorReport(
+                    "TypeError", f"not a Request: {type(request).__name__}")))
+                continue
+            self.mailbox.send(self.serve(request))
+
+    # ---- datagrams ----
+    def _send(self, sends: Sequence[Send]) -> None:
+        if sends:
+            self.transport.send(sends)
 
     def receive_burst(self) -> int:
         """Receive and process up to `burst` datagrams, then send what they finished (results
         of one burst to one group leave together, in GSO batches); return how many arrived."""
-        sock = self.sock
-        agg = self.aggregator
-        batcher = self.batcher
+        batch = self._batch
+        got = self.transport.receive(self.aggregator.pool, batch, self.cfg.burst)
+        if not got and not batch.truncated:
+            return 0
+        self._send(self.aggregator.on_batch(batch, self.clock()))
+        counts = self.transport.take_counts()
+        # Counters move once per burst: one writer, readers see whole bursts.
         cells = self.counters.cells
-        header = self._header
-        got = nbytes_in = 0
-        now = time.monotonic()
-        for _ in range(self.cfg.burst):
-            try:
-                nbytes, _, flags, source = sock.recvmsg_into(
-                    [header, agg.rx_view()], 0, socket.MSG_DONTWAIT
-                )
-            except BlockingIOError:
-                break
-            got += 1
-            nbytes_in += nbytes
-            if flags & socket.MSG_TRUNC:
-                cells[Counter.DROP_TRUNCATED] += 1
-                continue
-            try:
-                h = unpack(header)
-            except WireError:
-                cells[Counter.DROP_MALFORMED] += 1
-                continue
-            if nbytes < HEADER_SIZE or h.kind is not Kind.CONTRIBUTION:
-                cells[Counter.DROP_MALFORMED] += 1
-                continue
-            for send in agg.on_contribution(h, nbytes - HEADER_SIZE, source, now):
-                batcher.add(send.dest, send.header, send.payload)
-        if got:
-            # Counters move once per burst: one writer, readers see whole bursts.
-            batcher.flush()
-            sent, sent_bytes, errors = batcher.take_counts()
-            cells[Counter.PACKETS_IN] += got
-            cells[Counter.BYTES_IN] += nbytes_in
-            cells[Counter.PACKETS_OUT] += sent
-            cells[Counter.BYTES_OUT] += sent_bytes
-            cells[Counter.SEND_ERRORS] += errors
-        return got
+        cells[Counter.PACKETS_IN] += got + batch.truncated
+        cells[Counter.BYTES_IN] += batch.bytes
+        cells[Counter.DROP_TRUNCATED] += batch.truncated
+        cells[Counter.PACKETS_OUT] += counts.datagrams_sent
+        cells[Counter.BYTES_OUT] += counts.bytes_sent
+        cells[Counter.SEND_ERRORS] += counts.send_errors
+        return got + batch.truncated
 
     def run(self) -> None:
         busy = self.cfg.poll == "busy"
@@ -196,6 +134,8 @@ class CoreLoop:
         cells = self.counters.cells
         loops = 0
         idle_since = time.perf_counter()
+        mailbox_fd = self.mailbox.fileno()
+        waitables = [self.transport.fileno(), mailbox_fd]
         while self._running:
             loops += 1
             cells[Counter.POLL_LOOPS] += 1
@@ -214,9 +154,8 @@ class CoreLoop:
                 idle_since = now
             if now - idle_since < spin_s:
                 continue
-            waitables: list[socket.socket | Connection] = [self.sock, self.mailbox]
             readable, _, _ = select.select(waitables, [], [], _IDLE_BLOCK_S)
-            if self.mailbox in readable:
+            if mailbox_fd in readable:
                 self.drain_mailbox()
 
 
@@ -235,9 +174,15 @@ def run_core(cfg: CoreConfig, mailbox: Connection, counters_name: str) -> None:
     shm = SharedMemory(name=counters_name)
     try:
         cells: np.ndarray = np.ndarray((N_COUNTERS,), np.uint64, buffer=shm.buf)
-        loop = CoreLoop(cfg, mailbox, Counters(cells))
         try:
-            mailbox.send(("ready", cfg.index))
+            loop = CoreLoop(cfg, mailbox, Counters(cells), UdpCoreTransport.open(cfg))
+        except Exception as exc:
+            # Instead of Ready: why this core cannot start (a bad kernel backend, a port in
+            # use). The supervisor raises it as the same class.
+            mailbox.send(ErrorReport.of(exc))
+            return
+        try:
+            mailbox.send(Ready(cfg.index, loop.kernels.backend))
             loop.run()
         finally:
             loop.close()

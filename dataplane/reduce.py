@@ -18,7 +18,7 @@ throughput. Views at any byte offset are handled correctly (numpy and torch both
 elements), but only 64-byte-aligned slots get the measured speeds.
 
 Why the kernels look the way they do (numbers from design.md section 3, re-measure with
-``python -m bench.kernels``):
+``python -m reduction_appliance.bench.kernels``):
 
 - fp32 is ``np.add(acc, x, acc)`` on views: memory-bound like memcpy (three streams instead of
   two), so no other library could beat it; at 64 KiB the per-call Python cost starts to show.
@@ -55,7 +55,10 @@ from typing import Any, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
-from dataplane.wire import DType, Op
+from .dtypes import DTYPES
+from .errors import ConfigError
+from .spec import KERNEL_BACKENDS
+from .wire import DType, Op
 
 __all__ = [
     "BACKENDS",
@@ -68,7 +71,7 @@ __all__ = [
 ]
 
 #: Every backend this module knows, best first.
-BACKENDS = ("torch", "numpy+ml_dtypes", "numpy")
+BACKENDS = KERNEL_BACKENDS
 
 # Elements per widening chunk. torch: 1 MiB of 2-byte input, the size up to which its casts were
 # measured at in-cache speed; smaller chunks measured slower (16 MiB fp16 add: 5.8 GB/s with
@@ -94,11 +97,7 @@ _BF16_QUIET_NAN = 0x7FC0  # what ml_dtypes produces for any NaN (sign kept)
 
 
 
-STORAGE: Mapping[DType, np.dtype[Any]] = {
-    DType.FLOAT32: np.dtype(np.float32),
-    DType.FLOAT16: np.dtype(np.uint16),
-    DType.BFLOAT16: np.dtype(np.uint16),
-}
+STORAGE: Mapping[DType, np.dtype[Any]] = {d.dtype: d.storage for d in DTYPES}
 
 
 def element_view(payload: NDArray[np.uint8], dtype: DType) -> NDArray[Any]:
@@ -400,16 +399,17 @@ def _build(backend: str) -> KernelTable:
 def select_kernels(prefer: str | None = None) -> KernelTable:
     """Build the kernel table once at start: the best available backend, or ``prefer``.
 
-    Raises ValueError (the operator's configuration is at fault) when ``prefer`` is unknown or
+    Raises ConfigError (the operator's configuration is at fault) when ``prefer`` is unknown or
     not installed here, naming the usable choices, and on a big-endian host, whose native element
     order would disagree with the wire's little-endian payloads.
     """
     if sys.byteorder != "little":
-        raise ValueError("tensor payloads are little-endian; this host is big-endian")
+        raise ConfigError("tensor payloads are little-endian; this host is big-endian")
     usable = available_backends()
     if prefer is None:
         return _build(usable[0])
     if prefer not in usable:
         why = "unknown" if prefer not in BACKENDS else "not available here"
-        raise ValueError(f"kernel backend {prefer!r} is {why}; choose one of {', '.join(usable)}")
+        raise ConfigError(f"dataplane.kernels: {prefer!r} is {why}; choose one of "
+                          f"{', '.join(usable)}")
     return _build(prefer)

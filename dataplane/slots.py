@@ -7,10 +7,13 @@ Layout (each region page-aligned, each buffer 64-byte aligned)::
 
     [ accumulators: capacity x 2 copies x (2 * max_payload) bytes, viewed as float32 ]
     [ results:      capacity x 2 copies x max_payload bytes (narrowed fp16/bf16 results) ]
-    [ receive pool: rx_buffers x max_payload bytes (datagrams land here, zero copy)     ]
+    [ receive pool: rx_buffers x (header + max_payload) bytes: a whole datagram each   ]
 
 An accumulator holds 2 * max_payload bytes because a 16-bit segment of max_payload bytes widens
-to float32 twice its size.
+to float32 twice its size. A receive buffer holds a datagram as it arrived, header then
+payload, so any transport (one `recvmsg_into`, a completion of a posted receive) fills it the
+same way; each buffer starts 16 bytes into its 64-byte-aligned stride so that the payload,
+after the 48-byte header, is cache-line aligned for the kernels.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ from numpy.typing import NDArray
 
 from .errors import AdmissionError, ConfigError
 from .reduce import STORAGE
-from .wire import DType
+from .wire import HEADER_SIZE, DType
 
 __all__ = ["RxPool", "SlotArena"]
 
 _ALIGN = 64
 _PAGE = mmap.PAGESIZE
+_RX_LEAD = _ALIGN - HEADER_SIZE % _ALIGN  # payload after the header lands cache-line aligned
 
 
 def _round_up(n: int, to: int) -> int:
@@ -38,21 +42,25 @@ def _round_up(n: int, to: int) -> int:
 
 
 class RxPool:
-    """Fixed receive buffers with a free list. The aggregator owns it: a buffer it keeps (a
-    contribution held back for rank-ordered summation) leaves the free list until released."""
+    """Fixed receive buffers with a free list. A buffer taken by a transport belongs to whoever
+    it hands it to (the aggregator), which gives it back with `release` or keeps it (a
+    contribution held back for rank-ordered summation)."""
 
-    __slots__ = ("_free", "buffers", "elements", "views")
+    __slots__ = ("_free", "elements", "payload_bytes", "views")
 
     def __init__(self, buffers: NDArray[np.uint8]) -> None:
-        self.buffers = buffers
-        # Made once, not per datagram: the receive path hands `views` to recvmsg_into, and the
-        # kernels take each buffer as elements of 4 or 2 bytes (see reduce.element_view).
+        # Made once, not per datagram: transports receive into `views`, and the kernels take
+        # each payload as elements of 4 or 2 bytes (see reduce.element_view).
         self.views = [memoryview(b) for b in buffers]
+        self.payload_bytes = buffers.shape[1] - HEADER_SIZE
         self.elements: dict[int, list[NDArray[Any]]] = {
-            size: [b.view(STORAGE[d]) for b in buffers]
+            size: [b[HEADER_SIZE:].view(STORAGE[d]) for b in buffers]
             for d, size in ((DType.FLOAT32, 4), (DType.FLOAT16, 2))
         }
         self._free = list(range(len(buffers) - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.views)
 
     @property
     def free(self) -> int:
@@ -79,7 +87,8 @@ class SlotArena:
         stride = _round_up(max_payload, _ALIGN)
         acc_bytes = _round_up(capacity * 2 * 2 * stride, _PAGE)
         out_bytes = _round_up(capacity * 2 * stride, _PAGE)
-        rx_bytes = _round_up(rx_buffers * stride, _PAGE)
+        rx_stride = _round_up(_RX_LEAD + HEADER_SIZE + max_payload, _ALIGN)
+        rx_bytes = _round_up(rx_buffers * rx_stride, _PAGE)
         self.nbytes = acc_bytes + out_bytes + rx_bytes
         self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         whole = np.frombuffer(self._map, dtype=np.uint8)
@@ -89,8 +98,9 @@ class SlotArena:
         self._out = whole[acc_bytes : acc_bytes + out_bytes][: capacity * 2 * stride].reshape(
             capacity, 2, stride
         )
-        rx = whole[acc_bytes + out_bytes :][: rx_buffers * stride].reshape(rx_buffers, stride)
-        self.rx = RxPool(rx[:, :max_payload])
+        rx = whole[acc_bytes + out_bytes :][: rx_buffers * rx_stride].reshape(
+            rx_buffers, rx_stride)
+        self.rx = RxPool(rx[:, _RX_LEAD : _RX_LEAD + HEADER_SIZE + max_payload])
         self._free_slots = list(range(capacity - 1, -1, -1))
 
     # -- slot allocation (one job takes a set of slot pairs; any indices will do) --

@@ -1,4 +1,5 @@
-"""UDP socket helpers shared by both ends: buffer sizing and batched sends with UDP GSO.
+"""UDP: the data-plane core's transport (`UdpCoreTransport`), and the socket helpers both ends
+share (buffer sizing, batched sends with UDP GSO).
 
 Python pays microseconds per socket call, and on a veth link most of a datagram's cost is the
 send path. UDP generic segmentation offload lets one `sendmsg` carry up to ~64 KB made of
@@ -13,10 +14,14 @@ from __future__ import annotations
 import errno
 import socket
 import struct
+from collections.abc import Sequence
 
+from .slots import RxPool
+from .spec import CoreConfig
+from .transport import RxBatch, Send, TransportCounts
 from .wire import HEADER_SIZE, Header, pack_into
 
-__all__ = ["DatagramBatcher", "enlarge_buffers"]
+__all__ = ["DatagramBatcher", "UdpCoreTransport", "enlarge_buffers"]
 
 UDP_SEGMENT = getattr(socket, "UDP_SEGMENT", 103)
 _SOL_UDP = getattr(socket, "SOL_UDP", 17)
@@ -24,6 +29,7 @@ _MAX_GSO_BYTES = 65000  # one GSO send is one IPv4 UDP datagram before segmentat
 _MAX_GSO_SEGMENTS = 64
 _GSO_UNSUPPORTED = {errno.EINVAL, errno.EIO, errno.ENOPROTOOPT, errno.EOPNOTSUPP}
 _SIZE = struct.Struct("=H")
+_CORE_SOCKET_BUFFER = 64 * 1024 * 1024  # holds a few full windows of every worker
 
 Address = tuple[str, int]
 
@@ -124,3 +130,69 @@ class DatagramBatcher:
                 raise
         self.gso = False  # this kernel or route cannot segment: one datagram per call from now
         return sum(self.sock.sendmsg(iov[i:i + 2], (), 0, dest) for i in range(0, len(iov), 2))
+
+
+class UdpCoreTransport:
+    """A data-plane core's UDP socket: one `recvmsg_into` per datagram, straight into a
+    receive-pool buffer (no copy), and results sent in GSO batches."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.batcher = DatagramBatcher(sock)
+        self._recv = sock.recvmsg_into
+
+    @classmethod
+    def open(cls, cfg: CoreConfig) -> UdpCoreTransport:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            enlarge_buffers(sock, _CORE_SOCKET_BUFFER)
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, cfg.multicast_ttl)
+            # Workers on the appliance's own host (loopback labs) must hear the multicast too.
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, int(cfg.multicast_loop))
+            # Data traffic carries its class so switches can queue it apart (see steering.py).
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, cfg.tos)
+            if cfg.multicast_interface:
+                sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF,
+                                socket.inet_aton(cfg.multicast_interface))
+            sock.bind(cfg.bind)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def receive(self, pool: RxPool, batch: RxBatch, limit: int) -> int:
+        batch.clear()
+        recv = self._recv
+        views = pool.views
+        for _ in range(limit):
+            index = pool.take()
+            if index is None:
+                break
+            try:
+                nbytes, _, flags, source = recv([views[index]], 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                pool.release(index)
+                break
+            if flags & socket.MSG_TRUNC:
+                pool.release(index)
+                batch.truncated += 1
+                batch.bytes += nbytes
+                continue
+            batch.add(index, nbytes, source)
+        return batch.count
+
+    def send(self, sends: Sequence[Send]) -> None:
+        batcher = self.batcher
+        for send in sends:
+            batcher.add(send.dest, send.header, send.payload)
+        batcher.flush()
+
+    def take_counts(self) -> TransportCounts:
+        sent, nbytes, errors = self.batcher.take_counts()
+        return TransportCounts(sent, nbytes, errors)
+
+    def close(self) -> None:
+        self.sock.close()

@@ -42,6 +42,8 @@ import struct
 from enum import IntEnum, IntFlag
 from typing import NamedTuple
 
+from .errors import PeerError
+
 __all__ = [
     "HEADER",
     "HEADER_SIZE",
@@ -100,7 +102,7 @@ class Flags(IntFlag):
     RETRANSMIT = 1  # the worker has sent this segment before (counted, not trusted)
 
 
-class WireError(ValueError):
+class WireError(PeerError):
     """A datagram that is not ours or is malformed: the peer's fault, counted and dropped."""
 
 

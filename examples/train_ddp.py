@@ -52,9 +52,9 @@ from torch.nn.parallel import DistributedDataParallel
 if __package__ in (None, ""):  # `python examples/train_ddp.py` from a checkout, not installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import plugin.torch_backend  # noqa: F401 - registers the "reduction" backend
-from plugin.torch_exit import exit_without_finalizing
-from plugin.torch_hook import ApplianceHookState, appliance_allreduce_hook
+import reduction_appliance.torch  # noqa: F401 - registers the "reduction" backend
+from reduction_appliance.plugin.torch_exit import exit_without_finalizing
+from reduction_appliance.plugin.torch_hook import ApplianceHookState, appliance_allreduce_hook
 
 __all__ = ["build_model", "main"]
 

@@ -1,34 +1,33 @@
 """The numpy worker client: `allreduce(array, op="sum")` in place, through one or more appliances.
 
-A thin UDP transport around the sans-I/O `AllreduceRound`: contributions leave with
-`sendmsg([header, view])` straight from the array; results are peeked (header only), checked,
-and then received with `recvmsg_into` straight into the array. Results come on the job's
-multicast group (a socket bound to the group's port, shared by every worker on this host) and,
-for retransmissions or unicast jobs, on the worker's own socket.
+A thin driver of the sans-I/O `RoundPipeline` over a `WorkerTransport` (UDP by default, see
+plugin/transport.py): contributions leave straight from the caller's array (gather, no copy);
+each result's payload is copied from the transport's buffer into the array once its header is
+checked. Results come on the job's multicast group and, for retransmissions or unicast jobs, on
+the worker's own socket.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import math
-import select
 import socket
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 from numpy.typing import NDArray
 
-from dataplane.errors import ReductionError
-from dataplane.udp import DatagramBatcher, enlarge_buffers
-from dataplane.wire import HEADER_SIZE, DType, Header, Kind, Op, WireError, unpack
+from reduction_appliance.dataplane.dtypes import by_numpy
+from reduction_appliance.dataplane.errors import ReductionError
+from reduction_appliance.dataplane.transport import Address
+from reduction_appliance.dataplane.wire import DType, Header, Kind, Op
 
 from .pipeline import Outcome, RoundPipeline
 from .rendezvous import JobInfo
 from .session import Endpoint, RttEstimator, Timing, Transmit
+from .transport import Outgoing, UdpWorkerTransport, WorkerTransport
 
 __all__ = ["ApplianceClient", "dtype_of", "op_of"]
 
@@ -36,24 +35,13 @@ __all__ = ["ApplianceClient", "dtype_of", "op_of"]
 def _by_endpoint(t: Transmit) -> tuple[int, int]:
     return (t.endpoint, t.segment)
 
-_SOCKET_BUFFER = 32 * 1024 * 1024
-_TRANSIENT = {errno.ENOBUFS, errno.EAGAIN, errno.EWOULDBLOCK}  # a full queue: like a loss
-_RECV_SCRATCH = 65536
-
-_DTYPES = {
-    np.dtype(np.float32): DType.FLOAT32,
-    np.dtype(np.float16): DType.FLOAT16,
-    np.dtype(ml_dtypes.bfloat16): DType.BFLOAT16,
-}
-
 
 def dtype_of(array: NDArray[Any]) -> DType:
-    try:
-        return _DTYPES[array.dtype]
-    except KeyError:
+    found = by_numpy(array.dtype)
+    if found is None:
         raise ReductionError(
-            f"the appliance reduces float32, float16 and bfloat16, not {array.dtype}"
-        ) from None
+            f"the appliance reduces float32, float16 and bfloat16, not {array.dtype}")
+    return found.dtype
 
 
 def op_of(op: str | Op) -> Op:
@@ -72,7 +60,8 @@ class ApplianceClient:
     and the multicast group is joined on it. `lanes` > 1 splits the job's slots so that up to
     that many rounds (`start`) are on the wire at once (see plugin/pipeline.py); every rank of
     the job must use the same number. One thread drives a client (`allreduce`, `wait`,
-    `progress`); it is not thread-safe.
+    `progress`); it is not thread-safe. `transport` and `clock` replace the UDP sockets and
+    the monotonic clock (tests pass an in-memory network and its simulated clock).
     """
 
     def __init__(
@@ -83,6 +72,8 @@ class ApplianceClient:
         local_address: str = "0.0.0.0",
         timing: Timing | None = None,
         lanes: int = 1,
+        transport: WorkerTransport | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not jobs:
             raise ReductionError("ApplianceClient needs at least one registered job")
@@ -100,55 +91,28 @@ class ApplianceClient:
         self.pipeline = RoundPipeline(self.endpoints, rank, self.world_size, self.segment_bytes,
                                       self.rtt, lanes)
         self.retransmissions = 0
-        self._views: dict[int, memoryview] = {}  # round -> the bytes of its caller's array
+        self._views: dict[int, NDArray[np.uint8]] = {}  # round -> its caller's array, as bytes
         self._unclaimed: list[Outcome] = []
-        self._header = bytearray(HEADER_SIZE)
-        self._scratch = bytearray(_RECV_SCRATCH)
-        self._sockets: list[socket.socket] = []
-        with contextlib.ExitStack() as stack:
-            self.sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
-            enlarge_buffers(self.sock, _SOCKET_BUFFER)
-            self.sock.bind((local_address, 0))
-            self._sockets.append(self.sock)
-            self._batcher = DatagramBatcher(self.sock)
-            for group in {j.multicast for j in jobs if j.multicast is not None}:
-                self._sockets.append(stack.enter_context(self._join(group, local_address)))
-            stack.pop_all()
-
-    @staticmethod
-    def _join(group: tuple[str, int], local_address: str) -> socket.socket:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            enlarge_buffers(sock, _SOCKET_BUFFER)
-            # Bound to the group address: this socket hears only that group, not unicast.
-            sock.bind(group)
-            interface = socket.inet_aton(local_address)
-            sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
-                            socket.inet_aton(group[0]) + interface)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
+        self._clock = clock
+        self._addresses = [e.address for e in self.endpoints]
+        self.transport: WorkerTransport = transport or UdpWorkerTransport(
+            local_address, [j.multicast for j in jobs if j.multicast is not None])
+        self._closed = False
 
     def abandon(self, reason: str) -> list[Outcome]:
         """End every queued and in-flight round at once with `ReductionError(reason)`; their
         arrays are no longer written. Returns their outcomes."""
         outcomes = self.pipeline.fail_all(ReductionError(reason))
-        for view in self._views.values():
-            view.release()
         self._views.clear()
         return outcomes
 
     def close(self) -> None:
-        """Close the sockets; rounds still queued or in flight end with a `ReductionError`."""
-        if self._sockets:
+        """Close the transport; rounds still queued or in flight end with a `ReductionError`."""
+        if not self._closed:
+            self._closed = True
             self._unclaimed.extend(
                 self.abandon("the appliance client was closed during the allreduce"))
-        for sock in self._sockets:
-            sock.close()
-        self._sockets.clear()
+            self.transport.close()
 
     def __enter__(self) -> ApplianceClient:
         return self
@@ -179,7 +143,7 @@ class ApplianceClient:
             raise ReductionError("start() needs a contiguous, writable array "
                                  "(allreduce() stages any other)")
         round_no = self.pipeline.submit(dtype, op_of(op), array.nbytes)
-        self._views[round_no] = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+        self._views[round_no] = array.reshape(-1).view(np.uint8)
         return round_no
 
     def wait(self, round_no: int) -> None:
@@ -204,65 +168,39 @@ class ApplianceClient:
         neither), take them in. Returns the rounds that ended."""
         pipeline = self.pipeline
         self._send_due()
-        wait = pipeline.wakeup() - time.monotonic()
+        wait = pipeline.wakeup() - self._clock()
         if timeout is not None:
             wait = min(wait, timeout)
-        sockets = self._sockets if wake is None else [*self._sockets, wake]
-        readable, _, _ = select.select(sockets, [], [], None if wait == math.inf else max(0, wait))
-        for s in readable:
-            if s is not wake:
-                self._drain(s)
+        self.transport.wait(None if wait == math.inf else max(0.0, wait), wake)
+        self.transport.receive(self._on_datagram)
         self._send_due()  # results just stored released their slots' next segments
         outcomes = [*self._unclaimed, *pipeline.finished()]
         self._unclaimed = []
         for outcome in outcomes:
-            view = self._views.pop(outcome.round, None)
-            if view is not None:
-                view.release()
+            if self._views.pop(outcome.round, None) is not None:
                 self.retransmissions += outcome.retransmissions
         return outcomes
 
     def _send_due(self) -> None:
-        batcher = self._batcher
-        endpoints = self.endpoints
         views = self._views
-        # Group by endpoint so consecutive segments to one core leave in one GSO send.
-        for t in sorted(self.pipeline.due(time.monotonic()), key=_by_endpoint):
-            h = t.header
-            batcher.add_header(endpoints[t.endpoint].address, h,
-                               views[h.round][h.offset:h.offset + h.length])
-        batcher.flush()
-        error = batcher.last_error
-        if error is not None and error.errno not in _TRANSIENT:
-            raise ReductionError(f"cannot send to the appliance from "
-                                 f"{self.sock.getsockname()[0]}: {error}") from error
+        addresses = self._addresses
+        # Grouped by endpoint so consecutive segments to one core leave in one GSO send.
+        due = sorted(self.pipeline.due(self._clock()), key=_by_endpoint)
+        if due:
+            self.transport.send([
+                Outgoing(addresses[t.endpoint], t.header,
+                         views[t.header.round][t.header.offset:
+                                               t.header.offset + t.header.length].data)
+                for t in due])
 
-    def _drain(self, sock: socket.socket) -> None:
+    def _on_datagram(self, h: Header, payload: memoryview, source: Address) -> None:
         pipeline = self.pipeline
-        peek = self._header
-        flags = socket.MSG_DONTWAIT
-        while True:
-            try:
-                # MSG_TRUNC: the datagram's real length, so a result shorter than its header
-                # claims never lands half-written in the caller's array.
-                size = sock.recv_into(peek, HEADER_SIZE, socket.MSG_PEEK | socket.MSG_TRUNC | flags)
-            except BlockingIOError:
-                return
-            try:
-                h: Header | None = unpack(peek) if size >= HEADER_SIZE else None
-            except WireError:
-                h = None
-            wanted = (pipeline.accept(h) if h is not None and size == HEADER_SIZE + h.length
-                      else None)
-            if wanted is None or h is None:
-                # Not wanted (a duplicate, an old round, a PENDING): take it off the queue.
-                got = sock.recv_into(self._scratch, len(self._scratch), flags)
-                if h is not None and h.kind is Kind.PENDING and got >= HEADER_SIZE:
-                    pipeline.on_pending(h, bytes(self._scratch[HEADER_SIZE:got]))
-                elif h is not None and h.kind is Kind.ABORTED:
-                    pipeline.on_aborted(h)
-                continue
-            rnd, k = wanted
-            offset = h.offset
-            sock.recvmsg_into([peek, self._views[h.round][offset:offset + h.length]], 0, flags)
-            pipeline.stored(rnd, k, time.monotonic())
+        if h.kind is Kind.RESULT:
+            wanted = pipeline.accept(h)
+            if wanted is not None:
+                self._views[h.round][h.offset:h.offset + h.length] = payload
+                pipeline.stored(*wanted, self._clock())
+        elif h.kind is Kind.PENDING:
+            pipeline.on_pending(h, bytes(payload))
+        elif h.kind is Kind.ABORTED:
+            pipeline.on_aborted(h)

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, replace
 
-from dataplane.errors import ReductionError
-from dataplane.wire import DType, Header, Kind, Op
+from reduction_appliance.dataplane.errors import ReductionError
+from reduction_appliance.dataplane.wire import DType, Header, Kind, Op
 
 from .session import AllreduceRound, Endpoint, RttEstimator, Transmit
 

@@ -13,7 +13,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from dataplane.errors import ReductionError
+from reduction_appliance.dataplane.errors import ReductionError
+from reduction_appliance.dataplane.registration import JobDescription, SchemaError
 
 from .session import Endpoint
 
@@ -42,7 +43,7 @@ class JobInfo:
 
 
 def _call(appliance: str, method: str, path: str, body: dict[str, object] | None,
-          token: str | None, timeout_s: float) -> dict[str, object]:
+          token: str | None, timeout_s: float) -> object:
     request = urllib.request.Request(
         f"http://{appliance}{path}", data=json.dumps(body).encode() if body else None,
         method=method,
@@ -51,7 +52,7 @@ def _call(appliance: str, method: str, path: str, body: dict[str, object] | None
     )
     try:
         with _DIRECT.open(request, timeout=timeout_s) as response:
-            reply: dict[str, object] = json.loads(response.read())
+            reply: object = json.loads(response.read())
             return reply
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")
@@ -91,21 +92,17 @@ def leave(info: JobInfo, rank: int, timeout_s: float = 5.0) -> None:
           timeout_s)
 
 
-def parse_job(appliance: str, reply: dict[str, object], token: str | None = None) -> JobInfo:
+def parse_job(appliance: str, reply: object, token: str | None = None) -> JobInfo:
+    """A worker's view of its job from the registration answer (`dataplane.registration`)."""
     try:
-        job_id = int(reply["job_id"])  # type: ignore[call-overload]
-        cookie = int(reply["cookie"])  # type: ignore[call-overload]
-        endpoints = tuple(
-            Endpoint((str(e["host"]), int(e["port"])), job_id, cookie, int(e["slots"]),
-                     f"appliance {appliance} core {e['core']}")
-            for e in reply["endpoints"]  # type: ignore[attr-defined]
-        )
-        mc = reply.get("multicast")
-        multicast = (str(mc["group"]), int(mc["port"])) if mc else None  # type: ignore[index]
-        return JobInfo(
-            appliance, job_id, cookie, int(reply["world_size"]),  # type: ignore[call-overload]
-            endpoints, int(reply["segment_bytes"]), multicast,  # type: ignore[call-overload]
-            bool(reply["deterministic"]), token,
-        )
-    except (KeyError, TypeError, ValueError) as exc:
+        job = JobDescription.from_json(reply)
+    except SchemaError as exc:
         raise RendezvousError(f"appliance {appliance} sent a malformed job reply: {exc}") from exc
+    if job.cookie is None:
+        raise RendezvousError(f"appliance {appliance} sent job {job.job_id} without its cookie")
+    endpoints = tuple(
+        Endpoint((e.host, e.port), job.job_id, job.cookie, e.slots,
+                 f"appliance {appliance} core {e.core}")
+        for e in job.endpoints)
+    return JobInfo(appliance, job.job_id, job.cookie, job.world_size, endpoints,
+                   job.segment_bytes, job.multicast, job.deterministic, token)

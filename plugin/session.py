@@ -18,8 +18,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from dataplane.errors import AllreduceTimeout, JobAborted, ReductionError
-from dataplane.wire import DType, Flags, Header, Kind, Op
+from reduction_appliance.dataplane.errors import AllreduceTimeout, JobAborted, ReductionError
+from reduction_appliance.dataplane.wire import DType, Flags, Header, Kind, Op
 
 __all__ = ["AllreduceRound", "Endpoint", "RttEstimator", "Timing", "Transmit"]
 

@@ -2,7 +2,7 @@
 
 Importing this module registers the backend::
 
-    import plugin.torch_backend  # noqa: F401
+    import reduction_appliance.plugin.torch_backend  # noqa: F401
     dist.init_process_group(backend="reduction", init_method="tcp://...", rank=r, world_size=n)
 
 Configuration comes from the environment:
@@ -67,7 +67,7 @@ from torch._C._distributed_c10d import (
     Store,
 )
 
-from dataplane.errors import ReductionError
+from reduction_appliance.dataplane.errors import ReductionError
 
 from .client import ApplianceClient
 from .rendezvous import JobInfo, leave, register

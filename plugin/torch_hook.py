@@ -1,7 +1,7 @@
 """A DDP communication hook that averages gradient buckets through the appliance, for jobs that
 keep Gloo (or anything else) as the default backend::
 
-    from plugin.torch_hook import ApplianceHookState, appliance_allreduce_hook
+    from reduction_appliance.plugin.torch_hook import ApplianceHookState, appliance_allreduce_hook
     model = DDP(model)                          # default process group: gloo
     model.register_comm_hook(ApplianceHookState(), appliance_allreduce_hook)
 

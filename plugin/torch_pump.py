@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from dataplane.errors import ReductionError
+from reduction_appliance.dataplane.errors import ReductionError
 
 from .client import ApplianceClient
 from .pipeline import Outcome

@@ -4,8 +4,14 @@ A :class:`Topology` is plain data; a :class:`Lab` builds it (pyroute2) inside a 
 and always tears it down again.
 """
 
-from deploy.testnet.lab import Lab, LabError, clean, leftovers, teardown
-from deploy.testnet.topology import DEFAULT_PREFIX_ROOT, Host, Link, Topology, unique_prefix
+from reduction_appliance.deploy.testnet.lab import Lab, LabError, clean, leftovers, teardown
+from reduction_appliance.deploy.testnet.topology import (
+    DEFAULT_PREFIX_ROOT,
+    Host,
+    Link,
+    Topology,
+    unique_prefix,
+)
 
 __all__ = [
     "DEFAULT_PREFIX_ROOT",

@@ -22,13 +22,13 @@ from typing import Any
 
 from pyroute2 import IPRoute, netns
 
-from deploy.testnet.shaping import (
+from reduction_appliance.deploy.testnet.shaping import (
     ShapingUnsupportedError,
     apply_qdiscs,
     egress_ruleset,
     loss_ruleset,
 )
-from deploy.testnet.topology import Topology
+from reduction_appliance.deploy.testnet.topology import Topology
 
 _TERM_GRACE_S = 2.0
 # IPv6 off everywhere: no DAD, router solicitations or MLD reports to disturb packet counts.

@@ -19,7 +19,7 @@ from typing import Any
 
 from pyroute2.netlink.exceptions import NetlinkError
 
-from deploy.testnet.topology import Link
+from reduction_appliance.deploy.testnet.topology import Link
 
 # Any kernel tick is <= 1/100 s; a bucket holding 1/100 s of traffic keeps tbf from
 # under-shooting the rate when the qdisc watchdog fires late. 64 KiB floor: several jumbo frames

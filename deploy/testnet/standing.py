@@ -19,8 +19,8 @@ from typing import Any
 
 from pyroute2 import netns
 
-from deploy.testnet.lab import Lab, LabError, teardown
-from deploy.testnet.topology import Topology
+from reduction_appliance.deploy.testnet.lab import Lab, LabError, teardown
+from reduction_appliance.deploy.testnet.topology import Topology
 
 __all__ = ["STATE_DIR", "LabRecord", "down", "list_labs", "up"]
 

@@ -6,11 +6,16 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from bench.harness import LoopbackNetwork, run_workers, start_appliance, worker_argv
+from reduction_appliance.deploy.testnet.harness import (
+    LoopbackNetwork,
+    run_workers,
+    start_appliance,
+    worker_argv,
+)
 
 _GARBAGE = """
 import socket, struct, sys
-from dataplane.wire import HEADER, MAGIC, VERSION
+from reduction_appliance.dataplane.wire import HEADER, MAGIC, VERSION
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 port = int(sys.argv[1])
 s.sendto(b"not ours", ("127.0.0.1", port))  # shorter than a header

@@ -16,7 +16,7 @@ _ROOT = Path(__file__).resolve().parents[2]
 if str(_ROOT) not in sys.path:  # plain `pytest` (not `python -m pytest`) without an install
     sys.path.insert(0, str(_ROOT))
 
-from deploy.testnet import Lab, Topology, leftovers, unique_prefix  # noqa: E402
+from reduction_appliance.deploy.testnet import Lab, Topology, leftovers, unique_prefix  # noqa: E402
 
 _HERE = Path(__file__).resolve().parent
 

@@ -8,7 +8,13 @@ from typing import Any
 
 import pytest
 
-from bench.harness import HarnessError, LabNetwork, run_workers, start_appliance, worker_argv
+from reduction_appliance.deploy.testnet.harness import (
+    HarnessError,
+    LabNetwork,
+    run_workers,
+    start_appliance,
+    worker_argv,
+)
 
 SIZES_1K_TO_64M = "1KiB,64KiB,1MiB,64MiB"
 

@@ -19,7 +19,8 @@ def test_allreduce_bench_runs_both_systems_exactly(tmp_path: Path) -> None:
         pytest.skip("needs root: the loopback network is a private namespace with multicast")
     out = tmp_path / "allreduce.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.allreduce", "--network", "loopback", "--workers", "2",
+        [sys.executable, "-m", "reduction_appliance.bench.allreduce", "--network", "loopback",
+         "--workers", "2",
          "--sizes", "64KiB", "--iters", "1", "--json", str(out)],
         cwd=_ROOT, capture_output=True, text=True, timeout=300, check=False,
     )

@@ -8,15 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deploy.testnet import LabError, leftovers, unique_prefix
-from deploy.testnet.standing import down
+from reduction_appliance.deploy.testnet import LabError, leftovers, unique_prefix
+from reduction_appliance.deploy.testnet.standing import down
 
 _ROOT = Path(__file__).resolve().parents[2]
 
 
 def ctl(state: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "control.cli", "lab", "--state-dir", str(state), *argv],
+        [sys.executable, "-m", "reduction_appliance.control.cli", "lab", "--state-dir",
+         str(state), *argv],
         cwd=_ROOT, capture_output=True, text=True, timeout=120, check=False,
     )
 

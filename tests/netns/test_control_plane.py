@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.harness import (
+from reduction_appliance.control.apiclient import ApiError
+from reduction_appliance.deploy.testnet.harness import (
     HarnessError,
     LabNetwork,
     api_request,
@@ -22,7 +23,6 @@ from bench.harness import (
     start_appliance,
     worker_argv,
 )
-from control.apiclient import ApiError
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,9 +45,8 @@ def finish(procs: list[subprocess.Popen[str]], timeout_s: float = 180) -> list[t
 
 
 def ctl(*args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "control.cli", *args], capture_output=True,
-                          text=True, env=env, timeout=60, check=False)
+    return subprocess.run([sys.executable, "-m", "reduction_appliance.control.cli", *args],
+                          capture_output=True, text=True, timeout=60, check=False)
 
 
 def test_two_jobs_at_once_are_exact_and_a_third_is_refused_for_budget() -> None:
@@ -66,7 +65,7 @@ def test_two_jobs_at_once_are_exact_and_a_third_is_refused_for_budget() -> None:
         with pytest.raises(ApiError) as refused:
             appliance.local_api.request("POST", "/v1/jobs", {
                 "name": "too-big", "world_size": 2, "slots": 100000})
-        assert refused.value.status == 400
+        assert refused.value.status == 409  # does not fit: AdmissionError
         assert "slot" in str(refused.value) and "free" in str(refused.value)
         status = appliance.status()
         assert {j["name"] for j in status["jobs"]} == {"fp32-job", "bf16-job"}
@@ -176,9 +175,8 @@ def test_steering_lives_with_the_daemon_and_clean_removes_leftovers() -> None:
             os.killpg(appliance.process.pid, signal.SIGKILL)  # a crash: nothing cleans up
             appliance.process.wait()
             assert ifname in _route(net, groups)
-            done = net.lab.run("a0", [sys.executable, "-m", "control.cli", "clean",
-                                      "--config", config],
-                               env=dict(os.environ, PYTHONPATH=str(ROOT)))
+            done = net.lab.run("a0", [sys.executable, "-m", "reduction_appliance.control.cli",
+                                      "clean", "--config", config])
             assert "removed" in done.stdout
             assert _route(net, groups) == ""
             assert not Path(appliance.unix_socket).exists()

@@ -17,7 +17,8 @@ def test_tiny_ddp_steps_bench(tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="the example trains with torch")
     steps, warmup = 12, 2
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.ddp_steps", "--workers", "2", "--rate", "1gbit",
+        [sys.executable, "-m", "reduction_appliance.bench.ddp_steps", "--workers", "2",
+         "--rate", "1gbit",
          "--steps", str(steps), "--warmup", str(warmup), "--hidden", "64", "--layers", "2",
          "--bucket-mb", "0.01", "--out", str(tmp_path)],
         cwd=_ROOT, capture_output=True, text=True, timeout=300, check=False,

@@ -13,8 +13,16 @@ from pathlib import Path
 import pytest
 from pyroute2 import netns
 
-from deploy.testnet import Lab, LabError, Link, Topology, clean, leftovers, unique_prefix
-from deploy.testnet.shaping import egress_ruleset
+from reduction_appliance.deploy.testnet import (
+    Lab,
+    LabError,
+    Link,
+    Topology,
+    clean,
+    leftovers,
+    unique_prefix,
+)
+from reduction_appliance.deploy.testnet.shaping import egress_ruleset
 from tests.waiting import wait_until
 
 MakeLab = Callable[[Topology], Lab]

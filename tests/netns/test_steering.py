@@ -7,6 +7,7 @@ packet is ever sent, and nothing is touched outside the namespace.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import secrets
 import subprocess
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 from pyroute2 import IPRoute, netns
 
-from control.steering import (
+from reduction_appliance.control.steering import (
     Steering,
     SteeringInputs,
     check_interface,
@@ -25,9 +26,9 @@ from control.steering import (
     plan,
     remove,
 )
-from dataplane.errors import ConfigError
+from reduction_appliance.dataplane.errors import ConfigError
 
-GROUPS = "239.255.0.0/16"
+GROUPS = ipaddress.IPv4Network("239.255.0.0/16")
 ROUTE = "multicast route 239.255.0.0/16 dev v0 (table main, scope link)"
 
 
@@ -128,7 +129,7 @@ def test_applying_twice_gives_one_route_and_the_first_owner_removes_it(ns: str) 
 
 
 def test_a_route_someone_else_added_is_left_alone(ns: str) -> None:
-    subprocess.run(["ip", "-n", ns, "route", "add", GROUPS, "dev", "v0", "scope", "global"],
+    subprocess.run(["ip", "-n", ns, "route", "add", str(GROUPS), "dev", "v0", "scope", "global"],
                    check=True)
     with Steering(the_plan().plan, netns=ns) as s:
         assert s.installed() == []
@@ -137,7 +138,7 @@ def test_a_route_someone_else_added_is_left_alone(ns: str) -> None:
 
 def test_a_displaced_route_is_put_back(ns: str) -> None:
     subprocess.run(["ip", "-n", ns, "link", "set", "v1", "up"], check=True)
-    subprocess.run(["ip", "-n", ns, "route", "add", GROUPS, "dev", "v1"], check=True)
+    subprocess.run(["ip", "-n", ns, "route", "add", str(GROUPS), "dev", "v1"], check=True)
     with Steering(the_plan().plan, netns=ns):
         assert ip_routes(ns) == ["239.255.0.0/16 dev v0"]
     assert ip_routes(ns) == ["239.255.0.0/16 dev v1"]
@@ -166,7 +167,7 @@ def test_snapshot_and_address_lookup(ns: str) -> None:
     with Steering(the_plan().plan, netns=ns):
         snaps = interfaces_snapshot(["v0", "v1", "nope0"], netns=ns)
     assert [(s.name, s.mtu, s.up, s.multicast_routes) for s in snaps] == [
-        ("v0", 9000, True, (GROUPS,)),
+        ("v0", 9000, True, (str(GROUPS),)),
         ("v1", 1500, False, ()),
         ("nope0", 0, False, ()),
     ]

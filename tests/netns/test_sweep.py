@@ -20,7 +20,8 @@ def test_tiny_sweep_through_reductionctl(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="algbw.png needs the plot extra")
     out = tmp_path / "results"
     proc = subprocess.run(
-        [sys.executable, "-m", "control.cli", "bench", "--network", "rack", "--workers", "2",
+        [sys.executable, "-m", "reduction_appliance.control.cli", "bench", "--network", "rack",
+         "--workers", "2",
          "--rate", "200mbit", "--sizes", "4KiB,64KiB", "--dtypes", "fp32", "--iters", "1",
          "--modes", "multicast,unicast", "--out", str(out)],
         cwd=_ROOT, capture_output=True, text=True, timeout=600, check=False,

@@ -13,7 +13,7 @@ import pytest
 if importlib.util.find_spec("torch") is None:
     pytest.skip("torch is not installed: the PyTorch plugin needs it", allow_module_level=True)
 
-from bench.harness import ApplianceProcess, LabNetwork, start_appliance
+from reduction_appliance.deploy.testnet.harness import ApplianceProcess, LabNetwork, start_appliance
 from tests.plugin.ranks import launch_ranks, run_ranks
 from tests.waiting import wait_until
 

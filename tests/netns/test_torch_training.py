@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.ddp_steps import COMMS, CommRun, run_comm
-from bench.harness import LabNetwork, start_appliance
+from reduction_appliance.bench.ddp_steps import COMMS, CommRun, run_comm
+from reduction_appliance.deploy.testnet.harness import LabNetwork, start_appliance
 
 pytest.importorskip("torch", reason="the example trains with torch")
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from typing import Any
 
-from bench.harness import Network, run_workers
+from reduction_appliance.deploy.testnet.harness import Network, run_workers
 
 STORE_PORT_ON_RACK = 29500  # a fresh namespace: nothing else listens there
 

@@ -14,12 +14,21 @@ if importlib.util.find_spec("torch") is None:
 
 import torch
 
-from bench.harness import ApplianceProcess, LoopbackNetwork, start_appliance
-from dataplane.errors import AllreduceTimeout, ReductionError
-from plugin.rendezvous import leave
-from plugin.session import Timing
-from plugin.torch_backend import ApplianceConfig, FutureWork, config_from_env, connect
-from plugin.torch_pump import RoundPump
+from reduction_appliance.dataplane.errors import AllreduceTimeout, ReductionError
+from reduction_appliance.deploy.testnet.harness import (
+    ApplianceProcess,
+    LoopbackNetwork,
+    start_appliance,
+)
+from reduction_appliance.plugin.rendezvous import leave
+from reduction_appliance.plugin.session import Timing
+from reduction_appliance.plugin.torch_backend import (
+    ApplianceConfig,
+    FutureWork,
+    config_from_env,
+    connect,
+)
+from reduction_appliance.plugin.torch_pump import RoundPump
 
 from .ranks import run_ranks
 

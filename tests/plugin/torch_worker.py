@@ -22,12 +22,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bench.reference import random_values, reference, same_bits
-from dataplane.wire import DType, Op
-from plugin.torch_backend import ApplianceProcessGroup  # importing registers the backend
-from plugin.torch_exit import exit_without_finalizing
-from plugin.torch_hook import ApplianceHookState, appliance_allreduce_hook
-from plugin.torch_pump import numpy_view
+from reduction_appliance.dataplane.wire import DType, Op
+from reduction_appliance.deploy.testnet.reference import random_values, reference, same_bits
+from reduction_appliance.plugin.torch_backend import (
+    ApplianceProcessGroup,  # importing registers the backend
+)
+from reduction_appliance.plugin.torch_exit import exit_without_finalizing
+from reduction_appliance.plugin.torch_hook import ApplianceHookState, appliance_allreduce_hook
+from reduction_appliance.plugin.torch_pump import numpy_view
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 WIRE_DTYPES = {"fp32": DType.FLOAT32, "fp16": DType.FLOAT16, "bf16": DType.BFLOAT16}

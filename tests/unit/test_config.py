@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from control.config import load, parse
-from control.registry import ConflictError, JobRequest, Registry
-from dataplane.errors import AdmissionError, ConfigError
+from reduction_appliance.control.config import HostPort, load, parse, to_toml
+from reduction_appliance.control.registry import ConflictError, JobRequest, Registry
+from reduction_appliance.dataplane.errors import BadRequest, ConfigError
+from reduction_appliance.dataplane.registration import JobDescription, SchemaError
 
 REFERENCE = Path(__file__).resolve().parents[2] / "deploy" / "appliance.toml"
 
@@ -29,7 +32,12 @@ def test_reference_config_loads() -> None:
         ({"dataplane": {"address": "not-an-ip"}}, "dataplane.address"),
         ({"dataplane": {"mtu": 1500, "segment_bytes": 8192}}, "dataplane.segment_bytes"),
         ({"dataplane": {"mtu": "9000"}}, "dataplane.mtu: expected int"),
-        ({"multicast": {"groups": "10.0.0.0/8"}}, "multicast.groups"),
+        ({"multicast": {"groups": "10.0.0.0/8"}}, "multicast.groups: .* not a multicast"),
+        ({"multicast": {"groups": "239.255.0.1/16"}}, "multicast.groups"),
+        ({"dataplane": {"dscp": 64}}, "dataplane.dscp"),
+        ({"dataplane": {"base_port": 65535}}, "dataplane.base_port"),
+        ({"dataplane": {"kernels": "tensorflow"}}, "dataplane.kernels: must be one of"),
+        ({"dataplane": {"kernels": "Torch"}}, "dataplane.kernels"),
         ({"jobs": {"slots": 100000}}, "jobs.slots"),
         ({"api": {"listen": "localhost"}}, "api.listen"),
         ({"dataplan": {}}, "dataplan: unknown section"),
@@ -61,13 +69,37 @@ def test_registration_is_idempotent_and_refuses_disagreement() -> None:
     assert other.spec.job_id != plan.spec.job_id
     assert other.spec.multicast != plan.spec.multicast  # one group per job
     described = plan.describe(registry.cfg)
-    assert described["cookie"] == 7
-    assert described["segment_bytes"] == parse({}).dataplane.max_payload
+    assert described.cookie == 7 and described.public().cookie is None
+    assert described.segment_bytes == parse({}).dataplane.max_payload
+    # The one schema both ends use: what the API sends, a worker parses back unchanged.
+    assert JobDescription.from_json(json.loads(json.dumps(described.to_json()))) == described
 
 
 def test_bad_job_requests_are_refused() -> None:
     registry = Registry(parse({}))
-    with pytest.raises(AdmissionError, match="world_size"):
+    with pytest.raises(BadRequest, match="world_size"):
         registry.plan(JobRequest("job", 0), cookie=1, now=0.0)
-    with pytest.raises(AdmissionError, match="name"):
+    with pytest.raises(BadRequest, match="name"):
         registry.plan(JobRequest("", 2), cookie=1, now=0.0)
+
+
+def test_the_tree_written_out_loads_back_equal(tmp_path: Path) -> None:
+    cfg = load(REFERENCE)
+    again = parse(tomllib.loads(to_toml(cfg)), source=cfg.source)
+    assert again == cfg
+    assert str(again.multicast.groups) == "239.255.0.0/16"
+    assert again.api.listen == HostPort("198.18.0.1", 7070)
+    assert again.metrics.listen == HostPort("127.0.0.1", 9108)
+    assert parse({"metrics": {"listen": ""}}).metrics.listen is None
+
+
+def test_a_malformed_registration_answer_names_the_field() -> None:
+    good = Registry(parse({})).plan(JobRequest("j", 2), cookie=3, now=0.0).describe(parse({}))
+    wire = good.to_json()
+    with pytest.raises(SchemaError, match="'world_size' should be int"):
+        JobDescription.from_json(wire | {"world_size": "2"})
+    with pytest.raises(SchemaError, match="missing 'endpoints'"):
+        JobDescription.from_json({k: v for k, v in wire.items() if k != "endpoints"})
+    with pytest.raises(SchemaError, match=r"endpoints\[0\]: 'port'"):
+        JobDescription.from_json(wire | {"endpoints": [{"core": 0, "host": "h", "port": True,
+                                                        "slots": 1}]})

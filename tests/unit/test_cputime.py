@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from bench.cputime import CpuSample, machine_busy_s, tree_cpu_s
+from reduction_appliance.bench.cputime import CpuSample, machine_busy_s, tree_cpu_s
 
 # Burns `BURN_S` of its own CPU, then says so and waits for stdin to close.
 _BURN = """

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from control.config import load
+from reduction_appliance.control.config import load
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 UNIT = DEPLOY / "reductiond.service"

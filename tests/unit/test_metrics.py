@@ -8,9 +8,20 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from control.metrics import CONTENT_TYPE, CORE_COUNTERS, CORE_GAUGES, SnapshotCollector, render
-from control.snapshot import ApplianceSnapshot, CoreSnapshot, InterfaceSnapshot, JobSnapshot
-from dataplane.counters import Counter, Counters
+from reduction_appliance.control.metrics import (
+    CONTENT_TYPE,
+    CORE_COUNTERS,
+    CORE_GAUGES,
+    SnapshotCollector,
+    render,
+)
+from reduction_appliance.control.snapshot import (
+    ApplianceSnapshot,
+    CoreSnapshot,
+    InterfaceSnapshot,
+    JobSnapshot,
+)
+from reduction_appliance.dataplane.counters import Counter, Counters
 
 
 def core_counters(**values: int) -> dict[str, int]:

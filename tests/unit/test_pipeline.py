@@ -8,12 +8,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.reference import integer_valued, random_values, reference, same_bits
-from dataplane.errors import AllreduceTimeout, JobAborted, ReductionError
-from dataplane.reduce import select_kernels
-from dataplane.wire import DType, Kind, Op
-from plugin.pipeline import RoundPipeline, lane_endpoints
-from plugin.session import Endpoint, RttEstimator, Timing
+from reduction_appliance.dataplane.errors import AllreduceTimeout, JobAborted, ReductionError
+from reduction_appliance.dataplane.reduce import select_kernels
+from reduction_appliance.dataplane.wire import DType, Kind, Op
+from reduction_appliance.deploy.testnet.reference import (
+    integer_valued,
+    random_values,
+    reference,
+    same_bits,
+)
+from reduction_appliance.plugin.pipeline import RoundPipeline, lane_endpoints
+from reduction_appliance.plugin.session import Endpoint, RttEstimator, Timing
 
 from .simnet import Faults, SimNet
 

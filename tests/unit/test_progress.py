@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from bench.progress import ProgressBar, format_bar, format_duration
+from reduction_appliance.bench.progress import ProgressBar, format_bar, format_duration
 
 
 def test_durations() -> None:

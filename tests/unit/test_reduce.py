@@ -18,14 +18,15 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from numpy.typing import NDArray
 
-from dataplane.reduce import (
+from reduction_appliance.dataplane.errors import ConfigError
+from reduction_appliance.dataplane.reduce import (
     BACKENDS,
     KernelTable,
     available_backends,
     element_view,
     select_kernels,
 )
-from dataplane.wire import DType, Op
+from reduction_appliance.dataplane.wire import DType, Op
 
 NP_DTYPE = {
     DType.FLOAT32: np.dtype(np.float32),
@@ -332,7 +333,7 @@ def test_torch_preferred_when_importable() -> None:
 
 
 def test_unknown_backend_names_the_choices() -> None:
-    with pytest.raises(ValueError, match="numpy") as err:
+    with pytest.raises(ConfigError, match="numpy") as err:
         select_kernels("cuda")
     assert "unknown" in str(err.value)
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from control.config import parse
-from control.registry import (
+from reduction_appliance.control.config import parse
+from reduction_appliance.control.registry import (
     JobRequest,
     JobState,
     Registry,
     UnknownJob,
 )
-from dataplane.errors import AdmissionError
+from reduction_appliance.dataplane.errors import AdmissionError, BadRequest
 
 
 def registry(**jobs: object) -> Registry:
@@ -44,7 +44,7 @@ def test_abort_and_illegal_transitions() -> None:
     with pytest.raises(UnknownJob):
         reg.abort(job)
     other = admit(reg, "b")
-    with pytest.raises(AdmissionError, match="rank 5 outside"):
+    with pytest.raises(BadRequest, match="rank 5 outside"):
         reg.join(other, 5)
 
 

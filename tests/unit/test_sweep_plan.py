@@ -6,7 +6,12 @@ import argparse
 
 import pytest
 
-from bench.plan import SweepPlan, add_sweep_arguments, parse_sizes, plan_from_args
+from reduction_appliance.bench.plan import (
+    SweepPlan,
+    add_sweep_arguments,
+    parse_sizes,
+    plan_from_args,
+)
 
 KiB, MiB = 1 << 10, 1 << 20
 

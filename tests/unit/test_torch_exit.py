@@ -9,7 +9,7 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parents[2]
 _PROGRAM = """
 import atexit, sys
-from plugin.torch_exit import exit_without_finalizing
+from reduction_appliance.plugin.torch_exit import exit_without_finalizing
 atexit.register(print, "finalized")
 sys.stdout.write("report")  # buffered: no newline, no flush
 sys.stderr.write("note")

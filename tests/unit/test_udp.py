@@ -7,7 +7,7 @@ import socket
 import struct
 from typing import Any
 
-from dataplane.udp import UDP_SEGMENT, DatagramBatcher
+from reduction_appliance.dataplane.udp import UDP_SEGMENT, DatagramBatcher
 
 A = ("198.18.0.1", 7000)
 B = ("198.18.0.2", 7000)

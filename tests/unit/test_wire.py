@@ -19,9 +19,19 @@ from scapy.layers.l2 import Ether
 from scapy.packet import Packet, Raw
 from scapy.utils import rdpcap, wrpcap
 
-from dataplane import wire
-from dataplane.dissect import ReductionHeader, bind_port, unbind_port
-from dataplane.wire import HEADER_SIZE, MAGIC, VERSION, DType, Flags, Header, Kind, Op, WireError
+from reduction_appliance.dataplane import wire
+from reduction_appliance.dataplane.dissect import ReductionHeader, bind_port, unbind_port
+from reduction_appliance.dataplane.wire import (
+    HEADER_SIZE,
+    MAGIC,
+    VERSION,
+    DType,
+    Flags,
+    Header,
+    Kind,
+    Op,
+    WireError,
+)
 
 U8, U16, U32, U64 = (2**8 - 1, 2**16 - 1, 2**32 - 1, 2**64 - 1)
 

@@ -3,17 +3,11 @@ then the result narrowed to the input dtype (what deterministic mode promises bi
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 from numpy.typing import NDArray
 
-from dataplane.wire import DType, Op
-
-NUMPY_DTYPE = {
-    DType.FLOAT32: np.dtype(np.float32),
-    DType.FLOAT16: np.dtype(np.float16),
-    DType.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
-}
+from reduction_appliance.dataplane.dtypes import info
+from reduction_appliance.dataplane.wire import DType, Op
 
 
 def reference(arrays: list[NDArray[np.generic]], op: Op) -> NDArray[np.generic]:
@@ -34,11 +28,11 @@ def reference(arrays: list[NDArray[np.generic]], op: Op) -> NDArray[np.generic]:
 def integer_valued(rng: np.random.Generator, n: int, dtype: DType) -> NDArray[np.generic]:
     """Values whose sums are exact in any order (small integers): for arrival-order modes.
     Sums of up to 64 of them stay within bfloat16's exact integers."""
-    return rng.integers(-4, 4, n, dtype=np.int8).astype(NUMPY_DTYPE[dtype])
+    return rng.integers(-4, 4, n, dtype=np.int8).astype(info(dtype).numpy)
 
 
 def random_values(rng: np.random.Generator, n: int, dtype: DType) -> NDArray[np.generic]:
-    return (rng.standard_normal(n) * 10).astype(NUMPY_DTYPE[dtype])
+    return (rng.standard_normal(n) * 10).astype(info(dtype).numpy)
 
 
 def same_bits(a: NDArray[np.generic], b: NDArray[np.generic]) -> bool:

@@ -1,6 +1,7 @@
 """The main job: an appliance and 4 workers on an emulated rack reduce real tensors.
 
-    python -m bench.demo [--workers 4] [--rate 1gbit] [--sizes 1KiB..64MiB] [--loopback]
+    python -m reduction_appliance.deploy.testnet.demo [--workers 4] [--rate 1gbit]
+        [--sizes 1KiB,..,64MiB] [--loopback]
 
 Builds the rack (namespaces, a bridge, MTU 9000 veth links; as root), starts `reductiond` on the
 appliance host and one worker process per worker host, allreduces tensors of 1 KiB to 64 MiB in
@@ -19,6 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from reduction_appliance.dataplane.units import format_size, parse_size
+
 from .harness import (
     HarnessError,
     LabNetwork,
@@ -28,19 +31,11 @@ from .harness import (
     start_appliance,
     worker_argv,
 )
-from .worker import DTYPE_NAMES, parse_size
+from .worker import DTYPE_NAMES
 
 __all__ = ["main"]
 
 DEFAULT_SIZES = [1 << s for s in range(10, 27, 2)]  # 1 KiB, 4 KiB, ..., 64 MiB
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 @contextmanager
@@ -79,21 +74,21 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         })
     print(f"\n{'size':>10} {'dtype':>9} {'time':>10} {'algbw':>11} {'retx':>6}  check")
     for r in rows:
-        print(f"{human(r['size']):>10} {r['dtype']:>9} {r['time_s'] * 1e3:8.2f}ms "
+        print(f"{format_size(r['size']):>10} {r['dtype']:>9} {r['time_s'] * 1e3:8.2f}ms "
               f"{r['algbw_gbps']:7.3f}GB/s {r['retransmissions']:>6}  "
               f"{'exact' if r['ok'] else 'WRONG'}")
     reduced = counters.get("bytes_reduced", 0)
     out = counters.get("bytes_out", 0)
     drops = ", ".join(f"{k}={v}" for k, v in counters.items() if k.startswith("drop_") and v)
     print(f"\nappliance: {counters.get('segments_reduced', 0)} segments reduced, "
-          f"{human(reduced)} of results, {human(out)} sent "
+          f"{format_size(reduced)} of results, {format_size(out)} sent "
           f"({out / max(1, reduced):.2f} bytes out per result byte incl. headers and resends; "
           f"unicast fan-out would be ~{args.workers}); drops: {drops or 'none'}")
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench.demo", description=__doc__,
+    p = argparse.ArgumentParser(prog="reduction_appliance.deploy.testnet.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--cores", type=int, default=2, help="appliance data-plane cores")

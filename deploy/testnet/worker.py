@@ -1,7 +1,7 @@
 """One worker of an appliance run: register, allreduce every case, check, print JSON lines.
 
-    python -m bench.worker --appliance 198.18.0.1:7070 --job demo --world 4 --rank 0 \\
-        --local 198.18.0.101 --sizes 1KiB,64MiB --dtypes fp32,bf16 --ops sum
+    python -m reduction_appliance.deploy.testnet.worker --appliance 198.18.0.1:7070 \\
+        --job demo --world 4 --rank 0 --local 198.18.0.101 --sizes 1KiB,64MiB --dtypes fp32
 
 Every rank builds every rank's input from the same seeds, so each can compute the numpy
 reference on its own and check its result bit for bit: integer-valued inputs in arrival-order
@@ -20,29 +20,20 @@ from typing import Any
 
 import numpy as np
 
-from dataplane.errors import ReductionError
-from dataplane.wire import DType, Op
-from plugin.client import ApplianceClient
-from plugin.rendezvous import leave, register
-from plugin.session import Timing
+from reduction_appliance.dataplane.dtypes import DTYPES, info
+from reduction_appliance.dataplane.errors import ReductionError
+from reduction_appliance.dataplane.units import parse_size
+from reduction_appliance.dataplane.wire import DType, Op
+from reduction_appliance.plugin.client import ApplianceClient
+from reduction_appliance.plugin.rendezvous import leave, register
+from reduction_appliance.plugin.session import Timing
 
 from .probe import Probe
-from .reference import NUMPY_DTYPE, integer_valued, random_values, reference, same_bits
+from .reference import integer_valued, random_values, reference, same_bits
 
-__all__ = ["DTYPE_NAMES", "add_probe_arguments", "main", "parse_size", "probe_of"]
+__all__ = ["DTYPE_NAMES", "add_probe_arguments", "case_arguments", "main", "probe_of"]
 
-DTYPE_NAMES = {"fp32": DType.FLOAT32, "fp16": DType.FLOAT16, "bf16": DType.BFLOAT16}
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
-          "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    t = text.strip().lower()
-    digits = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(digits):]
-    if not digits.isdigit() or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"bad size {text!r} (e.g. 1KiB, 64MiB)")
-    return int(digits) * _UNITS[unit]
+DTYPE_NAMES = {d.short: d.dtype for d in DTYPES}
 
 
 def _list(kind: Callable[[str], Any], names: dict[str, Any] | None = None) -> Any:
@@ -53,8 +44,22 @@ def _list(kind: Callable[[str], Any], names: dict[str, Any] | None = None) -> An
             if bad:
                 raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {sorted(names)}")
             return [names[x] for x in items]
-        return [kind(x) for x in items]
+        try:
+            return [kind(x) for x in items]
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
     return parse
+
+
+def case_arguments(p: argparse.ArgumentParser) -> None:
+    """The cases to run, shared with bench.gloo_worker so both run the same ones."""
+    p.add_argument("--sizes", type=_list(parse_size), default=[1 << 20])
+    p.add_argument("--dtypes", type=_list(str, DTYPE_NAMES), default=[DType.FLOAT32])
+    p.add_argument("--ops", type=_list(str, {o.name.lower(): o for o in Op}), default=[Op.SUM])
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--no-check", action="store_true", help="skip the reference (big sweeps)")
 
 
 def add_probe_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,24 +81,20 @@ def inputs(seed: int, case: int, rank: int, n: int, dtype: DType,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench.worker", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m reduction_appliance.deploy.testnet.worker",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--appliance", action="append", required=True, help="API HOST:PORT")
     p.add_argument("--job", required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--local", default="0.0.0.0", help="this worker's data address")
-    p.add_argument("--sizes", type=_list(parse_size), default=[1 << 20])
-    p.add_argument("--dtypes", type=_list(str, DTYPE_NAMES), default=[DType.FLOAT32])
-    p.add_argument("--ops", type=_list(str, {o.name.lower(): o for o in Op}), default=[Op.SUM])
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
+    case_arguments(p)
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--unicast", action="store_true", help="results by unicast fan-out")
     p.add_argument("--deadline", type=float, default=60.0, help="seconds per allreduce")
-    p.add_argument("--seed", type=int, default=1)
     p.add_argument("--token-file", help="the appliance API's bearer token")
     p.add_argument("--leave", action="store_true", help="leave the job at the end")
-    p.add_argument("--no-check", action="store_true", help="skip the reference (big sweeps)")
     add_probe_arguments(p)
     args = p.parse_args(argv)
 
@@ -155,7 +156,7 @@ def _run_case(client: ApplianceClient, args: argparse.Namespace, case: int, dtyp
         "op": op.name.lower(), "times": times, "checked": want is not None,
         "ok": bad == 0, "bad_iterations": bad,
         "retransmissions": client.retransmissions - before,
-        "numpy_dtype": str(NUMPY_DTYPE[dtype]), **probe.report(),
+        "numpy_dtype": str(info(dtype).numpy), **probe.report(),
     }
 
 

@@ -8,6 +8,7 @@ configuration from a TOML file, registration over the API, data over UDP.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import select
@@ -21,23 +22,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from control.apiclient import UnixApi
-from deploy.testnet.lab import Lab
-from deploy.testnet.topology import Topology
+from reduction_appliance.control.apiclient import UnixApi
+from reduction_appliance.control.config import (
+    ApiConfig,
+    ApplianceConfig,
+    DataplaneConfig,
+    HostPort,
+    JobDefaults,
+    MulticastConfig,
+    to_toml,
+)
+
+from .lab import Lab
+from .topology import Topology
 
 __all__ = [
+    "DAEMON",
+    "WORKER",
     "ApplianceProcess",
     "HarnessError",
     "LabNetwork",
     "LoopbackNetwork",
     "Network",
     "api_request",
+    "appliance_config",
     "run_workers",
     "start_appliance",
     "worker_argv",
 ]
 
-REPO = Path(__file__).resolve().parent.parent
+#: `python` arguments that run reductiond and the lab's worker program.
+DAEMON = ("-m", "reduction_appliance.control.daemon")
+WORKER = ("-m", "reduction_appliance.deploy.testnet.worker")
 _API_PORT = 7070
 _READY_TIMEOUT_S = 60.0
 
@@ -88,9 +104,9 @@ def api_request(net: Network, index: int, method: str, url: str) -> Any:
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
+    # The product is found through the interpreter's installation (pip install -e), the same
+    # way an operator's processes find it.
+    return dict(os.environ)
 
 
 @dataclass
@@ -233,22 +249,22 @@ class ApplianceProcess:
         return total
 
 
-def appliance_toml(address: str, *, cores: int, mtu: int, slots: int = 32,
-                   multicast: bool = True, poll: str = "adaptive", spin_us: int = 200,
-                   kernels: str = "auto", unix_socket: str = "", token_file: str = "",
-                   interface: str = "", groups: str = "239.255.0.0/16",
-                   extra: str = "") -> str:
-    """`extra` is appended verbatim (e.g. a [metrics] table); it must not repeat a table."""
+def appliance_config(address: str, *, cores: int, mtu: int, slots: int = 32,
+                     multicast: bool = True, poll: str = "adaptive", spin_us: int = 200,
+                     kernels: str = "auto", unix_socket: str = "", token_file: str = "",
+                     interface: str = "", groups: str = "239.255.0.0/16") -> ApplianceConfig:
+    """The lab appliance's configuration, as the typed tree reductiond will load."""
     # Pin data-plane core i to CPU i when the machine has that many: the appliance's layout.
-    cpus = list(range(cores)) if cores <= (os.cpu_count() or 1) else []
-    return (
-        f'[dataplane]\naddress = "{address}"\ncores = {cores}\ncpus = {cpus}\nmtu = {mtu}\n'
-        f'poll = "{poll}"\nspin_us = {spin_us}\nkernels = "{kernels}"\nslot_memory_mb = 256\n'
-        f'rx_buffers = 1024\ninterface = "{interface}"\n'
-        f'[multicast]\nenabled = {"true" if multicast else "false"}\ngroups = "{groups}"\n'
-        f'[jobs]\nslots = {slots}\n'
-        f'[api]\nlisten = "{address}:{_API_PORT}"\nunix_socket = "{unix_socket}"\n'
-        f'token_file = "{token_file}"\n' + extra
+    cpus = tuple(range(cores)) if cores <= (os.cpu_count() or 1) else ()
+    return ApplianceConfig(
+        dataplane=DataplaneConfig(address=address, cores=cores, cpus=cpus, mtu=mtu,
+                                  poll=poll, spin_us=spin_us,  # type: ignore[arg-type]
+                                  kernels=kernels, slot_memory_mb=256, rx_buffers=1024,
+                                  interface=interface),
+        multicast=MulticastConfig(enabled=multicast, groups=ipaddress.IPv4Network(groups)),
+        jobs=JobDefaults(slots=slots),
+        api=ApiConfig(listen=HostPort(address, _API_PORT), unix_socket=unix_socket,
+                      token_file=token_file),
     )
 
 
@@ -256,8 +272,8 @@ def appliance_toml(address: str, *, cores: int, mtu: int, slots: int = 32,
 def start_appliance(net: Network, index: int = 0, *, cores: int = 2, slots: int = 32,
                     poll: str = "adaptive", kernels: str = "auto", spin_us: int = 200,
                     multicast: bool | None = None, token: str | None = None,
-                    interface: str = "", groups: str = "239.255.0.0/16",
-                    extra_toml: str = "") -> Iterator[ApplianceProcess]:
+                    interface: str = "",
+                    groups: str = "239.255.0.0/16") -> Iterator[ApplianceProcess]:
     """Run `reductiond` on appliance `index` until the block ends (then SIGTERM, then kill).
     `multicast` overrides the network's default (False: results by unicast fan-out only);
     `token` makes the TCP API require it."""
@@ -270,13 +286,13 @@ def start_appliance(net: Network, index: int = 0, *, cores: int = 2, slots: int 
             Path(token_file).write_text(token)
         unix_socket = str(Path(tmp) / "api.sock")
         mc = net.multicast if multicast is None else multicast
-        path.write_text(appliance_toml(address, cores=cores, mtu=net.mtu, slots=slots,
-                                       multicast=mc, poll=poll, spin_us=spin_us,
-                                       kernels=kernels, unix_socket=unix_socket,
-                                       token_file=token_file, interface=interface,
-                                       groups=groups, extra=extra_toml))
+        cfg = appliance_config(address, cores=cores, mtu=net.mtu, slots=slots, multicast=mc,
+                               poll=poll, spin_us=spin_us, kernels=kernels,
+                               unix_socket=unix_socket, token_file=token_file,
+                               interface=interface, groups=groups)
+        path.write_text(to_toml(cfg))
         proc = net.popen_appliance(
-            index, [sys.executable, "-m", "control.daemon", "--config", str(path)],
+            index, [sys.executable, *DAEMON, "--config", str(path)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         try:
@@ -339,9 +355,9 @@ def run_workers(net: Network, argv_of_rank: Sequence[Sequence[str]],
 
 def worker_argv(net: Network, api: str, world: int, job: str,
                 options: Sequence[str] = ()) -> list[list[str]]:
-    """`bench.worker` command lines for every rank of a job on `net`."""
+    """The lab worker program's command lines for every rank of a job on `net`."""
     return [
-        ["-m", "bench.worker", "--appliance", api, "--job", job, "--world", str(world),
+        [*WORKER, "--appliance", api, "--job", job, "--world", str(world),
          "--rank", str(rank), "--local", net.worker_address(rank), *options]
         for rank in range(world)
     ]

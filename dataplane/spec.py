@@ -1,0 +1,195 @@
+"""The contract between the control plane and a data-plane core: the only data-plane types the
+control plane builds or reads (with the counters, the errors and the wire format).
+
+A core is a separate process; the control plane talks to it through a pipe (its mailbox):
+
+    control -> core   Request(id, command)      one of the `Command` classes below
+    core -> control   Ready(core)               once, when the core serves
+    core -> control   Reply(id, value, error)   one per request, in order, same id
+
+Every command declares the type of its reply value (`reply_type`), so the supervisor hands its
+callers typed values, and a refusal travels as an `ErrorReport` naming the exception's class,
+which the supervisor raises again as that class (an `AdmissionError` stays one; an unexpected
+exception inside a core becomes a `CoreFailure`, our bug, never a caller's 4xx). A command the
+core does not know is answered with an error too; the core goes on serving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, ClassVar, Generic, Literal, TypeVar
+
+from .errors import CoreFailure, ReductionError, by_name
+
+__all__ = [
+    "KERNEL_BACKENDS",
+    "AbortJob",
+    "AddJob",
+    "Address",
+    "Command",
+    "CoreConfig",
+    "CoreState",
+    "CoreStats",
+    "ErrorReport",
+    "JobSpec",
+    "JobStats",
+    "PollMode",
+    "QueryStats",
+    "Ready",
+    "RemoveJob",
+    "Reply",
+    "Request",
+    "Stop",
+]
+
+Address = tuple[str, int]
+PollMode = Literal["busy", "adaptive"]
+#: The reduce-kernel backends a core can be told to use (dataplane.reduce), best first.
+KERNEL_BACKENDS = ("torch", "numpy+ml_dtypes", "numpy")
+R = TypeVar("R")
+
+
+# ---- what a core is told --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CoreConfig:
+    """One data-plane core's start-up configuration (from the appliance config)."""
+
+    index: int
+    cpu: int | None  # pinned CPU; None = unpinned
+    bind: Address  # UDP address the core receives on
+    max_payload: int  # largest segment in bytes
+    slot_capacity: int  # slot pairs in the arena
+    rx_buffers: int  # receive buffers in the arena
+    poll: PollMode = "adaptive"
+    spin_us: int = 200
+    burst: int = 64  # datagrams per receive burst
+    multicast_interface: str | None = None  # local IPv4 address results are multicast from
+    multicast_ttl: int = 1
+    multicast_loop: bool = True  # deliver results to workers on this host too
+    tos: int = 0  # IP TOS byte (DSCP << 2) marked on every datagram the core sends
+    kernels: str | None = None  # reduce-kernel backend; None = the best available
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What one core needs to know about a job. `multicast` None means unicast fan-out."""
+
+    job_id: int
+    cookie: int
+    world_size: int
+    slots: int
+    deterministic: bool = False
+    multicast: Address | None = None
+
+
+@dataclass(frozen=True)
+class JobStats:
+    """One core's view of one job, for status and metrics."""
+
+    rounds: int
+    bytes_reduced: int
+    segments_reduced: int
+    last_activity: float | None  # the core's monotonic time of its last accepted contribution
+    waiting: dict[int, float]  # rank -> since when (core time) some filling segment waits for it
+
+
+@dataclass(frozen=True)
+class CoreStats:
+    """The reply to `QueryStats`: the core's clock (to turn its times into ages) and per job
+    its stats, None for a job the core does not have."""
+
+    now: float
+    jobs: dict[int, JobStats | None]
+
+
+class Command(Generic[R]):
+    """A mailbox command whose reply value has type R (checked when the reply arrives)."""
+
+    reply_type: ClassVar[type] = type(None)
+
+
+@dataclass(frozen=True)
+class AddJob(Command[None]):
+    spec: JobSpec
+
+
+@dataclass(frozen=True)
+class RemoveJob(Command[None]):
+    """Forget the job; its workers' later datagrams are dropped as of an unknown job."""
+
+    job_id: int
+
+
+@dataclass(frozen=True)
+class AbortJob(Command[None]):
+    """Forget the job and tell its workers (ABORTED), now and whenever they send again."""
+
+    job_id: int
+
+
+@dataclass(frozen=True)
+class QueryStats(Command[CoreStats]):
+    job_ids: tuple[int, ...]
+    reply_type: ClassVar[type] = CoreStats
+
+
+@dataclass(frozen=True)
+class Stop(Command[None]):
+    """Reply, then leave the poll loop and release everything."""
+
+
+# ---- the envelope ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Request:
+    id: int
+    command: Command[Any]
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    """An exception raised inside a core, by class name (see `errors.by_name`)."""
+
+    kind: str
+    message: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> ErrorReport:
+        return cls(type(exc).__name__, str(exc))
+
+    def exception(self, core: int) -> ReductionError:
+        """The same exception class in this process when it is one of ours (a core's refusal,
+        e.g. `AdmissionError`); anything else is a `CoreFailure`: the core has a bug."""
+        known = by_name(self.kind)
+        if known is not None and known is not CoreFailure:
+            return known(f"core {core}: {self.message}")
+        return CoreFailure(f"core {core} failed: {self.kind}: {self.message}")
+
+
+@dataclass(frozen=True)
+class Reply:
+    id: int
+    value: object = None
+    error: ErrorReport | None = None
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The first thing a core sends: it is serving."""
+
+    core: int
+    kernels: str  # the reduce-kernel backend it chose
+    notes: tuple[str, ...] = field(default=())  # fallbacks it took, said once
+
+
+# ---- the core's lifecycle, as the supervisor sees it ------------------------------------------
+
+class CoreState(Enum):
+    """A data-plane core's state in the supervisor. Transitions: see supervisor.py's table."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    STOPPED = "stopped"

@@ -1,0 +1,188 @@
+"""The transport seam of a worker: what `ApplianceClient` needs from the network.
+
+    transport.send(datagrams)        contributions, batched (GSO where the kernel can)
+    transport.receive(handle)        every datagram waiting, decoded: handle(header, payload, src)
+    transport.wait(timeout, wake)    block until something arrives, `timeout` passes or `wake`
+
+Results are received into the transport's own buffer and the client copies each payload into
+the caller's array (one memcpy, cheaper than a second system call per datagram). The UDP
+implementation is `UdpWorkerTransport`; `MemoryWorkerTransport` runs on
+`dataplane.transport.MemoryNetwork` for tests (no sockets, simulated time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import select
+import socket
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
+
+from reduction_appliance.dataplane.errors import PeerError, ReductionError
+from reduction_appliance.dataplane.transport import Address, MemoryEndpoint, MemoryNetwork
+from reduction_appliance.dataplane.udp import DatagramBatcher, enlarge_buffers
+from reduction_appliance.dataplane.wire import HEADER_SIZE, Header, pack_into, unpack
+
+__all__ = [
+    "Handler",
+    "MemoryWorkerTransport",
+    "Outgoing",
+    "UdpWorkerTransport",
+    "WorkerTransport",
+]
+
+_SOCKET_BUFFER = 32 * 1024 * 1024
+_TRANSIENT = {errno.ENOBUFS, errno.EAGAIN, errno.EWOULDBLOCK}  # a full queue: like a loss
+_RECEIVE_BUFFER = 65536  # the largest datagram
+
+#: handle(header, payload, source): one received datagram, valid only during the call
+Handler = Callable[[Header, memoryview, Address], None]
+
+
+class Outgoing(NamedTuple):
+    dest: Address
+    header: Header
+    payload: memoryview
+
+
+class WorkerTransport(Protocol):
+    def send(self, datagrams: Sequence[Outgoing]) -> None:
+        """Transmit; a full queue counts as a loss (retransmission repairs it), a dead route
+        raises `ReductionError`."""
+        ...
+
+    def receive(self, handle: Handler) -> int:
+        """Hand every datagram waiting now to `handle` (malformed ones are dropped); return
+        how many were taken off the queue."""
+        ...
+
+    def wait(self, timeout: float | None, wake: socket.socket | None = None) -> None:
+        """Block until a datagram waits, `timeout` seconds pass (None: no limit) or `wake`
+        is readable."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class UdpWorkerTransport:
+    """One UDP socket for contributions and unicast results, plus one socket per multicast
+    group results come back on (bound to the group: it hears only that group)."""
+
+    def __init__(self, local_address: str = "0.0.0.0",
+                 groups: Sequence[Address] = ()) -> None:
+        self._sockets: list[socket.socket] = []
+        self._buffer = bytearray(_RECEIVE_BUFFER)
+        self._view = memoryview(self._buffer)
+        with contextlib.ExitStack() as stack:
+            self.sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+            enlarge_buffers(self.sock, _SOCKET_BUFFER)
+            self.sock.bind((local_address, 0))
+            self._sockets.append(self.sock)
+            for group in dict.fromkeys(groups):
+                self._sockets.append(stack.enter_context(self._join(group, local_address)))
+            stack.pop_all()
+        self._batcher = DatagramBatcher(self.sock)
+
+    @staticmethod
+    def _join(group: Address, local_address: str) -> socket.socket:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            enlarge_buffers(sock, _SOCKET_BUFFER)
+            sock.bind(group)
+            interface = socket.inet_aton(local_address)
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
+                            socket.inet_aton(group[0]) + interface)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    @property
+    def local(self) -> Address:
+        """The address contributions leave from."""
+        host, port = self.sock.getsockname()
+        return str(host), int(port)
+
+    def send(self, datagrams: Sequence[Outgoing]) -> None:
+        batcher = self._batcher
+        for d in datagrams:
+            batcher.add_header(d.dest, d.header, d.payload)
+        batcher.flush()
+        error, batcher.last_error = batcher.last_error, None
+        if error is not None and error.errno not in _TRANSIENT:
+            raise ReductionError(f"cannot send to the appliance from {self.local[0]}: "
+                                 f"{error}") from error
+
+    def receive(self, handle: Handler) -> int:
+        taken = 0
+        buf, view = self._buffer, self._view
+        for sock in self._sockets:
+            while True:
+                try:
+                    size, source = sock.recvfrom_into(buf, len(buf), socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                taken += 1
+                if size < HEADER_SIZE:
+                    continue
+                try:
+                    h = unpack(buf)
+                except PeerError:
+                    continue
+                if size != HEADER_SIZE + h.length:
+                    continue  # a payload shorter or longer than its header says
+                handle(h, view[HEADER_SIZE:size], source)
+        return taken
+
+    def wait(self, timeout: float | None, wake: socket.socket | None = None) -> None:
+        waitables: list[socket.socket] = [*self._sockets, *([wake] if wake else [])]
+        select.select(waitables, [], [], None if timeout is None else max(0.0, timeout))
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            sock.close()
+        self._sockets.clear()
+
+
+class MemoryWorkerTransport:
+    """`WorkerTransport` on a `MemoryNetwork` (tests): `wait` returns at once, since the test
+    moves the simulated clock itself."""
+
+    def __init__(self, net: MemoryNetwork, address: Address,
+                 groups: Sequence[Address] = ()) -> None:
+        self.endpoint: MemoryEndpoint = net.bind(address)
+        for group in groups:
+            net.join(group, address)
+        self._header = bytearray(HEADER_SIZE)
+
+    @property
+    def local(self) -> Address:
+        return self.endpoint.address
+
+    def send(self, datagrams: Sequence[Outgoing]) -> None:
+        for d in datagrams:
+            pack_into(self._header, d.header)
+            self.endpoint.sendto(bytes(self._header) + bytes(d.payload), d.dest)
+
+    def receive(self, handle: Handler) -> int:
+        taken = 0
+        while (got := self.endpoint.recv()) is not None:
+            taken += 1
+            datagram, source = got
+            try:
+                h = unpack(datagram)
+            except PeerError:
+                continue
+            if len(datagram) == HEADER_SIZE + h.length:
+                handle(h, memoryview(datagram)[HEADER_SIZE:], source)
+        return taken
+
+    def wait(self, timeout: float | None, wake: socket.socket | None = None) -> None:
+        return None
+
+    def close(self) -> None:
+        self.endpoint.close()

@@ -1,0 +1,27 @@
+"""The numpy worker API, under the product's import root::
+
+    from reduction_appliance.client import ApplianceClient, register
+
+    job = register("198.18.0.1:7070", "my-job", world_size=4, rank=rank)
+    with ApplianceClient([job], rank, local_address="198.18.0.101") as client:
+        client.allreduce(grads, op="sum")
+"""
+
+from reduction_appliance.dataplane.errors import (
+    AllreduceTimeout,
+    JobAborted,
+    ReductionError,
+)
+from reduction_appliance.plugin.client import ApplianceClient
+from reduction_appliance.plugin.rendezvous import JobInfo, RendezvousError, leave, register
+
+__all__ = [
+    "AllreduceTimeout",
+    "ApplianceClient",
+    "JobAborted",
+    "JobInfo",
+    "ReductionError",
+    "RendezvousError",
+    "leave",
+    "register",
+]
