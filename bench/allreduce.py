@@ -12,7 +12,7 @@ Timing, identical for both: no barrier, untimed warmup, then back-to-back timed 
 the time of an iteration is its slowest rank's, and a case's time is the median over iterations.
 algbw = bytes / time. busbw (nccl-tests' 2(n-1)/n * algbw) is printed for Gloo only, and only for
 orientation: it assumes a point-to-point algorithm, and a reduction server moves each byte once
-per direction per worker, so busbw would overstate it by up to 2x (design.md section 5).
+per direction per worker, so busbw would overstate it by up to 2x (bench/report.py's NOTE).
 
 The default run is the issue's target, "loopback allreduce, n = 4, 64 MiB, not slower than Gloo",
 and ends with a PASS/FAIL line for it.

@@ -7,7 +7,8 @@ Per segment size and dtype it reports the median GB/s, counted in *input* bytes 
 the wire), of ``add`` (the per-contribution hot path), ``first`` and ``finish`` (avg, so its
 divide pass is included), and of ``np.copyto`` of the same number of bytes from the same payload
 buffer into the same accumulator memory. Absolute numbers drift +-30% between runs on shared
-machines (design.md section 3), so the targets are checked as ratios to copyto measured
+machines (the 2-core development machine: see docs/benchmarks.md), so the targets are checked
+as ratios to copyto measured
 side by side, interleaved round by round, or as floors far below the expected speed.
 """
 
@@ -46,8 +47,8 @@ __all__ = [
 
 DEFAULT_SIZES = (64 << 10, 256 << 10, 1 << 20, 16 << 20)
 
-# Targets (design.md section 3): fp32 folding must keep up with memcpy while the segment is in
-# cache; the 2-byte dtypes must stay clear of numpy's ~1 GB/s float16 cast.
+# Targets: fp32 folding must keep up with memcpy while the segment is in cache; the 2-byte
+# dtypes must stay clear of numpy's ~1 GB/s float16 cast (see dataplane/reduce.py).
 FP32_ADD_VS_COPYTO = 0.70
 FP32_TARGET_SIZES = (64 << 10, 1 << 20)  # inclusive range of segment sizes the ratio applies to
 HALF_ADD_GBPS = 3.0

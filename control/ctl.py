@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from reduction_appliance.dataplane.errors import ConfigError, ReductionError
+from reduction_appliance.dataplane.reduce import available_backends
 from reduction_appliance.dataplane.units import format_size
 
 from . import steering
@@ -117,8 +118,14 @@ def abort(args: argparse.Namespace) -> int:
 
 
 def check_config(args: argparse.Namespace) -> int:
+    """The daemon's own loader, plus what only this host can tell: whether the chosen kernel
+    backend is installed here."""
     try:
         cfg = load(args.file)
+        kernels = cfg.dataplane.kernels
+        if kernels != "auto" and kernels not in available_backends():
+            raise ConfigError(f"dataplane.kernels: {kernels!r} is not available on this host; "
+                              f"choose one of {', '.join(available_backends())} or auto")
     except ConfigError as exc:
         print(f"{args.file}: {exc}", file=sys.stderr)
         return EXIT_USAGE

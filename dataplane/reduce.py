@@ -17,8 +17,8 @@ receive buffer, because at 64 KiB even one ``view()`` per call (~0.3 us) costs 2
 throughput. Views at any byte offset are handled correctly (numpy and torch both read unaligned
 elements), but only 64-byte-aligned slots get the measured speeds.
 
-Why the kernels look the way they do (numbers from design.md section 3, re-measure with
-``python -m reduction_appliance.bench.kernels``):
+Why the kernels look the way they do (numbers from the development machine, in the README's
+Results; re-measure with ``python -m reduction_appliance.bench.kernels``):
 
 - fp32 is ``np.add(acc, x, acc)`` on views: memory-bound like memcpy (three streams instead of
   two), so no other library could beat it; at 64 KiB the per-call Python cost starts to show.

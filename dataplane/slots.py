@@ -46,13 +46,12 @@ class RxPool:
     it hands it to (the aggregator), which gives it back with `release` or keeps it (a
     contribution held back for rank-ordered summation)."""
 
-    __slots__ = ("_free", "elements", "payload_bytes", "views")
+    __slots__ = ("_free", "elements", "views")
 
     def __init__(self, buffers: NDArray[np.uint8]) -> None:
         # Made once, not per datagram: transports receive into `views`, and the kernels take
         # each payload as elements of 4 or 2 bytes (see reduce.element_view).
         self.views = [memoryview(b) for b in buffers]
-        self.payload_bytes = buffers.shape[1] - HEADER_SIZE
         self.elements: dict[int, list[NDArray[Any]]] = {
             size: [b[HEADER_SIZE:].view(STORAGE[d]) for b in buffers]
             for d, size in ((DType.FLOAT32, 4), (DType.FLOAT16, 2))

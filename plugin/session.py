@@ -140,9 +140,6 @@ class AllreduceRound:
     def length(self, k: int) -> int:
         return min(self.segment_bytes, self.nbytes - k * self.segment_bytes)
 
-    def endpoint_of(self, k: int) -> int:
-        return k % len(self.endpoints)
-
     def _header(self, k: int, retransmit: bool) -> Header:
         ep = self.endpoints[k % len(self.endpoints)]
         slot = ep.slot_base + (k // len(self.endpoints)) % ep.slots

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
+from reduction_appliance.dataplane.dtypes import DTYPES
 from reduction_appliance.dataplane.errors import ReductionError
 
 from .client import ApplianceClient
@@ -37,7 +38,7 @@ from .pipeline import Outcome
 
 __all__ = ["APPLIANCE_DTYPES", "PinnedPool", "RoundPump", "numpy_view"]
 
-APPLIANCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+APPLIANCE_DTYPES = tuple(getattr(torch, d.name) for d in DTYPES)  # what the appliance reduces
 MIN_CHUNK_BYTES = 256 * 1024
 
 

@@ -213,10 +213,6 @@ class Lab:
         """The host's data interface (inside its namespace)."""
         return self.topology.host_ifname(self.topology.host(host_name).name)
 
-    def switch_port_of(self, host_name: str) -> str:
-        """The bridge port facing the host (inside ``topology.switch_netns``)."""
-        return self.topology.port_ifname(self.topology.host(host_name).name)
-
     # -- running commands ------------------------------------------------------------------
 
     def popen(self, host_name: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from reduction_appliance.deploy.testnet.harness import (
     LoopbackNetwork,
     run_workers,
@@ -13,9 +15,13 @@ from reduction_appliance.deploy.testnet.harness import (
     worker_argv,
 )
 
+pytestmark = pytest.mark.slow  # real daemons and worker processes: seconds each
+
+
 _GARBAGE = """
 import socket, struct, sys
 from reduction_appliance.dataplane.wire import HEADER, MAGIC, VERSION
+
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 port = int(sys.argv[1])
 s.sendto(b"not ours", ("127.0.0.1", port))  # shorter than a header

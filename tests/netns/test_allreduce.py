@@ -16,6 +16,9 @@ from reduction_appliance.deploy.testnet.harness import (
     worker_argv,
 )
 
+pytestmark = pytest.mark.slow  # real daemons and worker processes: seconds each
+
+
 SIZES_1K_TO_64M = "1KiB,64KiB,1MiB,64MiB"
 
 
@@ -27,6 +30,7 @@ def reduce_on_rack(
     cores: int = 2,
     **links: Any,
 ) -> tuple[list[list[dict[str, Any]]], dict[str, int]]:
+
     """Run one job of `workers` ranks; return every rank's case reports and the appliance's
     counters afterwards."""
     with LabNetwork.rack(workers, multicast=not unicast, **links) as net, \

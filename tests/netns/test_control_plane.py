@@ -25,6 +25,9 @@ from reduction_appliance.deploy.testnet.harness import (
 )
 from tests.waiting import wait_until
 
+pytestmark = pytest.mark.slow  # real daemons and worker processes: seconds each
+
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

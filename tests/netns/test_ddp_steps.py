@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # real daemons and worker processes: seconds each
+
+
 _ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -301,6 +301,7 @@ def test_unimpaired_links_keep_order(lab: MakeLab, tmp_path: Path) -> None:
         assert seqs == list(range(2000)), host
 
 
+@pytest.mark.slow
 def test_loss_duplication_and_reordering_together(lab: MakeLab, tmp_path: Path) -> None:
     _require_nft()
     rack = lab(Topology.rack(workers=1, loss_pct=1.0, duplicate_pct=5.0, reorder_pct=10.0))

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # real daemons and worker processes: seconds each
+
+
 _ROOT = Path(__file__).resolve().parents[2]
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -17,6 +17,9 @@ from reduction_appliance.deploy.testnet.harness import ApplianceProcess, LabNetw
 from tests.plugin.ranks import launch_ranks, run_ranks
 from tests.waiting import wait_until
 
+pytestmark = pytest.mark.slow  # real daemons and worker processes: seconds each
+
+
 WORLD = 4
 Rack = tuple[LabNetwork, ApplianceProcess]
 

@@ -15,6 +15,9 @@ from reduction_appliance.deploy.testnet.harness import LabNetwork, start_applian
 
 pytest.importorskip("torch", reason="the example trains with torch")
 
+pytestmark = pytest.mark.slow  # real daemons and worker processes: seconds each
+
+
 WORKERS = 4
 STEPS = 250
 # 166k parameters (0.64 MiB of gradient) in 3 DDP buckets of at most 0.26 MiB (each one many

@@ -32,6 +32,8 @@ from reduction_appliance.plugin.torch_pump import RoundPump
 
 from .ranks import run_ranks
 
+pytestmark = pytest.mark.slow  # real daemons and worker processes: seconds each
+
 
 @pytest.fixture(scope="module")
 def rack() -> Iterator[tuple[LoopbackNetwork, ApplianceProcess]]:

@@ -22,7 +22,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from reduction_appliance.dataplane.wire import DType, Op
+from reduction_appliance.dataplane.dtypes import DTYPES as WIRE_TABLE
+from reduction_appliance.dataplane.dtypes import by_short
+from reduction_appliance.dataplane.wire import Op
 from reduction_appliance.deploy.testnet.reference import random_values, reference, same_bits
 from reduction_appliance.plugin.torch_backend import (
     ApplianceProcessGroup,  # importing registers the backend
@@ -31,8 +33,7 @@ from reduction_appliance.plugin.torch_exit import exit_without_finalizing
 from reduction_appliance.plugin.torch_hook import ApplianceHookState, appliance_allreduce_hook
 from reduction_appliance.plugin.torch_pump import numpy_view
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-WIRE_DTYPES = {"fp32": DType.FLOAT32, "fp16": DType.FLOAT16, "bf16": DType.BFLOAT16}
+DTYPES = {d.short: getattr(torch, d.name) for d in WIRE_TABLE}
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "min": dist.ReduceOp.MIN,
        "max": dist.ReduceOp.MAX}
@@ -64,7 +65,7 @@ def deterministic_checks(rank: int, world: int, gloo: dist.ProcessGroup) -> None
     rng = np.random.default_rng(1000 + rank)
     n = 5000
     for dname, dtype in DTYPES.items():
-        wire = WIRE_DTYPES[dname]
+        wire = by_short(dname).dtype
         for oname, op in OPS.items():
             mine = random_values(rng, n, wire)
             # Gathered as raw int32 bits (widened for 16-bit dtypes): Gloo has no bfloat16

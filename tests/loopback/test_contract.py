@@ -1,0 +1,99 @@
+"""The control plane and its cores across the process boundary, and the API's answers by whose
+fault an error is: real spawned data-plane processes, a real HTTP server on loopback."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from reduction_appliance.control.api import ApiServer
+from reduction_appliance.control.config import parse
+from reduction_appliance.control.supervisor import Supervisor
+from reduction_appliance.dataplane.errors import (
+    AdmissionError,
+    BadRequest,
+    CoreFailure,
+    NotFound,
+    Unavailable,
+)
+from reduction_appliance.dataplane.spec import Command, CoreStats, JobSpec, QueryStats
+
+
+class NoSuchCommand(Command[None]):
+    """A command no core knows (pickled by reference: the core imports this module)."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def supervisor() -> Iterator[Supervisor]:
+    cfg = parse({"dataplane": {"address": "127.0.0.1", "base_port": _free_port(),
+                               "kernels": "numpy", "slot_memory_mb": 4},
+                 "api": {"listen": "", "unix_socket": "/tmp/unused.sock"}})
+    with Supervisor(cfg) as sup:
+        yield sup
+
+
+def test_a_real_core_reports_typed_errors_and_keeps_serving(supervisor: Supervisor) -> None:
+    core = supervisor.cores[0]
+    assert core.kernels == "numpy"
+    with pytest.raises(CoreFailure, match=r"TypeError.*NoSuchCommand"):
+        supervisor.ask(core, NoSuchCommand())
+    spec = JobSpec(1, 7, 2, 4)
+    supervisor.add_job(spec)
+    with pytest.raises(AdmissionError, match="already exists"):
+        supervisor.add_job(spec)  # a core's refusal arrives as the class it raised
+    with pytest.raises(AdmissionError, match="slots"):
+        supervisor.add_job(JobSpec(2, 7, 2, 10**6))
+    stats = supervisor.ask(core, QueryStats((1,)))
+    assert isinstance(stats, CoreStats) and stats.jobs[1] is not None
+
+
+class _Stub:
+    """An Appliance whose every request fails the way a test says."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def create_job(self, body: dict[str, Any]) -> Any:
+        raise self.error
+
+    job = abort = create_job
+
+
+@pytest.mark.parametrize(("error", "status", "says"), [
+    (BadRequest("world_size must be 1..4096, got 0"), 400, "world_size must be"),
+    (NotFound("no job 9"), 404, "no job 9"),
+    (AdmissionError("needs 8 slot pairs"), 409, "needs 8 slot pairs"),
+    (Unavailable("core 0 is restarting"), 503, "restarting"),
+    (CoreFailure("core 0 failed: KeyError: 3"), 500, "internal"),
+    (KeyError("a bug of ours"), 500, "internal KeyError"),
+])
+def test_the_api_answers_by_whose_fault(error: Exception, status: int, says: str) -> None:
+    server = ApiServer(("127.0.0.1", 0), _Stub(error), None)  # type: ignore[arg-type]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/jobs", method="POST",
+                                         data=b'{"name": "j", "world_size": 2}')
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            opener.open(request, timeout=10)
+        assert answer.value.code == status
+        assert says in json.loads(answer.value.read())["error"]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()

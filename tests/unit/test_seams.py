@@ -1,0 +1,116 @@
+"""The transport seams and the core contract, in memory: the real client and the real core loop
+on `MemoryNetwork` with a simulated clock, and a core's typed answers to its control plane."""
+
+from __future__ import annotations
+
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection
+
+import numpy as np
+import pytest
+
+from reduction_appliance.dataplane.counters import Counter, Counters
+from reduction_appliance.dataplane.errors import AdmissionError, CoreFailure
+from reduction_appliance.dataplane.loop import CoreLoop
+from reduction_appliance.dataplane.spec import (
+    AddJob,
+    Command,
+    CoreConfig,
+    CoreStats,
+    JobSpec,
+    QueryStats,
+    Request,
+)
+from reduction_appliance.dataplane.transport import MemoryCoreTransport, MemoryNetwork
+from reduction_appliance.plugin.client import ApplianceClient
+from reduction_appliance.plugin.rendezvous import JobInfo
+from reduction_appliance.plugin.session import Endpoint, Timing
+from reduction_appliance.plugin.transport import MemoryWorkerTransport
+
+GROUP = ("239.255.0.1", 7100)
+CORE = ("198.18.0.1", 7000)
+
+
+def core_loop(net: MemoryNetwork, mailbox: Connection) -> CoreLoop:
+    cfg = CoreConfig(index=0, cpu=None, bind=CORE, max_payload=1024, slot_capacity=16,
+                     rx_buffers=64, kernels="numpy")
+    return CoreLoop(cfg, mailbox, Counters(), MemoryCoreTransport(net.bind(CORE)),
+                    clock=net.clock)
+
+
+class Unknown(Command[None]):
+    """A command no core knows."""
+
+
+def test_a_core_answers_refusals_and_unknown_commands_with_typed_errors() -> None:
+    ours, theirs = Pipe()
+    net = MemoryNetwork()
+    loop = core_loop(net, theirs)
+    try:
+        spec = JobSpec(3, 99, 2, 4)
+        assert loop.serve(Request(1, AddJob(spec))).error is None
+        refused = loop.serve(Request(2, AddJob(spec)))  # the same job twice: a refusal
+        assert refused.id == 2 and refused.error is not None
+        err = refused.error.exception(core=0)
+        assert isinstance(err, AdmissionError) and "already exists" in str(err)
+        unknown = loop.serve(Request(3, Unknown()))
+        assert unknown.error is not None
+        failure = unknown.error.exception(core=0)
+        assert isinstance(failure, CoreFailure)  # our bug, never the caller's 4xx
+        assert "TypeError" in str(failure) and "Unknown" in str(failure)
+        stats = loop.serve(Request(4, QueryStats((3, 4))))
+        assert isinstance(stats.value, CoreStats) and stats.value.jobs[4] is None
+        # The core still serves after both errors: the mailbox path end to end.
+        ours.send(Request(5, QueryStats((3,))))
+        loop.drain_mailbox()
+        reply = ours.recv()
+        assert reply.id == 5 and isinstance(reply.value, CoreStats)
+    finally:
+        loop.close()
+        ours.close()
+        theirs.close()
+
+
+@pytest.mark.parametrize("multicast", [True, False])
+def test_client_and_core_loop_over_the_in_memory_seams(multicast: bool) -> None:
+    world, cookie, job = 3, 0xBEEF, 3
+    net = MemoryNetwork()
+    ours, theirs = Pipe()
+    loop = core_loop(net, theirs)
+    spec = JobSpec(job, cookie, world, 4, multicast=GROUP if multicast else None)
+    assert loop.serve(Request(1, AddJob(spec))).error is None
+    endpoint = Endpoint(CORE, job, cookie, 4, "appliance core 0")
+    info = JobInfo("memory", job, cookie, world, (endpoint,), 1024,
+                   GROUP if multicast else None, False)
+    clients = [
+        ApplianceClient([info], r, timing=Timing(0.01, 0.002, 0.2, 30.0), clock=net.clock,
+                        transport=MemoryWorkerTransport(
+                            net, (f"198.18.0.{101 + r}", 40000), [GROUP] if multicast else []))
+        for r in range(world)
+    ]
+    try:
+        arrays = [np.full(5000, r + 1, np.float32) for r in range(world)]
+        rounds = [c.start(a, "sum") for c, a in zip(clients, arrays, strict=True)]
+        done: set[int] = set()
+        while len(done) < world:
+            for r, c in enumerate(clients):
+                for outcome in c.progress(timeout=0):
+                    assert outcome.error is None and outcome.round == rounds[r]
+                    done.add(r)
+            while loop.receive_burst():
+                pass
+            wake = min(c.pipeline.wakeup() for c in clients)
+            net.advance(min(wake, net.next_arrival(), net.now + 1.0))
+        for a in arrays:
+            assert np.array_equal(a, np.full(5000, 6, np.float32))
+        segments = -(-5000 * 4 // 1024)
+        assert loop.counters[Counter.SEGMENTS_REDUCED] == segments
+        assert loop.counters[Counter.PACKETS_IN] == world * segments
+        # Multicast: one result per segment; unicast fan-out: one per worker.
+        assert loop.counters[Counter.PACKETS_OUT] == segments * (1 if multicast else world)
+    finally:
+        for c in clients:
+            c.close()
+        loop.close()
+        ours.close()
+        theirs.close()
