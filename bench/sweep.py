@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import secrets
 import socket
 import statistics
 import sys
@@ -152,7 +153,8 @@ def _appliance_case(plan: SweepPlan, net: _Net, appliance: ApplianceProcess,
     size, dtype, op = case
     row = _base(plan, workers, "appliance", mode, size, dtype, op)
     job = _job_name(workers, mode, index)
-    argv = [[*WORKER, "--appliance", appliance.api, "--job", job,
+    secret = secrets.token_urlsafe(16)
+    argv = [[*WORKER, "--appliance", appliance.api, "--job", job, "--secret", secret,
              "--world", str(workers), "--rank", str(rank),
              "--local", net.net.worker_address(rank), *_case_options(plan, size, dtype, op),
              *(["--unicast"] if mode == "unicast" else []),

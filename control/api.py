@@ -1,11 +1,14 @@
 """The appliance's JSON API over HTTP: workers register jobs, tools read status.
 
     POST   /v1/jobs                 {"name", "world_size", "deterministic"?, "multicast"?,
-                                     "slots"?}                      -> the job (idempotent)
-    GET    /v1/jobs                 -> every job
+                                     "slots"?, "secret"?}           -> the job (idempotent;
+                                     its creator gets the made-up secret when it gave none)
+    GET    /v1/jobs                 -> every job (never a cookie or a secret)
     GET    /v1/jobs/ID              -> one job
-    POST   /v1/jobs/ID/join         {"rank"}                        -> the job
-    POST   /v1/jobs/ID/leave        {"rank"}                        -> the job
+    POST   /v1/jobs/ID/join         {"rank", "secret", "address", "port", "rejoin"?}
+                                                                    -> the job, with its cookie
+    POST   /v1/jobs/ID/resync       {"secret", "epoch"}             -> the job in a new epoch
+    POST   /v1/jobs/ID/leave        {"rank", "secret"}              -> the job
     POST   /v1/jobs/ID/abort        -> the job, now aborted (its workers are told)
     DELETE /v1/jobs/ID              -> same as abort
     GET    /v1/status               -> the whole appliance (control.snapshot)
@@ -14,8 +17,9 @@
 Served on TCP for workers (a bearer token is required when api.token_file is set: 401
 otherwise) and on a Unix socket for reductionctl (guarded by the socket's file permissions).
 Errors are JSON `{"error": reason}`. The caller's faults (`RequestError`) carry their own 4xx
-status and say what to change: 400 bad request, 401 bad token, 404 unknown job, 409 a conflict
-with the job's state or spec, or a job that does not fit. 503: the appliance cannot serve it
+status and say what to change: 400 bad request, 401 bad token, 403 not the job's secret, 404
+unknown job, 409 a conflict with the job's state or spec (a rank joined twice), or a job that
+does not fit. 503: the appliance cannot serve it
 now (a core restarting, shutting down). 500: our fault, logged with its traceback.
 """
 
@@ -47,7 +51,7 @@ from .service import Appliance
 __all__ = ["ApiServer", "MetricsServer", "UnixApiServer"]
 
 _log = logging.getLogger("reductiond.api")
-_JOB_ACTION = re.compile(r"^/v1/jobs/(\d+)(?:/(join|leave|abort))?$")
+_JOB_ACTION = re.compile(r"^/v1/jobs/(\d+)(?:/(join|leave|resync|abort))?$")
 _MAX_BODY = 64 * 1024
 
 
@@ -143,11 +147,8 @@ class _Handler(BaseHTTPRequestHandler):
             job_id, action = int(match.group(1)), match.group(2)
             if action == "abort":
                 return HTTPStatus.OK, app.abort(job_id).to_json(), ""
-            rank = self._body().get("rank")
-            if not isinstance(rank, int) or isinstance(rank, bool):
-                raise BadRequest(f"{action} needs an integer rank, got {rank!r}")
-            result = app.join(job_id, rank) if action == "join" else app.leave(job_id, rank)
-            return HTTPStatus.OK, result.to_json(), ""
+            handler = {"join": app.join, "leave": app.leave, "resync": app.resync}[action]
+            return HTTPStatus.OK, handler(job_id, self._body()).to_json(), ""
 
         self._dispatch(route)
 

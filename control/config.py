@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple, cast
 
 from reduction_appliance.dataplane.errors import ConfigError
+from reduction_appliance.dataplane.slots import holdable_buffers
 from reduction_appliance.dataplane.spec import KERNEL_BACKENDS
 from reduction_appliance.dataplane.wire import HEADER_SIZE
 
@@ -114,6 +115,9 @@ class JobDefaults:
     slots: int = 32  # slot pairs per core per job: the worker's window on that core
     idle_timeout_s: float = 600.0
     deadline_s: float = 60.0  # advised to workers: an allreduce unfinished by then fails
+    # receive buffers per core a deterministic job may hold (early ranks' contributions
+    # waiting for their turn), reserved at admission so that no job can starve another
+    hold_buffers: int = 128
 
 
 @dataclass(frozen=True)
@@ -242,6 +246,10 @@ def parse(raw: dict[str, Any], source: str = "<memory>") -> ApplianceConfig:
            f"must be between 1 and dataplane.slot_capacity ({dataplane.slot_capacity})")
     _check(jobs.idle_timeout_s > 0, "jobs.idle_timeout_s", "must be > 0")
     _check(jobs.deadline_s > 0, "jobs.deadline_s", "must be > 0")
+    holdable = holdable_buffers(dataplane.rx_buffers)
+    _check(1 <= jobs.hold_buffers <= holdable, "jobs.hold_buffers",
+           f"must be between 1 and the {holdable} receive buffers deterministic jobs may hold "
+           f"(dataplane.rx_buffers {dataplane.rx_buffers} less a burst's reserve)")
 
     api = ApiConfig(**_section(raw, "api", ApiConfig))
     _check(bool(api.listen or api.unix_socket), "api", "needs listen or unix_socket")

@@ -60,14 +60,18 @@ def render_status(s: dict[str, Any]) -> str:
         lines.append("jobs: none")
     else:
         lines.append(f"{'job':>4} {'name':<16} {'state':<8} {'world':>5} {'joined':>6} "
-                     f"{'rounds':>7} {'reduced':>10} {'last activity':>14}  lagging ranks")
+                     f"{'epoch':>5} {'rounds':>7} {'reduced':>10} {'last activity':>14}  "
+                     "lagging ranks")
         for j in s["jobs"]:
             lagging = ", ".join(f"{r} ({w:.1f}s)" for r, w in j["lagging"].items()) or "-"
             lines.append(
                 f"{j['job_id']:>4} {j['name'][:16]:<16} {j['state']:<8} {j['world_size']:>5} "
-                f"{len(j['joined']):>6} {j['rounds']:>7} {format_size(j['bytes_reduced']):>10} "
+                f"{len(j['joined']):>6} {j.get('epoch', 1):>5} {j['rounds']:>7} "
+                f"{format_size(j['bytes_reduced']):>10} "
                 f"{_age(j['last_activity_s']):>14}  {lagging}")
             lines.extend(f"     ! {d}" for d in j.get("disruptions", []))
+            if j.get("diverged"):
+                lines.append(f"     ! {j['diverged']}")
     lines.append("")
     for i in s["interfaces"]:
         lines.append(f"interface {i['name']}: {'up' if i['up'] else 'DOWN'}, MTU {i['mtu']}, "

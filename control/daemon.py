@@ -74,6 +74,7 @@ def serve(cfg: ApplianceConfig, stop: threading.Event) -> None:
                     tuple(steering.rdma_devices()))
 
         appliance = Appliance(Registry(cfg), supervisor, network_view=network_view)
+        supervisor.on_restart = appliance.core_restarted
         where = []
         if cfg.api.listen is not None:
             tcp = stack.enter_context(ApiServer(cfg.api.listen, appliance, token))

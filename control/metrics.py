@@ -76,6 +76,10 @@ CORE_COUNTERS: dict[str, tuple[str, str]] = {
         "core_segments_reduced",
         "Segments whose contributions from all ranks were reduced; moves when a slot completes.",
     ),
+    "job_notices": (
+        "core_job_notices",
+        "RESYNC and DIVERGED notices sent to workers (a re-joined rank, ranks that disagree).",
+    ),
     "bytes_reduced": (
         "core_bytes_reduced",
         "Payload bytes of completed segments (one copy, not times the world size); moves when a "

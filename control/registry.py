@@ -1,16 +1,31 @@
 """Job table: decides, never does. Requests and clock readings in; plans, states and refusals
 out. The daemon applies the decisions (tells the data-plane cores, answers the API).
 
+Credentials: the API token admits a tenant to the API at all. A job has a join secret, chosen
+by its creator (or made up here and returned to the creator once); only its holder may join,
+leave or resync the job, and only a join answers with the job's cookie. Listing jobs or
+registering the same spec again never reveals either.
+
+Ranks are bound to endpoints: a rank joins from one address and port, and the cores accept its
+contributions from there only. A second join of a rank that is joined is refused, naming both
+endpoints, unless it says `rejoin` (a restarted worker): then the old endpoint is retired and
+the job moves to a new epoch, so every rank starts its slots afresh (the restarted rank's rounds
+count from 1 again, and so do the others'). A rank that joins again after leaving also starts
+a new epoch. `resync` asks for a new epoch explicitly (ranks that diverged); it names the epoch
+it saw, so that every rank asking at once moves the job by one epoch only.
+
 Job states and the events that move them (anything else raises `IllegalTransition`)::
 
     state     event        -> state     note
     --------  -----------  ---------  ------------------------------------------------------
-    (none)    create       CREATED    admitted: slots per core fit the slot memory budget
+    (none)    create       CREATED    admitted: slots and held buffers fit the core budgets
     CREATED   create       CREATED    same name and spec: idempotent, every rank registers
     ACTIVE    create       ACTIVE     idem
     CREATED   join         CREATED    a rank joined; not all yet
     CREATED   join (last)  ACTIVE     every rank has joined
-    ACTIVE    join         ACTIVE     a rank re-joins (restarted worker): allowed
+    ACTIVE    join         ACTIVE     a rank re-joins (restarted worker): new epoch
+    CREATED   resync       CREATED    new epoch
+    ACTIVE    resync       ACTIVE     new epoch
     CREATED   leave        CREATED
     ACTIVE    leave        ACTIVE     ... until the last rank leaves:
     ACTIVE    leave (last) DONE       the job is removed
@@ -22,6 +37,7 @@ Job states and the events that move them (anything else raises `IllegalTransitio
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
@@ -29,10 +45,12 @@ from reduction_appliance.dataplane.errors import (
     AdmissionError,
     BadRequest,
     Conflict,
+    Forbidden,
     NotFound,
 )
 from reduction_appliance.dataplane.registration import EndpointInfo, JobDescription
-from reduction_appliance.dataplane.spec import JobSpec
+from reduction_appliance.dataplane.slots import holdable_buffers
+from reduction_appliance.dataplane.spec import Address, JobSpec
 
 from .config import ApplianceConfig
 
@@ -46,6 +64,8 @@ __all__ = [
     "Registry",
     "UnknownJob",
 ]
+
+_EPOCHS = 1 << 16  # the header's epoch field is 16 bits: epochs wrap, compared for equality
 
 
 class ConflictError(Conflict):
@@ -70,6 +90,7 @@ class JobState(Enum):
 
 class JobEvent(Enum):
     JOIN = "join"
+    RESYNC = "resync"
     LEAVE = "leave"
     ABORT = "abort"
     IDLE = "idle"
@@ -78,6 +99,8 @@ class JobEvent(Enum):
 _TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {
     (JobState.CREATED, JobEvent.JOIN): JobState.CREATED,  # ACTIVE when the last rank joins
     (JobState.ACTIVE, JobEvent.JOIN): JobState.ACTIVE,
+    (JobState.CREATED, JobEvent.RESYNC): JobState.CREATED,
+    (JobState.ACTIVE, JobEvent.RESYNC): JobState.ACTIVE,
     (JobState.CREATED, JobEvent.LEAVE): JobState.CREATED,
     (JobState.ACTIVE, JobEvent.LEAVE): JobState.ACTIVE,  # DONE when the last rank leaves
     (JobState.CREATED, JobEvent.ABORT): JobState.ABORTED,
@@ -90,6 +113,8 @@ GONE = frozenset({JobState.DONE, JobState.ABORTED, JobState.EVICTED})
 
 @dataclass(frozen=True)
 class JobRequest:
+    """What every rank registering a job must agree on (the secret is not part of it)."""
+
     name: str
     world_size: int
     deterministic: bool = False
@@ -103,21 +128,29 @@ class JobPlan:
     request: JobRequest
     spec: JobSpec  # what every core is told
     created: float  # the registry clock when admitted
+    secret: str  # the join secret
     state: JobState = JobState.CREATED
-    joined: frozenset[int] = field(default_factory=frozenset)
+    joined: frozenset[int] = field(default_factory=frozenset)  # ranks joined now
+    seen: frozenset[int] = field(default_factory=frozenset)  # ranks that ever joined
 
-    def describe(self, cfg: ApplianceConfig) -> JobDescription:
-        """The registration answer a worker receives."""
+    def describe(self, cfg: ApplianceConfig, *, member: bool = False) -> JobDescription:
+        """The registration answer: with the cookie only for a member (one that joined with
+        the secret), never the secret itself (the creator gets it from `Registry.plan`)."""
         dp = cfg.dataplane
         return JobDescription(
-            name=self.name, job_id=self.spec.job_id, cookie=self.spec.cookie,
+            name=self.name, job_id=self.spec.job_id,
+            cookie=self.spec.cookie if member else None,
             world_size=self.spec.world_size, deterministic=self.spec.deterministic,
             segment_bytes=dp.max_payload, state=self.state.value,
             joined=tuple(sorted(self.joined)), deadline_s=cfg.jobs.deadline_s,
             endpoints=tuple(EndpointInfo(i, dp.address, dp.base_port + i, self.spec.slots)
                             for i in range(dp.cores)),
-            multicast=self.spec.multicast,
+            multicast=self.spec.multicast, epoch=self.spec.epoch,
         )
+
+
+def _same_secret(given: str, secret: str) -> bool:
+    return hmac.compare_digest(given.encode(), secret.encode())
 
 
 class Registry:
@@ -149,10 +182,17 @@ class Registry:
     def slots_in_use(self) -> int:
         return sum(p.spec.slots for p in self._by_id.values())
 
+    def held_buffers_reserved(self) -> int:
+        return sum(p.spec.hold_buffers for p in self._by_id.values())
+
     # ---- decisions ----
-    def plan(self, request: JobRequest, cookie: int, now: float) -> JobPlan:
-        """Admit `request` (a plan to apply, then `commit`), return the existing plan when the
-        same job registers again, or raise `AdmissionError` saying which budget it exceeds."""
+    def plan(self, request: JobRequest, cookie: int, secret: str, now: float) -> JobPlan:
+        """Admit `request` with join secret `secret` (a plan to apply, then `commit`), return
+        the existing plan when the same job registers again, or raise: `BadRequest` for an
+        impossible request, `ConflictError` for another spec under the same name, `Forbidden`
+        for the right spec with the wrong secret, `AdmissionError` naming the budget exceeded.
+        `secret` empty means the caller has none (another rank): the existing job is returned
+        and the caller learns nothing secret from it."""
         if not request.name or len(request.name) > 128:
             raise BadRequest("job name must be 1..128 characters")
         if not 1 <= request.world_size <= 4096:
@@ -161,9 +201,13 @@ class Registry:
         if existing is not None:
             if existing.request != request:
                 raise ConflictError(
-                    f"job {request.name!r} exists with {existing.request}, not {request}"
-                )
+                    f"job {request.name!r} exists with {existing.request}, not {request}")
+            if secret and not _same_secret(secret, existing.secret):
+                raise Forbidden(f"job {request.name!r} exists and that is not its join secret")
             return existing
+        if not secret:
+            raise BadRequest("creating a job needs its join secret (the API makes one up "
+                             "when the request has none)")
         dp = self.cfg.dataplane
         slots = request.slots or self.cfg.jobs.slots
         if slots < 1:
@@ -176,40 +220,84 @@ class Registry:
                 f"but only {free} of {dp.slot_capacity} are free (slot memory budget "
                 f"{dp.slot_memory_mb} MiB per core, {len(self._by_id)} jobs admitted)"
             )
+        hold = self.cfg.jobs.hold_buffers if request.deterministic else 0
+        holdable = holdable_buffers(dp.rx_buffers)
+        unreserved = holdable - self.held_buffers_reserved()
+        if hold > unreserved:
+            raise AdmissionError(
+                f"deterministic job {request.name!r} needs {hold} receive buffers per core to "
+                f"hold early ranks' contributions (jobs.hold_buffers), but only {unreserved} of "
+                f"{holdable} are unreserved (dataplane.rx_buffers = {dp.rx_buffers})")
         job_id = self._next_id
         multicast = None
         if request.multicast and self.cfg.multicast.enabled:
             group = self._groups[(job_id - 1) % len(self._groups)]
             multicast = (group, self.cfg.multicast.port)
         spec = JobSpec(job_id, cookie, request.world_size, slots, request.deterministic,
-                       multicast)
-        return JobPlan(request.name, request, spec, now)
+                       multicast, hold_buffers=hold)
+        return JobPlan(request.name, request, spec, now, secret)
 
     def commit(self, plan: JobPlan) -> None:
         """Record a plan the data plane accepted."""
         self._by_id[plan.spec.job_id] = plan
         self._next_id = max(self._next_id, plan.spec.job_id + 1)
 
-    def _move(self, job_id: int, event: JobEvent) -> JobPlan:
+    def _move(self, job_id: int, event: JobEvent, secret: str | None = None) -> JobPlan:
         plan = self.get(job_id)
+        if secret is not None and not _same_secret(secret, plan.secret):
+            raise Forbidden(f"that is not the join secret of job {job_id}")
         target = _TRANSITIONS.get((plan.state, event))
         if target is None:
             raise IllegalTransition(f"job {job_id} is {plan.state.value}: cannot {event.value}")
         return replace(plan, state=target)
 
-    def join(self, job_id: int, rank: int) -> JobPlan:
-        plan = self._move(job_id, JobEvent.JOIN)
-        if not 0 <= rank < plan.spec.world_size:
-            raise BadRequest(f"rank {rank} outside world size {plan.spec.world_size}")
+    def join(self, job_id: int, rank: int, secret: str, endpoint: Address,
+             rejoin: bool = False) -> JobPlan:
+        """Bind `rank` to `endpoint`. A rank joined now is refused unless `rejoin`; a rank
+        that joined before (now or earlier) starts a new epoch."""
+        plan = self._move(job_id, JobEvent.JOIN, secret)
+        spec = plan.spec
+        if not 0 <= rank < spec.world_size:
+            raise BadRequest(f"rank {rank} outside world size {spec.world_size}")
+        current = spec.endpoints[rank]
+        if rank in plan.joined and not rejoin:
+            where = "" if current is None else f" from {current[0]}:{current[1]}"
+            raise Conflict(
+                f"rank {rank} of job {job_id} is already joined{where}; {endpoint[0]}:"
+                f"{endpoint[1]} cannot join as rank {rank} too (a restarted worker re-joins "
+                "with rejoin=true, which retires the old endpoint)")
+        endpoints = list(spec.endpoints)
+        endpoints[rank] = endpoint
+        epoch = spec.epoch
+        if rank in plan.seen:
+            epoch = spec.epoch % (_EPOCHS - 1) + 1  # 1..65535, never 0
         joined = plan.joined | {rank}
-        state = JobState.ACTIVE if len(joined) == plan.spec.world_size else plan.state
-        plan = replace(plan, joined=joined, state=state)
+        state = JobState.ACTIVE if len(joined) == spec.world_size else plan.state
+        plan = replace(plan, spec=replace(spec, endpoints=tuple(endpoints), epoch=epoch),
+                       joined=joined, seen=plan.seen | {rank}, state=state)
         self._by_id[job_id] = plan
         return plan
 
-    def leave(self, job_id: int, rank: int) -> JobPlan:
+    def resync(self, job_id: int, secret: str, seen_epoch: int) -> JobPlan:
+        """A new epoch, if the job is still at `seen_epoch` (the ranks asking together move it
+        once); returns the job either way."""
+        plan = self._move(job_id, JobEvent.RESYNC, secret)
+        if plan.spec.epoch == seen_epoch:
+            epoch = plan.spec.epoch % (_EPOCHS - 1) + 1
+            plan = replace(plan, spec=replace(plan.spec, epoch=epoch))
+        self._by_id[job_id] = plan
+        return plan
+
+    def new_epoch(self, job_id: int) -> JobPlan:
+        """A new epoch the appliance itself needs (a data-plane core restarted empty)."""
+        plan = self._move(job_id, JobEvent.RESYNC)
+        plan = replace(plan, spec=replace(plan.spec, epoch=plan.spec.epoch % (_EPOCHS - 1) + 1))
+        self._by_id[job_id] = plan
+        return plan
+
+    def leave(self, job_id: int, rank: int, secret: str) -> JobPlan:
         """A rank is done. Returns the plan; state DONE means remove the job now."""
-        plan = self._move(job_id, JobEvent.LEAVE)
+        plan = self._move(job_id, JobEvent.LEAVE, secret)
         joined = plan.joined - {rank}
         state = JobState.DONE if plan.state is JobState.ACTIVE and not joined else plan.state
         plan = replace(plan, joined=joined, state=state)
@@ -240,4 +328,3 @@ class Registry:
             del self._by_id[plan.spec.job_id]
         else:
             self._by_id[plan.spec.job_id] = plan
-

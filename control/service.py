@@ -3,14 +3,17 @@ snapshots for status and metrics. The HTTP layer (api.py) only parses and answer
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import secrets
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from reduction_appliance.dataplane.counters import Counter
-from reduction_appliance.dataplane.errors import BadRequest, Unavailable
+from reduction_appliance.dataplane.errors import BadRequest, ReductionError, Unavailable
 from reduction_appliance.dataplane.registration import JobDescription
 
 from .registry import JobPlan, JobRequest, JobState, Registry
@@ -54,26 +57,61 @@ class Appliance:
 
     # ---- job lifecycle ----
     def create_job(self, body: dict[str, Any]) -> JobDescription:
+        """Register a job (idempotent). Its creator gets the join secret in the answer when it
+        did not choose one; nobody gets the cookie here (see `join`)."""
         request = parse_request(body)
+        given = _string(body, "secret", required=False)
         with self._lock:
             if self.draining:
                 raise Draining("the appliance is shutting down; it takes no new jobs")
-            plan = self.registry.plan(request, cookie=secrets.randbits(64), now=time.monotonic())
-            if self.registry.find(request.name) is None:
+            exists = self.registry.find(request.name) is not None
+            secret = given or ("" if exists else secrets.token_urlsafe(24))
+            plan = self.registry.plan(request, cookie=secrets.randbits(64), secret=secret,
+                                      now=time.monotonic())
+            if not exists:
                 self.supervisor.add_job(plan.spec)
                 self.registry.commit(plan)
-        return plan.describe(self.cfg)
+        answer = plan.describe(self.cfg)
+        created_for_them = not exists and not given
+        return replace(answer, secret=plan.secret) if created_for_them else answer
 
-    def join(self, job_id: int, rank: int) -> JobDescription:
+    def join(self, job_id: int, body: dict[str, Any]) -> JobDescription:
+        """Bind a rank to the endpoint it will send from; the answer carries the cookie."""
+        rank = _integer(body, "rank")
+        secret = _string(body, "secret")
+        endpoint = (_address(body, "address"), _integer(body, "port", 1, 65535))
+        rejoin = _boolean(body, "rejoin")
         with self._lock:
-            return self.registry.join(job_id, rank).describe(self.cfg)
+            plan = self.registry.join(job_id, rank, secret, endpoint, rejoin)
+            self.supervisor.update_job(plan.spec)
+        return plan.describe(self.cfg, member=True)
 
-    def leave(self, job_id: int, rank: int) -> JobDescription:
+    def resync(self, job_id: int, body: dict[str, Any]) -> JobDescription:
+        """A new epoch for ranks that diverged (once, however many ask from `epoch`)."""
+        secret = _string(body, "secret")
+        seen = _integer(body, "epoch", 0, 65535)
         with self._lock:
-            plan = self.registry.leave(job_id, rank)
+            plan = self.registry.resync(job_id, secret, seen)
+            self.supervisor.update_job(plan.spec)
+        return plan.describe(self.cfg, member=True)
+
+    def leave(self, job_id: int, body: dict[str, Any]) -> JobDescription:
+        rank = _integer(body, "rank")
+        secret = _string(body, "secret")
+        with self._lock:
+            plan = self.registry.leave(job_id, rank, secret)
             if plan.state is JobState.DONE:
                 self.supervisor.remove_job(job_id)
         return plan.describe(self.cfg)
+
+    def core_restarted(self, core: int) -> None:
+        """A data-plane core came back empty: every job moves to a new epoch (its workers hear
+        RESYNC and carry on; a round that had results fails with a clear error)."""
+        with self._lock:
+            for plan in self.registry.jobs:
+                moved = self.registry.new_epoch(plan.spec.job_id)
+                with contextlib.suppress(ReductionError):  # a core that died again catches up
+                    self.supervisor.update_job(moved.spec)
 
     def abort(self, job_id: int) -> JobDescription:
         """Remove the job; its workers are told (ABORTED) and fail at once."""
@@ -151,6 +189,7 @@ class Appliance:
                     act.last_activity = max(act.last_activity or 0.0, st.last_activity)
                 for rank, since in st.waiting.items():
                     act.lagging[rank] = max(act.lagging.get(rank, 0.0), core_now - since)
+                act.diverged = act.diverged or st.diverged
             out.append(act)
         return out
 
@@ -172,6 +211,9 @@ class Appliance:
                 bytes_reduced=act.bytes_reduced, segments_reduced=act.segments_reduced,
                 last_activity_s=None if act.last_activity is None else now - act.last_activity,
                 lagging={r: round(w, 3) for r, w in sorted(act.lagging.items())},
+                epoch=plan.spec.epoch, diverged=act.diverged,
+                endpoints={r: f"{a[0]}:{a[1]}" for r, a in enumerate(plan.spec.endpoints)
+                           if a is not None},
                 disruptions=tuple(
                     f"{time.strftime('%H:%M:%S', time.localtime(d.at))} {d.why}"
                     for d in self.supervisor.disruptions.get(act.job_id, [])),
@@ -204,11 +246,12 @@ class Appliance:
 
 
 class _Activity:
-    __slots__ = ("bytes_reduced", "job_id", "lagging", "last_activity", "rounds",
+    __slots__ = ("bytes_reduced", "diverged", "job_id", "lagging", "last_activity", "rounds",
                  "segments_reduced")
 
     def __init__(self, job_id: int) -> None:
         self.job_id = job_id
+        self.diverged: str | None = None
         self.rounds = 0
         self.bytes_reduced = 0
         self.segments_reduced = 0
@@ -216,9 +259,39 @@ class _Activity:
         self.lagging: dict[int, float] = {}
 
 
+def _integer(body: dict[str, Any], key: str, low: int = 0, high: int = 2**31) -> int:
+    value = body.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise BadRequest(f"{key} must be an integer in {low}..{high}, got {value!r}")
+    return value
+
+
+def _string(body: dict[str, Any], key: str, *, required: bool = True) -> str:
+    value = body.get(key, None if required else "")
+    if not isinstance(value, str) or (required and not value) or len(value) > 256:
+        raise BadRequest(f"{key} must be a string of 1..256 characters")
+    return value
+
+
+def _boolean(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if not isinstance(value, bool):
+        raise BadRequest(f"{key} must be true or false")
+    return value
+
+
+def _address(body: dict[str, Any], key: str) -> str:
+    value = _string(body, key)
+    try:
+        ipaddress.IPv4Address(value)
+    except ValueError:
+        raise BadRequest(f"{key} must be an IPv4 address, got {value!r}") from None
+    return value
+
+
 def parse_request(body: dict[str, Any]) -> JobRequest:
     """A job request from its JSON body; `BadRequest` says what is wrong."""
-    known = {"name", "world_size", "deterministic", "multicast", "slots"}
+    known = {"name", "world_size", "deterministic", "multicast", "slots", "secret"}
     unknown = sorted(set(body) - known)
     if unknown:
         raise BadRequest(f"unknown fields {unknown}; known: {sorted(known)}")

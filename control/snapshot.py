@@ -45,6 +45,9 @@ class JobSnapshot:
     last_activity_s: float | None  # seconds since its last datagram; None: none yet
     lagging: dict[int, float] = field(default_factory=dict)  # rank -> seconds waited for it
     disruptions: tuple[str, ...] = ()  # data-plane restarts while the job was registered
+    epoch: int = 1  # resynchronisations: a rank re-joined, or the ranks resynced
+    endpoints: dict[int, str] = field(default_factory=dict)  # rank -> "host:port" it joined from
+    diverged: str | None = None  # why the ranks disagree (a core said so), until a new epoch
 
 
 @dataclass(frozen=True)

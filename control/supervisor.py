@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from multiprocessing.shared_memory import SharedMemory
 from types import TracebackType
+from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -53,6 +54,7 @@ from reduction_appliance.dataplane.spec import (
     Reply,
     Request,
     Stop,
+    UpdateJob,
 )
 
 from .config import ApplianceConfig
@@ -118,8 +120,12 @@ class Disruption:
 
 
 class Supervisor:
-    def __init__(self, cfg: ApplianceConfig) -> None:
+    def __init__(self, cfg: ApplianceConfig,
+                 on_restart: Callable[[int], None] | None = None) -> None:
+        """`on_restart(core)` is called (from the monitor thread) after a core that died runs
+        again with every job: its slots started empty, so the jobs need a new epoch."""
         self.cfg = cfg
+        self.on_restart = on_restart
         self.cores: list[CoreHandle] = []
         self.jobs: dict[int, JobSpec] = {}  # what every running core has been told
         self.disruptions: dict[int, list[Disruption]] = {}  # job id -> core restarts it saw
@@ -239,6 +245,8 @@ class Supervisor:
                     if core.process is not None:
                         core.process.kill()
                         core.process.join()
+        if core.state is CoreState.RUNNING and self.on_restart is not None:
+            self.on_restart(i)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -332,6 +340,22 @@ class Supervisor:
             raise
         with self._jobs_lock:
             self.jobs[spec.job_id] = spec
+
+    def update_job(self, spec: JobSpec) -> None:
+        """New endpoints or a new epoch for a job every core has; a core that is restarting
+        gets the latest spec when it is back. Raises the first core's refusal."""
+        with self._jobs_lock:
+            self.jobs[spec.job_id] = spec
+        failures: list[ReductionError] = []
+        for core in self.cores:
+            try:
+                self.ask(core, UpdateJob(spec))
+            except CoreUnavailable:
+                continue  # it gets self.jobs[...] (this spec) when it restarts
+            except ReductionError as exc:
+                failures.append(exc)
+        if failures:
+            raise failures[0]
 
     def remove_job(self, job_id: int, *, abort: bool = False) -> None:
         """Forget the job on every core; with `abort`, its workers' next datagrams are

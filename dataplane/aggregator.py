@@ -5,27 +5,34 @@ buffers, with their sources) and the time, and gets back a list of `Send` decisi
 
 Slot protocol (after SwitchML, without its limits):
 
-* A segment is named by its tag (round, offset). Workers put it in a job-relative slot and only
-  send the next segment for a slot after they received the result of the previous one, so when a
-  new tag arrives for a slot, every worker already has the slot's previous result.
+* Every rank numbers the uses of each slot alike (`use` 1, 2, ... within an epoch): a worker
+  sends a slot's next segment only after it received the result of the previous one. So the only
+  uses a slot may see are its current one, the one before (a late retransmission: answered from
+  the other copy) and the next one. Anything else is outside the window and is dropped before it
+  can occupy a slot (`DROP_WINDOW`, or `DROP_STALE` for the past).
 * Each slot has two copies. The newest use fills one copy while the other keeps the previous
   result, so a late retransmission of a finished segment is answered (unicast, to that worker)
   from the stored result: that worker missed the multicast.
 * A rank bitmap per copy gives exactly-once accumulation: a duplicate never adds twice.
+* Ranks are bound to the endpoint they joined from (the control plane says, `JobSpec.endpoints`):
+  a contribution from any other source is dropped (`DROP_BAD_SOURCE`), results and notices go
+  only to bound endpoints, and nothing a datagram says can move them.
+* A use whose tag (round, offset, length, dtype, op) differs between ranks means the ranks
+  diverged (a round lost on some of them): the job is marked diverged and every rank is told
+  (DIVERGED, with the reason) instead of waiting forever; a new epoch (a re-join, or a resync
+  the ranks ask for) clears it. A datagram of an older epoch is answered with RESYNC.
 * Deterministic mode sums in rank order: a contribution that arrives ahead of its turn is held
-  in its receive buffer (no copy, ownership moves) until the ranks before it are in. Results are
-  then bitwise identical whatever the arrival order.
-* Contributions of unknown jobs, wrong cookies, ranks, slots, lengths, or stale tags are counted
-  and dropped. A newer round arriving at a slot still filling an older round means that round was
-  abandoned by its workers (they timed out); the slot is recycled and `ABANDONED` counted.
+  in its receive buffer (no copy, ownership moves) until the ranks before it are in, within the
+  job's own quota of held buffers (`JobSpec.hold_buffers`), so no job can starve another.
 
 The states of one slot copy and what moves them (`_COPY_TRANSITIONS`; anything else raises)::
 
-    EMPTY    --first contribution of a newer tag-->  FILLING
-    FILLING  --contribution, count < world------->   FILLING
-    FILLING  --last contribution----------------->   COMPLETE   (send the result once)
-    COMPLETE --retransmission of the same tag---->   COMPLETE   (resend it to that worker)
-    FILLING/COMPLETE --reused for a newer tag---->   FILLING
+    EMPTY    --first contribution of the next use-->  FILLING
+    FILLING  --contribution, count < world-------->   FILLING
+    FILLING  --last contribution------------------>   COMPLETE   (send the result once)
+    COMPLETE --retransmission of the same use----->   COMPLETE   (resend it to that worker)
+    FILLING/COMPLETE --the slot's next use-------->   FILLING    (a FILLING one was abandoned)
+    any      --new epoch-------------------------->   EMPTY
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from numpy.typing import NDArray
 from .counters import Counter, Counters
 from .errors import AdmissionError, PeerError
 from .reduce import KernelTable, SegmentKernel
-from .slots import RxPool, SlotArena
+from .slots import RxPool, SlotArena, holdable_buffers, receive_reserve
 from .spec import Address, JobSpec, JobStats
 from .transport import RxBatch, Send
 from .wire import HEADER_SIZE, ITEMSIZE, DType, Flags, Header, Kind, Op, pack_into, unpack
@@ -54,17 +61,19 @@ class CopyState(Enum):
 
 
 class _Event(Enum):
-    START = "start"  # first contribution of a newer tag
+    START = "start"  # first contribution of the slot's next use
     ADD = "add"  # one more contribution, not the last
     LAST = "last"  # the contribution that makes it whole
+    RESET = "reset"  # a new epoch
 
 
 _COPY_TRANSITIONS: dict[tuple[CopyState, _Event], CopyState] = {
     (CopyState.EMPTY, _Event.START): CopyState.FILLING,
-    (CopyState.FILLING, _Event.START): CopyState.FILLING,  # an abandoned round recycled
+    (CopyState.FILLING, _Event.START): CopyState.FILLING,  # an abandoned use recycled
     (CopyState.COMPLETE, _Event.START): CopyState.FILLING,
     (CopyState.FILLING, _Event.ADD): CopyState.FILLING,
     (CopyState.FILLING, _Event.LAST): CopyState.COMPLETE,
+    **{(state, _Event.RESET): CopyState.EMPTY for state in CopyState},
 }
 
 
@@ -81,6 +90,7 @@ class _Copy:
     __slots__ = (
         "acc", "acc_n", "arrived", "count", "dtype", "header", "held", "kernel", "length",
         "next_rank", "offset", "op", "out", "result", "round", "slot", "started", "state",
+        "use",
     )
 
     def __init__(self, slot: int, acc: NDArray[np.float32], out: NDArray[np.uint8]) -> None:
@@ -89,6 +99,7 @@ class _Copy:
         self.acc_n = acc  # acc[:elements of the current segment], sliced once per segment
         self.out = out
         self.header = bytearray(HEADER_SIZE)
+        self.use = 0  # which use of the slot this copy holds (0: none yet)
         self.round = -1
         self.offset = -1
         self.dtype = DType.FLOAT32
@@ -103,6 +114,10 @@ class _Copy:
         self.started = 0.0  # `now` when the current segment's first contribution came
         self.result: memoryview = memoryview(b"")
 
+    def describe(self) -> str:
+        return (f"round {self.round} offset {self.offset} length {self.length} "
+                f"{self.dtype.name} {self.op.name}")
+
 
 class _Slot:
     __slots__ = ("copies", "latest")
@@ -113,23 +128,27 @@ class _Slot:
 
 
 class _Job:
-    __slots__ = ("addresses", "all_ranks", "arena_slots", "bytes_reduced", "last_activity",
-                 "rounds", "segments_reduced", "slots", "spec")
+    __slots__ = ("all_ranks", "arena_slots", "bytes_reduced", "diverged", "held",
+                 "last_activity", "rounds", "segments_reduced", "slots", "spec")
 
     def __init__(self, spec: JobSpec, arena_slots: list[int], slots: list[_Slot]) -> None:
         self.spec = spec
         self.arena_slots = arena_slots
         self.slots = slots
-        self.addresses: list[Address | None] = [None] * spec.world_size
         self.all_ranks = (1 << spec.world_size) - 1
-        self.rounds = 0  # highest round with a finished segment on this core
+        self.rounds = 0  # highest round with a finished segment on this core, this epoch
         self.bytes_reduced = 0
         self.segments_reduced = 0
         self.last_activity: float | None = None
+        self.held = 0  # receive buffers its out-of-turn contributions hold (<= hold_buffers)
+        self.diverged: str | None = None  # why the ranks disagree, until the next epoch
+
+    @property
+    def bound(self) -> list[Address]:
+        return [a for a in self.spec.endpoints if a is not None]
 
 
 _TOMBSTONES = 1024  # aborted jobs remembered, so their workers hear why instead of timing out
-_RECEIVE_RESERVE = 64  # receive buffers never held back: a full burst always has somewhere to go
 
 
 class Aggregator:
@@ -141,16 +160,24 @@ class Aggregator:
         self._kernels = kernels
         self.counters = counters
         self._jobs: dict[int, _Job] = {}
-        self._aborted: OrderedDict[int, int] = OrderedDict()  # job id -> cookie
+        # aborted job id -> (cookie, its bound endpoints): notices go to those only
+        self._aborted: OrderedDict[int, tuple[int, frozenset[Address]]] = OrderedDict()
         self._cells = counters.cells
-        self._reserve = min(_RECEIVE_RESERVE, len(self._pool) // 2)
+        self._reserve = receive_reserve(len(self._pool))
 
     # ---- job table (driven by the control plane through the mailbox) ----
-    def add_job(self, spec: JobSpec) -> None:
+    def add_job(self, spec: JobSpec) -> list[Send]:
         if spec.job_id in self._jobs:
             raise AdmissionError(f"job {spec.job_id} already exists on this core")
-        if spec.world_size < 1 or spec.slots < 1:
-            raise AdmissionError(f"job {spec.job_id}: world size and slots must be >= 1")
+        if spec.world_size < 1 or spec.slots < 1 or len(spec.endpoints) != spec.world_size:
+            raise AdmissionError(f"job {spec.job_id}: world size and slots must be >= 1 and "
+                                 "every rank needs an endpoint entry")
+        reserved = sum(j.spec.hold_buffers for j in self._jobs.values())
+        holdable = holdable_buffers(len(self._pool))
+        if reserved + spec.hold_buffers > holdable:
+            raise AdmissionError(
+                f"job {spec.job_id} needs {spec.hold_buffers} held receive buffers but only "
+                f"{holdable - reserved} of {holdable} are unreserved on this core")
         arena_slots = self._arena.allocate(spec.slots)
         slots = [
             _Slot((
@@ -161,25 +188,42 @@ class Aggregator:
         ]
         self._jobs[spec.job_id] = _Job(spec, arena_slots, slots)
         self._cells[Counter.SLOTS_IN_USE] += spec.slots
+        return []
+
+    def update_job(self, spec: JobSpec) -> list[Send]:
+        """New endpoints (a rank joined or re-joined) or a new epoch (every slot starts empty
+        again; every bound worker is told with RESYNC)."""
+        job = self._jobs.get(spec.job_id)
+        if job is None:
+            return self.add_job(spec)
+        old = job.spec
+        if (spec.cookie, spec.world_size, spec.slots) != (old.cookie, old.world_size,
+                                                           old.slots):
+            raise AdmissionError(f"job {spec.job_id}: only endpoints and epoch may change")
+        job.spec = spec
+        if spec.epoch == old.epoch:
+            return []
+        for slot in job.slots:
+            slot.latest = 0
+            for copy in slot.copies:
+                self._release_held(job, copy)
+                copy.state = _move(copy.state, _Event.RESET)
+                copy.use, copy.round, copy.offset = 0, -1, -1
+        job.diverged = None
+        job.rounds = 0
+        return self._tell(job, Kind.RESYNC, b"")
 
     def abort_job(self, job_id: int) -> list[Send]:
-        """Remove the job: tell every worker heard from (ABORTED), and answer later datagrams
-        of the job the same way, so workers fail at once instead of at their deadline."""
+        """Remove the job: tell every bound worker (ABORTED), and answer later datagrams of the
+        job from those endpoints the same way, so workers fail at once, not at their deadline."""
         job = self._jobs.get(job_id)
         if job is None:
             return []
-        self._aborted[job_id] = job.spec.cookie
+        self._aborted[job_id] = (job.spec.cookie, frozenset(job.bound))
         while len(self._aborted) > _TOMBSTONES:
             self._aborted.popitem(last=False)
         self.remove_job(job_id)
-        spec = job.spec
-        notices = []
-        for rank, address in enumerate(job.addresses):
-            if address is not None:
-                h = Header(Kind.ABORTED, DType.FLOAT32, Op.SUM, 0, job_id, rank, spec.cookie,
-                           job.rounds, 0, 0, 0)
-                notices.append(self._notice(Kind.ABORTED, h, address))
-        self._cells[Counter.ABORT_NOTICES] += len(notices)
+        notices = self._tell(job, Kind.ABORTED, b"", counter=Counter.ABORT_NOTICES)
         return notices
 
     def remove_job(self, job_id: int) -> None:
@@ -188,7 +232,7 @@ class Aggregator:
             return
         for slot in job.slots:
             for copy in slot.copies:
-                self._release_held(copy)
+                self._release_held(job, copy)
         self._arena.release(job.arena_slots)
         self._cells[Counter.SLOTS_IN_USE] -= job.spec.slots
 
@@ -215,7 +259,7 @@ class Aggregator:
                 if missing >> rank & 1:
                     waiting[rank] = min(waiting.get(rank, copy.started), copy.started)
         return JobStats(job.rounds, job.bytes_reduced, job.segments_reduced,
-                        job.last_activity, waiting)
+                        job.last_activity, waiting, job.diverged)
 
     # ---- datagram path ----
     def on_batch(self, batch: RxBatch, now: float) -> list[Send]:
@@ -246,7 +290,8 @@ class Aggregator:
         cells = self._cells
         job = self._jobs.get(h.job_id)
         if job is None:
-            if self._aborted.get(h.job_id) == h.cookie:
+            tomb = self._aborted.get(h.job_id)
+            if tomb is not None and tomb[0] == h.cookie and source in tomb[1]:
                 cells[Counter.ABORT_NOTICES] += 1
                 out.append(self._notice(Kind.ABORTED, h, source))
                 return False
@@ -259,6 +304,19 @@ class Aggregator:
         if h.rank >= spec.world_size:
             cells[Counter.DROP_BAD_RANK] += 1
             return False
+        if spec.endpoints[h.rank] != source:
+            cells[Counter.DROP_BAD_SOURCE] += 1
+            return False
+        if h.epoch != spec.epoch:
+            cells[Counter.DROP_EPOCH] += 1
+            cells[Counter.JOB_NOTICES] += 1
+            out.append(self._notice(Kind.RESYNC, h, source))
+            return False
+        if job.diverged is not None:
+            cells[Counter.DROP_MISMATCH] += 1
+            cells[Counter.JOB_NOTICES] += 1
+            out.append(self._notice(Kind.DIVERGED, h, source, job.diverged.encode()))
+            return False
         if h.slot >= spec.slots:
             cells[Counter.DROP_BAD_SLOT] += 1
             return False
@@ -266,20 +324,29 @@ class Aggregator:
                 or received > self._arena.max_payload):
             cells[Counter.DROP_BAD_LENGTH] += 1
             return False
-        if job.addresses[h.rank] != source:
-            job.addresses[h.rank] = source
         job.last_activity = now
 
         slot = job.slots[h.slot]
         latest = slot.copies[slot.latest]
         other = slot.copies[1 - slot.latest]
-        if latest.round == h.round and latest.offset == h.offset:
+        if h.use == latest.use and latest.state is not CopyState.EMPTY:
             copy = latest
-        elif other.round == h.round and other.offset == h.offset:
+        elif h.use == other.use and other.state is not CopyState.EMPTY:
             copy = other
-        else:
+        elif h.use == latest.use + 1:
             return self._start_use(job, slot, h, index, now, out)
+        elif h.use < latest.use:
+            cells[Counter.DROP_STALE] += 1
+            return False
+        else:  # a use beyond the next: no rank may be there yet
+            cells[Counter.DROP_WINDOW] += 1
+            return False
 
+        if (copy.round != h.round or copy.offset != h.offset or copy.length != received
+                or copy.dtype is not h.dtype or copy.op is not h.op):
+            cells[Counter.DROP_MISMATCH] += 1
+            self._diverge(job, copy, h, out)
+            return False
         if copy.state is CopyState.COMPLETE:
             cells[Counter.RESULTS_RESENT] += 1
             out.append(Send(source, copy.header, copy.result))
@@ -289,17 +356,23 @@ class Aggregator:
             if h.flags & Flags.RETRANSMIT:
                 out.append(self._pending(job, copy, h, source))
             return False
-        if copy.dtype is not h.dtype or copy.op is not h.op or copy.length != received:
-            cells[Counter.DROP_MISMATCH] += 1
-            return False
         return self._accumulate(job, copy, h.rank, index, out)
+
+    def _diverge(self, job: _Job, copy: _Copy, h: Header, out: list[Send]) -> None:
+        """The ranks disagree on what one use of a slot is: tell every rank why, now and on
+        every later datagram of this epoch, instead of letting them wait for each other."""
+        first = next((r for r in range(job.spec.world_size) if copy.arrived >> r & 1), None)
+        theirs = "the other ranks" if first is None else f"rank {first}"
+        job.diverged = (
+            f"ranks diverged at slot {h.slot} use {h.use} (epoch {job.spec.epoch}): rank "
+            f"{h.rank} sent round {h.round} offset {h.offset} length {h.length} {h.dtype.name} "
+            f"{h.op.name}, {theirs} sent {copy.describe()}: a round was lost or skipped on some "
+            f"ranks; resynchronise the job (re-join, or resync) to continue")
+        out.extend(self._tell(job, Kind.DIVERGED, job.diverged.encode()))
 
     def _start_use(self, job: _Job, slot: _Slot, h: Header, index: int, now: float,
                    out: list[Send]) -> bool:
         latest = slot.copies[slot.latest]
-        if (h.round, h.offset) < (latest.round, latest.offset):
-            self._cells[Counter.DROP_STALE] += 1
-            return False
         if latest.state is CopyState.FILLING:
             if h.round == latest.round:
                 # Workers never start a slot's next segment before its previous result: a
@@ -307,10 +380,11 @@ class Aggregator:
                 self._cells[Counter.DROP_SLOT_BUSY] += 1
                 return False
             self._cells[Counter.ABANDONED] += 1
-            self._release_held(latest)
+            self._release_held(job, latest)
         slot.latest = 1 - slot.latest
         copy = slot.copies[slot.latest]
-        self._release_held(copy)
+        self._release_held(job, copy)
+        copy.use = h.use
         copy.round = h.round
         copy.offset = h.offset
         copy.dtype = h.dtype
@@ -336,11 +410,13 @@ class Aggregator:
         held = False
         if job.spec.deterministic and rank != copy.next_rank:
             # Out of turn: keep the datagram's buffer until the ranks before it are summed,
-            # but never the pool's last buffers: the transport needs some to receive into.
-            if self._pool.free < self._reserve:
+            # within the job's quota and never the pool's last buffers (the transport needs
+            # some to receive into).
+            if job.held >= job.spec.hold_buffers or self._pool.free < self._reserve:
                 self._cells[Counter.DROP_NO_BUFFER] += 1
                 return False  # not marked arrived: the worker's retransmission will bring it
             copy.held[rank] = index
+            job.held += 1
             held = True
         else:
             payload = elements[index]
@@ -356,6 +432,7 @@ class Aggregator:
                     waiting = copy.held.pop(copy.next_rank)
                     kernel.add(acc, elements[waiting][:n])
                     self._pool.release(waiting)
+                    job.held -= 1
                     copy.next_rank += 1
         copy.arrived |= 1 << rank
         copy.count += 1
@@ -372,7 +449,7 @@ class Aggregator:
         copy.state = _move(copy.state, _Event.LAST)
         pack_into(copy.header, Header(
             Kind.RESULT, copy.dtype, copy.op, 0, spec.job_id, 0, spec.cookie, copy.round,
-            copy.slot, copy.offset, copy.length,
+            copy.slot, copy.offset, copy.length, copy.use, spec.epoch,
         ))
         self._cells[Counter.SEGMENTS_REDUCED] += 1
         self._cells[Counter.BYTES_REDUCED] += copy.length
@@ -383,7 +460,7 @@ class Aggregator:
         if spec.multicast is not None:
             out.append(Send(spec.multicast, copy.header, copy.result))
         else:
-            out.extend(Send(a, copy.header, copy.result) for a in job.addresses if a is not None)
+            out.extend(Send(a, copy.header, copy.result) for a in job.bound)
 
     def _pending(self, job: _Job, copy: _Copy, h: Header, source: Address) -> Send:
         """Tell a retransmitting worker which ranks have arrived (its timeout error names the
@@ -394,17 +471,33 @@ class Aggregator:
         header = bytearray(HEADER_SIZE)
         pack_into(header, Header(
             Kind.PENDING, copy.dtype, copy.op, 0, job.spec.job_id, h.rank, job.spec.cookie,
-            copy.round, h.slot, copy.offset, len(bitmap), copy.count,
+            copy.round, h.slot, copy.offset, len(bitmap), copy.use, job.spec.epoch,
         ))
         return Send(source, header, bitmap)
 
-    def _notice(self, kind: Kind, h: Header, source: Address) -> Send:
-        header = bytearray(HEADER_SIZE)
-        pack_into(header, h._replace(kind=kind, length=0, aux=0, flags=0))
-        return Send(source, header, b"")
+    def _tell(self, job: _Job, kind: Kind, payload: bytes,
+              counter: Counter = Counter.JOB_NOTICES) -> list[Send]:
+        """A notice of `kind` to every bound rank of the job."""
+        spec = job.spec
+        notices = []
+        for rank, address in enumerate(spec.endpoints):
+            if address is not None:
+                h = Header(kind, DType.FLOAT32, Op.SUM, 0, spec.job_id, rank, spec.cookie,
+                           job.rounds, 0, 0, len(payload), 0, spec.epoch)
+                notices.append(self._notice(kind, h, address, payload))
+        self._cells[counter] += len(notices)
+        return notices
 
-    def _release_held(self, copy: _Copy) -> None:
+    def _notice(self, kind: Kind, h: Header, dest: Address, payload: bytes = b"") -> Send:
+        """A notice answering `h`; it carries the job's current epoch when the job exists."""
+        job = self._jobs.get(h.job_id)
+        epoch = job.spec.epoch if job is not None else h.epoch
+        header = bytearray(HEADER_SIZE)
+        pack_into(header, h._replace(kind=kind, length=len(payload), flags=0, epoch=epoch))
+        return Send(dest, header, payload)
+
+    def _release_held(self, job: _Job, copy: _Copy) -> None:
         for index in copy.held.values():
             self._pool.release(index)
+        job.held -= len(copy.held)
         copy.held.clear()
-

@@ -42,6 +42,10 @@ class Counter(IntEnum):
     SEND_ERRORS = 23
     SLOTS_IN_USE = 24
     ABORT_NOTICES = 25
+    DROP_BAD_SOURCE = 26  # not from the address the rank joined from
+    DROP_EPOCH = 27  # from an epoch before the job's current one (answered with RESYNC)
+    DROP_WINDOW = 28  # a slot use beyond the next one: can never occupy a slot
+    JOB_NOTICES = 29  # RESYNC and DIVERGED notices sent to workers
 
 
 N_COUNTERS = len(Counter)

@@ -72,13 +72,13 @@ class ReductionHeader(Packet):
         XByteField("reserved1", 0),  # 7: zero on the wire, ignored on receipt
         IntField("job_id", 0),  # 8
         ShortField("rank", 0),  # 12
-        XShortField("reserved2", 0),  # 14: zero on the wire, ignored on receipt
+        ShortField("epoch", 0),  # 14: the job's epoch
         LongField("cookie", 0),  # 16
         IntField("round", 0),  # 24
         IntField("slot", 0),  # 28
         LongField("offset", 0),  # 32: byte offset of the segment in the tensor
         IntField("length", 0),  # 40: payload length in bytes
-        IntField("aux", 0),  # 44: PENDING: ranks arrived so far; otherwise zero
+        IntField("use", 0),  # 44: the slot's use number within the epoch
     ]
 
     def guess_payload_class(self, payload: bytes) -> type[Packet]:
@@ -91,7 +91,7 @@ class ReductionHeader(Packet):
         return str(
             self.sprintf(
                 "ReductionHeader %kind% %dtype% %op% job=%job_id% rank=%rank% "
-                "round=%round% off=%offset% len=%length%"
+                "epoch=%epoch% round=%round% slot=%slot% use=%use% off=%offset% len=%length%"
             )
         )
 

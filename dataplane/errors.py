@@ -23,7 +23,10 @@ __all__ = [
     "ConfigError",
     "Conflict",
     "CoreFailure",
+    "Forbidden",
     "JobAborted",
+    "JobDiverged",
+    "JobResynchronised",
     "NotFound",
     "PeerError",
     "ReductionError",
@@ -50,6 +53,12 @@ class RequestError(ReductionError):
 
 class BadRequest(RequestError):
     """A request that does not parse or names an invalid value (400)."""
+
+
+class Forbidden(RequestError):
+    """The request needs a credential the caller did not give (a job's join secret) (403)."""
+
+    status = 403
 
 
 class NotFound(RequestError):
@@ -93,6 +102,17 @@ class AllreduceTimeout(ReductionError):
 class JobAborted(ReductionError):
     """The appliance removed the job (an operator's abort, idle eviction or its shutdown) and
     said so. Register the job again to continue."""
+
+
+class JobDiverged(ReductionError):
+    """The ranks of the job disagree on what they reduce (a round was lost or skipped on some of
+    them): the message says where. Every rank is told; nothing is summed until the job is
+    resynchronised (`ApplianceClient.resync()`, or a rank re-joining)."""
+
+
+class JobResynchronised(ReductionError):
+    """The job moved to a new epoch (a rank re-joined) while this round had results already:
+    the round is lost. Rounds after it run normally."""
 
 
 def by_name(name: str) -> type[ReductionError] | None:

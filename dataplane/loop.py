@@ -35,6 +35,7 @@ from .spec import (
     Reply,
     Request,
     Stop,
+    UpdateJob,
 )
 from .transport import CoreTransport, RxBatch, Send
 from .udp import UdpCoreTransport
@@ -71,7 +72,10 @@ class CoreLoop:
         """Apply one control-plane command; what it returns is the reply value."""
         agg = self.aggregator
         if isinstance(command, AddJob):
-            agg.add_job(command.spec)
+            self._send(agg.add_job(command.spec))
+            return None
+        if isinstance(command, UpdateJob):
+            self._send(agg.update_job(command.spec))
             return None
         if isinstance(command, RemoveJob):
             agg.remove_job(command.job_id)

@@ -72,10 +72,12 @@ class JobDescription:
     deadline_s: float  # advised: an allreduce unfinished by then fails
     endpoints: tuple[EndpointInfo, ...]
     multicast: tuple[str, int] | None  # the group results come back on
+    epoch: int = 1  # the job's current epoch (rounds and slot uses count from its start)
+    secret: str | None = None  # the join secret: only in the answer that created the job
 
     def public(self) -> JobDescription:
-        """The description without the cookie, for listings."""
-        return replace(self, cookie=None)
+        """The description without the cookie or the secret, for listings."""
+        return replace(self, cookie=None, secret=None)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -86,6 +88,7 @@ class JobDescription:
             "endpoints": [e.to_json() for e in self.endpoints],
             "multicast": (None if self.multicast is None
                           else {"group": self.multicast[0], "port": self.multicast[1]}),
+            "epoch": self.epoch, "secret": self.secret,
         }
 
     @classmethod
@@ -102,6 +105,9 @@ class JobDescription:
                           for i, e in enumerate(_field(data, "endpoints", list, where)))
         if not endpoints:
             raise SchemaError(f"{where}: no endpoints")
+        secret = data.get("secret")
+        if secret is not None and not isinstance(secret, str):
+            raise SchemaError(f"{where}: 'secret' should be str or null, got {secret!r}")
         mc = data.get("multicast")
         multicast = None
         if mc is not None:
@@ -115,5 +121,5 @@ class JobDescription:
             segment_bytes=_field(data, "segment_bytes", int, where),
             state=_field(data, "state", str, where), joined=tuple(joined),
             deadline_s=_field(data, "deadline_s", float, where), endpoints=endpoints,
-            multicast=multicast,
+            multicast=multicast, epoch=_field(data, "epoch", int, where), secret=secret,
         )

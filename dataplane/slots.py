@@ -30,7 +30,7 @@ from .errors import AdmissionError, ConfigError
 from .reduce import STORAGE
 from .wire import HEADER_SIZE, DType
 
-__all__ = ["RxPool", "SlotArena"]
+__all__ = ["RxPool", "SlotArena", "holdable_buffers", "receive_reserve"]
 
 _ALIGN = 64
 _PAGE = mmap.PAGESIZE
@@ -39,6 +39,18 @@ _RX_LEAD = _ALIGN - HEADER_SIZE % _ALIGN  # payload after the header lands cache
 
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def receive_reserve(rx_buffers: int) -> int:
+    """Receive buffers never held back for deterministic jobs: a full receive burst (64
+    datagrams) always has somewhere to go."""
+    return min(64, rx_buffers // 2)
+
+
+def holdable_buffers(rx_buffers: int) -> int:
+    """Receive buffers deterministic jobs may reserve, together, to hold early contributions
+    (each job its own quota, `JobSpec.hold_buffers`, granted at admission)."""
+    return rx_buffers - receive_reserve(rx_buffers)
 
 
 class RxPool:

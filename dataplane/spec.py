@@ -41,6 +41,7 @@ __all__ = [
     "Reply",
     "Request",
     "Stop",
+    "UpdateJob",
 ]
 
 Address = tuple[str, int]
@@ -74,7 +75,13 @@ class CoreConfig:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What one core needs to know about a job. `multicast` None means unicast fan-out."""
+    """What one core needs to know about a job. `multicast` None means unicast fan-out.
+
+    `endpoints[rank]` is the address rank joined from (None until it joins): the only source
+    its contributions are accepted from and where its results and notices go. `epoch` counts
+    the job's resynchronisations: a change resets every slot. `hold_buffers` is the job's quota
+    of receive buffers for out-of-turn contributions (deterministic mode), reserved at
+    admission."""
 
     job_id: int
     cookie: int
@@ -82,6 +89,14 @@ class JobSpec:
     slots: int
     deterministic: bool = False
     multicast: Address | None = None
+    epoch: int = 1
+    endpoints: tuple[Address | None, ...] = ()
+    hold_buffers: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.endpoints) < self.world_size:  # not joined yet: no endpoints
+            pad = (None,) * (self.world_size - len(self.endpoints))
+            object.__setattr__(self, "endpoints", (*self.endpoints, *pad))
 
 
 @dataclass(frozen=True)
@@ -93,6 +108,7 @@ class JobStats:
     segments_reduced: int
     last_activity: float | None  # the core's monotonic time of its last accepted contribution
     waiting: dict[int, float]  # rank -> since when (core time) some filling segment waits for it
+    diverged: str | None = None  # why the ranks disagree (until the next epoch)
 
 
 @dataclass(frozen=True)
@@ -112,6 +128,14 @@ class Command(Generic[R]):
 
 @dataclass(frozen=True)
 class AddJob(Command[None]):
+    spec: JobSpec
+
+
+@dataclass(frozen=True)
+class UpdateJob(Command[None]):
+    """The job's endpoints or epoch changed (a rank joined, re-joined, or the ranks resynced).
+    A new epoch empties every slot and tells every bound worker (RESYNC)."""
+
     spec: JobSpec
 
 

@@ -124,12 +124,15 @@ class MemoryNetwork:
     `faults(source, dest, datagram)` returns one delay per copy to deliver: () drops it, two
     entries duplicate it, different delays reorder. Multicast groups are addresses that
     endpoints `join`; a datagram sent to a group reaches every member (each copy faulted
-    independently, like the fan-out of a real switch).
+    independently, like the fan-out of a real switch). `tap(source, dest, datagram)`, when
+    given, sees every datagram sent (a test's eavesdropper).
     """
 
-    def __init__(self, faults: Faults = no_faults) -> None:
+    def __init__(self, faults: Faults = no_faults,
+                 tap: Callable[[Address, Address, bytes], None] | None = None) -> None:
         self.now = 0.0
         self.faults = faults
+        self.tap = tap
         self._endpoints: dict[Address, MemoryEndpoint] = {}
         self._groups: dict[Address, set[Address]] = {}
         self._in_flight: list[tuple[float, int, Address, Address, bytes]] = []
@@ -154,6 +157,8 @@ class MemoryNetwork:
             members.discard(address)
 
     def transmit(self, source: Address, dest: Address, datagram: bytes) -> None:
+        if self.tap is not None:
+            self.tap(source, dest, datagram)
         for member in sorted(self._groups.get(dest, {dest})):
             for delay in self.faults(source, member, datagram):
                 self._seq += 1

@@ -1,7 +1,8 @@
 """The one wire format shared by workers and the appliance.
 
 Every datagram is a fixed 48-byte header followed by the payload (a segment of a tensor in the
-dtype named by the header, or a rank bitmap for PENDING). All fields are in network byte order::
+dtype named by the header, a rank bitmap for PENDING, a reason for DIVERGED, silent-rank records
+for LIVENESS). All fields are in network byte order::
 
      0                   1                   2                   3
      0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 0 1
@@ -12,7 +13,7 @@ dtype named by the header, or a rank bitmap for PENDING). All fields are in netw
     +---------------+---------------+---------------+---------------+
     |                            job id                             |   8
     +-------------------------------+-------------------------------+
-    |             rank              |            (zero)             |  12
+    |             rank              |     epoch (of the job)        |  12
     +-------------------------------+-------------------------------+
     |                                                               |  16
     +                      cookie (64 bits)                         +
@@ -28,12 +29,16 @@ dtype named by the header, or a rank bitmap for PENDING). All fields are in netw
     +---------------------------------------------------------------+
     |                    payload length (bytes)                     |  40
     +---------------------------------------------------------------+
-    |     aux (PENDING: ranks arrived so far; otherwise zero)       |  44
+    |       use: the slot's use number within the epoch (1, 2..)    |  44
     +---------------------------------------------------------------+
 
-A segment is named by (job, round, offset); the slot says where the appliance aggregates it.
-Packing and unpacking work on caller-owned buffers with one precompiled struct, so the hot path
-never builds intermediate bytes objects.
+A segment is named by (job, round, offset); the slot says where the appliance aggregates it and
+`use` which use of that slot it is. Every rank numbers the uses of each slot alike (1, 2, ... in
+the order the slot is used), so the appliance accepts exactly the slot's current use, the one
+before (a late retransmission) and the next: anything else is out of the window and cannot
+occupy a slot. The epoch numbers the job's resynchronisations (a rank re-joined); rounds and
+uses count from the start of an epoch. Packing and unpacking work on caller-owned buffers with
+one precompiled struct, so the hot path never builds intermediate bytes objects.
 """
 
 from __future__ import annotations
@@ -61,9 +66,9 @@ __all__ = [
 ]
 
 MAGIC = 0x5241
-VERSION = 1
+VERSION = 2
 
-HEADER = struct.Struct("!HBBBBBxIHxxQIIQII")
+HEADER = struct.Struct("!HBBBBBxIHHQIIQII")
 HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 48
 
@@ -75,6 +80,10 @@ class Kind(IntEnum):
     RESULT = 2  # appliance -> workers: the reduced segment
     PENDING = 3  # appliance -> one worker: segment not finished; payload = arrived-rank bitmap
     ABORTED = 4  # appliance -> one worker: the job was aborted (operator, shutdown); no payload
+    RESYNC = 5  # appliance -> one worker: the job is at `epoch`; yours is stale; no payload
+    DIVERGED = 6  # appliance -> workers: ranks disagree on a slot's use; payload = the reason
+    HEARTBEAT = 7  # worker -> appliance core: this rank is alive; no payload
+    LIVENESS = 8  # appliance -> one worker: the answer to HEARTBEAT; payload = silent ranks
 
 
 class DType(IntEnum):
@@ -118,7 +127,8 @@ class Header(NamedTuple):
     slot: int
     offset: int
     length: int
-    aux: int = 0
+    use: int = 0
+    epoch: int = 0
 
 
 # Dict lookups, not Enum(value) calls: decoding runs once per datagram.
@@ -130,8 +140,8 @@ _OPS = {int(o): o for o in Op}
 def pack_into(buf: bytearray | memoryview, h: Header, at: int = 0) -> None:
     """Write `h` into `buf[at:at + HEADER_SIZE]`."""
     HEADER.pack_into(
-        buf, at, MAGIC, VERSION, h.kind, h.dtype, h.op, h.flags, h.job_id, h.rank,
-        h.cookie, h.round, h.slot, h.offset, h.length, h.aux,
+        buf, at, MAGIC, VERSION, h.kind, h.dtype, h.op, h.flags, h.job_id, h.rank, h.epoch,
+        h.cookie, h.round, h.slot, h.offset, h.length, h.use,
     )
 
 
@@ -139,8 +149,8 @@ def unpack(buf: bytes | bytearray | memoryview, at: int = 0) -> Header:
     """Decode and validate a header; raise `WireError` for anything we would not have sent."""
     if len(buf) - at < HEADER_SIZE:
         raise WireError(f"datagram of {len(buf) - at} bytes is shorter than the header")
-    (magic, version, kind, dtype, op, flags, job_id, rank, cookie, rnd, slot, offset, length,
-     aux) = HEADER.unpack_from(buf, at)
+    (magic, version, kind, dtype, op, flags, job_id, rank, epoch, cookie, rnd, slot, offset,
+     length, use) = HEADER.unpack_from(buf, at)
     if magic != MAGIC:
         raise WireError(f"bad magic {magic:#06x}")
     if version != VERSION:
@@ -148,4 +158,4 @@ def unpack(buf: bytes | bytearray | memoryview, at: int = 0) -> Header:
     k, d, o = _KINDS.get(kind), _DTYPES.get(dtype), _OPS.get(op)
     if k is None or d is None or o is None:
         raise WireError(f"unknown kind/dtype/op {kind}/{dtype}/{op}")
-    return Header(k, d, o, flags, job_id, rank, cookie, rnd, slot, offset, length, aux)
+    return Header(k, d, o, flags, job_id, rank, cookie, rnd, slot, offset, length, use, epoch)

@@ -1,18 +1,25 @@
 """Sans-I/O: several allreduce rounds of one rank in flight at once, over lanes of slots.
 
 A job has S slots on every appliance core. With L lanes, lane l owns slots
-[l*S/L, (l+1)*S/L) on each core, and round r (numbered 1, 2, ... in submission order) runs in
-lane r mod L. Rounds of different lanes never share a slot, so they overlap on the wire without
-the appliance knowing: each slot still sees its tags (round, offset) only grow, which is all the
-slot protocol asks. Every rank must put a round in the same lane, so the lane is a function of
-the round number alone (never "the first free lane", which depends on timing); a round whose
-lane is still busy waits, and so does everything submitted after it, which keeps rounds
-starting in submission order on every rank.
+[l*S/L, (l+1)*S/L) on each core, and round r (numbered 1, 2, ... in the order rounds start
+within an epoch) runs in lane r mod L. Rounds of different lanes never share a slot, so they
+overlap on the wire without the appliance knowing: each slot still sees its uses in order, which
+is all the slot protocol asks. Every rank must put a round in the same lane, so the lane is a
+function of the round number alone (never "the first free lane", which depends on timing); a
+round whose lane is still busy waits, and so does everything submitted after it, which keeps
+rounds starting in submission order on every rank.
 
-The transport submits rounds, asks `due(now)` what to send (each `Transmit` names its round in
-its header), offers received headers to `accept`, reports `stored`, and collects each finished
-round's outcome from `finished()`: None for success, or the `ReductionError` that ended it
-(`AllreduceTimeout`, `JobAborted`). One failed round does not stop the others.
+A caller knows a round by its ticket (`submit` returns it), which never changes; the round's
+number on the wire counts from the start of the job's epoch. When the appliance announces a new
+epoch (a rank re-joined: RESYNC), every slot starts over: a round that has not yet received any
+result starts again in the new epoch, transparently; one that has cannot (its array is partly
+overwritten) and fails with `JobResynchronised`. When the appliance says the ranks diverged
+(DIVERGED), every round fails with `JobDiverged` until a new epoch.
+
+The transport submits rounds, asks `due(now)` what to send (each `Transmit` names its ticket),
+offers received headers to `accept`, reports `stored`, and collects each finished round's
+outcome from `finished()`: None for success, or the `ReductionError` that ended it. One failed
+round does not stop the others.
 """
 
 from __future__ import annotations
@@ -20,17 +27,21 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, replace
 
-from reduction_appliance.dataplane.errors import ReductionError
+from reduction_appliance.dataplane.errors import (
+    JobDiverged,
+    JobResynchronised,
+    ReductionError,
+)
 from reduction_appliance.dataplane.wire import DType, Header, Kind, Op
 
-from .session import AllreduceRound, Endpoint, RttEstimator, Transmit
+from .session import Address, AllreduceRound, Endpoint, RttEstimator, SlotUses, Transmit
 
 __all__ = ["Outcome", "RoundPipeline", "lane_endpoints"]
 
 
 @dataclass(frozen=True)
 class Outcome:
-    round: int
+    ticket: int
     error: ReductionError | None
     retransmissions: int
 
@@ -54,7 +65,7 @@ def lane_endpoints(endpoints: tuple[Endpoint, ...], lanes: int) -> list[tuple[En
 
 @dataclass(frozen=True)
 class _Request:
-    round: int
+    ticket: int
     dtype: DType
     op: Op
     nbytes: int
@@ -64,7 +75,7 @@ class RoundPipeline:
     """The rounds of one rank of one job: queued, in flight (at most one per lane), finished."""
 
     def __init__(self, endpoints: tuple[Endpoint, ...], rank: int, world_size: int,
-                 segment_bytes: int, rtt: RttEstimator, lanes: int = 1) -> None:
+                 segment_bytes: int, rtt: RttEstimator, lanes: int = 1, epoch: int = 1) -> None:
         if not endpoints:
             raise ReductionError("an allreduce needs at least one appliance endpoint")
         self.endpoints = endpoints
@@ -73,19 +84,26 @@ class RoundPipeline:
         self.segment_bytes = segment_bytes
         self.rtt = rtt
         self.lanes = lanes
+        self.epoch = epoch
+        self.uses = SlotUses()
         self._lane_endpoints = lane_endpoints(endpoints, lanes)
+        self._addresses = frozenset(ep.address for ep in endpoints)
         self._busy: list[AllreduceRound | None] = [None] * lanes
-        self._active: dict[int, AllreduceRound] = {}
+        self._active: dict[int, AllreduceRound] = {}  # wire round number -> round
+        self._requests: dict[int, _Request] = {}  # ticket -> what was asked, while active
         self._queued: deque[_Request] = deque()
         self._finished: list[Outcome] = []
         self._abort: Header | None = None  # the appliance's ABORTED notice, once it came
+        self._diverged: str | None = None  # the appliance's DIVERGED reason, this epoch
+        self._next_round = 1  # wire number of the next round to start, this epoch
         self.submitted = 0
         self.most_in_flight = 0  # high-water mark: evidence that rounds really overlapped
+        self.rejected = 0  # results and notices refused: wrong source, cookie, use or epoch
 
     # ---- rounds in ----
     def submit(self, dtype: DType, op: Op, nbytes: int) -> int:
-        """Queue a round; returns its number (the same on every rank that submits in the same
-        order). It starts at the next `due` once its lane is free."""
+        """Queue a round; returns its ticket. It starts at the next `due` once its lane is
+        free, in submission order."""
         self.submitted += 1
         self._queued.append(_Request(self.submitted, dtype, op, nbytes))
         return self.submitted
@@ -99,28 +117,34 @@ class RoundPipeline:
 
     def _start_queued(self, now: float) -> None:
         while self._queued:
-            req = self._queued[0]
-            lane = req.round % self.lanes
+            lane = self._next_round % self.lanes
             if self._busy[lane] is not None:
                 return  # strictly in order: later rounds wait behind this one
-            self._queued.popleft()
+            req = self._queued.popleft()
+            if self._diverged is not None:
+                self._finished.append(Outcome(req.ticket, JobDiverged(self._diverged), 0))
+                continue
             try:
                 rnd = AllreduceRound(self._lane_endpoints[lane], self.rank, self.world_size,
-                                     req.round, req.dtype, req.op, req.nbytes,
-                                     self.segment_bytes, self.rtt, now)
+                                     self._next_round, req.dtype, req.op, req.nbytes,
+                                     self.segment_bytes, self.rtt, now, uses=self.uses,
+                                     epoch=self.epoch, ticket=req.ticket)
             except ReductionError as exc:
-                self._finished.append(Outcome(req.round, exc, 0))
+                self._finished.append(Outcome(req.ticket, exc, 0))
                 continue
             if self._abort is not None:
                 rnd.on_aborted(self._abort)
+            self._next_round += 1
             self._busy[lane] = rnd
-            self._active[req.round] = rnd
+            self._active[rnd.round] = rnd
+            self._requests[req.ticket] = req
             self.most_in_flight = max(self.most_in_flight, len(self._active))
 
     def _finish(self, rnd: AllreduceRound, error: ReductionError | None) -> None:
         del self._active[rnd.round]
+        del self._requests[rnd.ticket]
         self._busy[rnd.round % self.lanes] = None
-        self._finished.append(Outcome(rnd.round, error, rnd.retransmissions))
+        self._finished.append(Outcome(rnd.ticket, error, rnd.retransmissions))
 
     # ---- what to send ----
     def due(self, now: float) -> list[Transmit]:
@@ -140,38 +164,93 @@ class RoundPipeline:
 
     def wakeup(self) -> float:
         """When `due` next has work (inf when nothing is in flight or queued)."""
-        if self._queued and self._busy[self._queued[0].round % self.lanes] is None:
+        if self._queued and self._busy[self._next_round % self.lanes] is None:
             return 0.0
         return min((rnd.wakeup() for rnd in self._active.values()), default=float("inf"))
 
     # ---- what comes back ----
-    def accept(self, h: Header) -> tuple[AllreduceRound, int] | None:
-        """The round and segment a RESULT carries, if still wanted."""
+    def _ours(self, h: Header, source: Address | None) -> bool:
+        """A notice from one of our appliance cores about our job."""
+        ok = (any(h.job_id == ep.job_id and h.cookie == ep.cookie for ep in self.endpoints)
+              and (source is None or source in self._addresses))
+        if not ok:
+            self.rejected += 1
+        return ok
+
+    def accept(self, h: Header, source: Address | None = None
+               ) -> tuple[AllreduceRound, int] | None:
+        """The round and segment a RESULT carries, if still wanted (and, given its `source`,
+        sent by the core that segment went to)."""
         rnd = self._active.get(h.round)
-        if rnd is None:
+        k = None if rnd is None else rnd.accept(h, source)
+        if k is None:
+            self.rejected += 1
             return None
-        k = rnd.accept(h)
-        return None if k is None else (rnd, k)
+        assert rnd is not None
+        return rnd, k
 
     def stored(self, rnd: AllreduceRound, k: int, now: float) -> None:
         rnd.stored(k, now)
         if rnd.done:
             self._finish(rnd, None)
 
-    def on_pending(self, h: Header, bitmap: bytes) -> None:
+    def on_pending(self, h: Header, bitmap: bytes, source: Address | None = None) -> None:
         rnd = self._active.get(h.round)
-        if rnd is not None:
+        if rnd is not None and self._ours(h, source) and h.epoch == self.epoch:
             rnd.on_pending(h, bitmap)
 
-    def on_aborted(self, h: Header) -> None:
+    def on_aborted(self, h: Header, source: Address | None = None) -> None:
         """The job is gone: every round in flight fails at its next `due`, and so does every
         round started later (the appliance will never answer them)."""
-        if h.kind is not Kind.ABORTED or not any(
-                h.job_id == ep.job_id and h.cookie == ep.cookie for ep in self.endpoints):
+        if h.kind is not Kind.ABORTED or not self._ours(h, source):
             return
         self._abort = h
         for rnd in self._active.values():
             rnd.on_aborted(h)
+
+    def on_diverged(self, h: Header, reason: str, source: Address | None = None) -> None:
+        """The appliance saw the ranks disagree: fail every round of this epoch now, and every
+        later one until the job is resynchronised (a new epoch)."""
+        if h.kind is not Kind.DIVERGED or not self._ours(h, source) or h.epoch != self.epoch:
+            return
+        self._diverged = reason or "the ranks of this job diverged"
+        for rnd in list(self._active.values()):
+            self._finish(rnd, JobDiverged(self._diverged))
+
+    def on_resync(self, h: Header, source: Address | None = None) -> None:
+        """The job is at epoch `h.epoch` (a rank re-joined, or the ranks resynced)."""
+        if h.kind is not Kind.RESYNC or not self._ours(h, source) or h.epoch == self.epoch:
+            return
+        self.adopt_epoch(h.epoch)
+
+    def adopt_epoch(self, epoch: int) -> None:
+        """Start over in `epoch`: uses and round numbers count from the start again; rounds
+        with no result yet start again, the others fail with `JobResynchronised`."""
+        if epoch == self.epoch:
+            return
+        self.epoch = epoch
+        self.uses.reset()
+        self._next_round = 1
+        self._diverged = None
+        restart: list[_Request] = []
+        for wire_round in sorted(self._active):
+            rnd = self._active[wire_round]
+            if rnd.stored_any:
+                self._finish(rnd, JobResynchronised(
+                    f"job {rnd.endpoints[0].job_id} was resynchronised to epoch {epoch} (a "
+                    "rank re-joined, or an appliance core restarted empty) while round "
+                    f"{rnd.round} of rank {self.rank} had {rnd.segments - rnd.remaining} of "
+                    f"{rnd.segments} results: that round is lost; the next ones run in the "
+                    "new epoch"))
+            else:
+                restart.append(self._requests[rnd.ticket])
+                self._finish_silently(rnd)
+        self._queued.extendleft(reversed(restart))
+
+    def _finish_silently(self, rnd: AllreduceRound) -> None:
+        del self._active[rnd.round]
+        del self._requests[rnd.ticket]
+        self._busy[rnd.round % self.lanes] = None
 
     def finished(self) -> list[Outcome]:
         """Outcomes of the rounds that ended since the last call."""
@@ -183,5 +262,5 @@ class RoundPipeline:
         for rnd in list(self._active.values()):
             self._finish(rnd, error)
         while self._queued:
-            self._finished.append(Outcome(self._queued.popleft().round, error, 0))
+            self._finished.append(Outcome(self._queued.popleft().ticket, error, 0))
         return self.finished()

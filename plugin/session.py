@@ -3,8 +3,11 @@
 The tensor's bytes are cut into segments of `segment_bytes`. Segment k goes to endpoint
 k mod E (an appliance core), where it is the m = k div E-th segment and uses slot m mod S.
 Self-clocking: the next segment for a slot (k + S*E) is released only when the result of k came
-back, which is also what lets the appliance reuse a slot copy safely. Unanswered segments are
-retransmitted after an adaptive timeout (Karn's rule, exponential backoff up to `rto_max`).
+back, which is also what lets the appliance reuse a slot copy safely. Each first transmission
+on a slot takes that slot's next use number (`SlotUses`, shared by the rounds of one rank and
+counted alike by every rank), which the appliance checks against its window. Unanswered
+segments are retransmitted after an adaptive timeout (Karn's rule, exponential backoff up to
+`rto_max`). Results are accepted only from the core the segment went to, for its use and epoch.
 
 The transport asks `due(now)` what to send, offers each received RESULT header to `accept`, and
 reports `stored` once the payload sits in the output array. Nothing here touches a socket or a
@@ -21,7 +24,7 @@ from typing import NamedTuple
 from reduction_appliance.dataplane.errors import AllreduceTimeout, JobAborted, ReductionError
 from reduction_appliance.dataplane.wire import DType, Flags, Header, Kind, Op
 
-__all__ = ["AllreduceRound", "Endpoint", "RttEstimator", "Timing", "Transmit"]
+__all__ = ["AllreduceRound", "Endpoint", "RttEstimator", "SlotUses", "Timing", "Transmit"]
 
 Address = tuple[str, int]
 
@@ -81,6 +84,28 @@ class Transmit(NamedTuple):
     endpoint: int
     segment: int
     header: Header
+    ticket: int  # the round as its submitter knows it (see pipeline.RoundPipeline.submit)
+
+
+class SlotUses:
+    """How many times each slot has been used this epoch, by (endpoint, slot). Every rank runs
+    the same rounds in the same order, so every rank numbers a slot's uses alike."""
+
+    __slots__ = ("_count",)
+
+    def __init__(self) -> None:
+        self._count: dict[tuple[int, int], int] = {}
+
+    def take(self, endpoint: int, slot: int) -> int:
+        """The next use of `slot` on `endpoint` (1 for the first)."""
+        key = (endpoint, slot)
+        use = self._count.get(key, 0) + 1
+        self._count[key] = use
+        return use
+
+    def reset(self) -> None:
+        """A new epoch: every slot starts over."""
+        self._count.clear()
 
 
 class AllreduceRound:
@@ -98,6 +123,10 @@ class AllreduceRound:
         segment_bytes: int,
         rtt: RttEstimator,
         now: float,
+        *,
+        uses: SlotUses | None = None,
+        epoch: int = 1,
+        ticket: int | None = None,
     ) -> None:
         if not endpoints:
             raise ReductionError("an allreduce needs at least one appliance endpoint")
@@ -109,6 +138,9 @@ class AllreduceRound:
         self.rank = rank
         self.world_size = world_size
         self.round = round_no
+        self.ticket = round_no if ticket is None else ticket
+        self.epoch = epoch
+        self._uses = SlotUses() if uses is None else uses
         self.dtype = dtype
         self.op = op
         self.nbytes = nbytes
@@ -123,6 +155,7 @@ class AllreduceRound:
         self._timer = [0.0] * n  # retransmission time of an outstanding segment
         self._retransmitted = bytearray(n)
         self._done = bytearray(n)
+        self._use = [0] * n  # slot use number given at the first transmission
         self.remaining = n
         self._timers: list[tuple[float, int]] = []
         e = len(endpoints)
@@ -141,13 +174,21 @@ class AllreduceRound:
         return min(self.segment_bytes, self.nbytes - k * self.segment_bytes)
 
     def _header(self, k: int, retransmit: bool) -> Header:
-        ep = self.endpoints[k % len(self.endpoints)]
+        e = k % len(self.endpoints)
+        ep = self.endpoints[e]
         slot = ep.slot_base + (k // len(self.endpoints)) % ep.slots
+        if not retransmit:
+            self._use[k] = self._uses.take(e, slot)
         return Header(
             Kind.CONTRIBUTION, self.dtype, self.op,
             Flags.RETRANSMIT if retransmit else Flags.NONE, ep.job_id, self.rank, ep.cookie,
-            self.round, slot, self.offset(k), self.length(k),
+            self.round, slot, self.offset(k), self.length(k), self._use[k], self.epoch,
         )
+
+    @property
+    def stored_any(self) -> bool:
+        """Has any result been written into the caller's array yet?"""
+        return self.remaining < self.segments
 
     # ---- what to send ----
     @property
@@ -168,14 +209,15 @@ class AllreduceRound:
             self._rtt.timed_out()
             self._rto[k] = min(max(self._rto[k] * 2, self._rtt.rto), self._rtt.timing.rto_max)
             self._arm(k, now)
-            out.append(Transmit(k % len(self.endpoints), k, self._header(k, True)))
+            out.append(Transmit(k % len(self.endpoints), k, self._header(k, True), self.ticket))
         rto = self._rtt.rto
         while self._ready:
             k = self._ready.popleft()
             self._sent_at[k] = now
             self._rto[k] = rto
             self._arm(k, now)
-            out.append(Transmit(k % len(self.endpoints), k, self._header(k, False)))
+            out.append(Transmit(k % len(self.endpoints), k, self._header(k, False),
+                                self.ticket))
         return out
 
     def _arm(self, k: int, now: float) -> None:
@@ -192,15 +234,19 @@ class AllreduceRound:
         return min(nxt, self._deadline)
 
     # ---- what comes back ----
-    def accept(self, h: Header) -> int | None:
-        """The segment whose payload the RESULT `h` carries, if we still want it, else None."""
-        if h.kind is not Kind.RESULT or h.round != self.round or h.dtype is not self.dtype:
+    def accept(self, h: Header, source: Address | None = None) -> int | None:
+        """The segment whose payload the RESULT `h` carries, if we still want it, else None.
+        Given its `source`, only the core the segment went to may have sent it."""
+        if (h.kind is not Kind.RESULT or h.round != self.round or h.dtype is not self.dtype
+                or h.epoch != self.epoch):
             return None
         k, rest = divmod(h.offset, self.segment_bytes)
-        if rest or k >= self.segments or self._done[k] or h.length != self.length(k):
+        if (rest or k >= self.segments or self._done[k] or h.length != self.length(k)
+                or h.use != self._use[k]):
             return None
         ep = self.endpoints[k % len(self.endpoints)]
-        if h.job_id != ep.job_id or h.cookie != ep.cookie:
+        if (h.job_id != ep.job_id or h.cookie != ep.cookie
+                or (source is not None and source != ep.address)):
             return None
         return k
 
@@ -224,7 +270,8 @@ class AllreduceRound:
         k, rest = divmod(h.offset, self.segment_bytes)
         if rest or k >= self.segments:
             return
-        self._pending[k % len(self.endpoints)] = (h.aux, bytes(bitmap))
+        arrived = bin(int.from_bytes(bitmap, "little")).count("1")
+        self._pending[k % len(self.endpoints)] = (arrived, bytes(bitmap))
 
     def on_aborted(self, h: Header) -> None:
         """The appliance says the job is gone (operator abort, eviction or shutdown)."""

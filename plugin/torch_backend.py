@@ -15,6 +15,9 @@ Configuration comes from the environment:
 ``REDUCTION_JOB``
     the job name; by default rank 0 makes one up and the other ranks read it from the c10d store
     the backend is created with, so every rank of a process group joins the same job.
+``REDUCTION_JOB_SECRET``
+    the job's join secret; by default rank 0 makes one up and shares it through the same store
+    (only the holder of a job's secret may join it and learn its cookie).
 ``REDUCTION_LOCAL_ADDRESS``
     this worker's address on the data network (default ``0.0.0.0``).
 ``REDUCTION_DETERMINISTIC``
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,6 +89,7 @@ __all__ = [
 BACKEND_NAME = "reduction"
 DEFAULT_LANES = 4
 _JOB_KEY = "reduction_appliance/job"
+_SECRET_KEY = "reduction_appliance/secret"
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,7 @@ class ApplianceConfig:
     local_address: str
     deterministic: bool
     lanes: int = DEFAULT_LANES
+    secret: str | None = None
 
 
 def config_from_env(environ: dict[str, str] | None = None) -> ApplianceConfig:
@@ -118,6 +124,7 @@ def config_from_env(environ: dict[str, str] | None = None) -> ApplianceConfig:
         appliances=appliances,
         token=env.get("REDUCTION_TOKEN") or None,
         job=env.get("REDUCTION_JOB") or None,
+        secret=env.get("REDUCTION_JOB_SECRET") or None,
         local_address=env.get("REDUCTION_LOCAL_ADDRESS") or "0.0.0.0",
         deterministic=env.get("REDUCTION_DETERMINISTIC", "").strip().lower()
         in {"1", "true", "yes", "on"},
@@ -129,16 +136,21 @@ def new_job_name() -> str:
     return f"torch-{uuid.uuid4().hex[:16]}"
 
 
-def connect(config: ApplianceConfig, job: str, rank: int, world_size: int
+def new_secret() -> str:
+    return secrets.token_urlsafe(24)
+
+
+def connect(config: ApplianceConfig, job: str, secret: str, rank: int, world_size: int
             ) -> tuple[ApplianceClient, list[JobInfo]]:
-    """Register `job` at every configured appliance as `rank` and open a client on it."""
-    jobs = [
-        register(a, job, world_size, rank=rank, deterministic=config.deterministic,
+    """Register `job` at every configured appliance, join it as `rank`, and open a client."""
+    registered = [
+        register(a, job, world_size, secret=secret, deterministic=config.deterministic,
                  token=config.token)
         for a in config.appliances
     ]
-    return ApplianceClient(jobs, rank, local_address=config.local_address,
-                           lanes=config.lanes), jobs
+    client = ApplianceClient(registered, rank, local_address=config.local_address,
+                             lanes=config.lanes)
+    return client, client.jobs
 
 
 class FutureWork(dist.Work):
@@ -214,13 +226,15 @@ class ApplianceProcessGroup(ProcessGroup):
         self.gloo = ProcessGroup(gloo_store, rank, world_size)
         self.gloo._set_default_backend(ProcessGroup.BackendType.GLOO)
         self.gloo._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
-        job = config.job
-        if job is None:
-            if rank == 0:
-                store.set(_JOB_KEY, new_job_name())
-            job = store.get(_JOB_KEY).decode()
+        # Rank 0 names the job and makes up its secret unless configured; the others read both
+        # from the store every rank of the group shares.
+        if rank == 0:
+            store.set(_JOB_KEY, config.job or new_job_name())
+            store.set(_SECRET_KEY, config.secret or new_secret())
+        job = store.get(_JOB_KEY).decode()
+        secret = store.get(_SECRET_KEY).decode()
         self.job = job
-        self.client, self.jobs = connect(config, job, rank, world_size)
+        self.client, self.jobs = connect(config, job, secret, rank, world_size)
         self._pump = RoundPump(self.client, f"reduction-appliance-{job}-{rank}")
         self._shut = False
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .rendezvous import leave
-from .torch_backend import ApplianceConfig, config_from_env, connect, new_job_name
+from .torch_backend import ApplianceConfig, config_from_env, connect, new_job_name, new_secret
 from .torch_pump import RoundPump
 
 __all__ = ["ApplianceHookState", "appliance_allreduce_hook"]
@@ -36,13 +36,13 @@ class ApplianceHookState:
         config = config or config_from_env()
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        job = config.job
-        if job is None:
-            names: list[Any] = [new_job_name() if self.rank == 0 else None]
-            dist.broadcast_object_list(names, src=0, group=group)
-            job = str(names[0])
-        self.job = job
-        self.client, self.jobs = connect(config, job, self.rank, self.world_size)
+        # Rank 0 names the job and makes up its join secret unless configured; the default
+        # group carries both to the other ranks.
+        chosen: list[Any] = ([config.job or new_job_name(), config.secret or new_secret()]
+                             if self.rank == 0 else [None, None])
+        dist.broadcast_object_list(chosen, src=0, group=group)
+        self.job, secret = str(chosen[0]), str(chosen[1])
+        self.client, self.jobs = connect(config, self.job, secret, self.rank, self.world_size)
         self.pump = RoundPump(self.client, f"reduction-ddp-hook-{self.rank}")
 
     def close(self) -> None:

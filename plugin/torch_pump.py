@@ -169,8 +169,8 @@ class RoundPump:
 
     def _settle(self, outcomes: list[Outcome], active: dict[int, _Collective]) -> None:
         for outcome in outcomes:
-            coll = active.pop(outcome.round)
-            coll.rounds.discard(outcome.round)
+            coll = active.pop(outcome.ticket)
+            coll.rounds.discard(outcome.ticket)
             if outcome.error is not None and coll.error is None:
                 coll.error = outcome.error
             if not coll.rounds:

@@ -62,6 +62,10 @@ class WorkerTransport(Protocol):
         is readable."""
         ...
 
+    def source_for(self, dest: Address) -> Address:
+        """The address and port datagrams to `dest` leave from (what a rank joins with)."""
+        ...
+
     def close(self) -> None:
         ...
 
@@ -103,9 +107,17 @@ class UdpWorkerTransport:
 
     @property
     def local(self) -> Address:
-        """The address contributions leave from."""
+        """The address the socket is bound to (0.0.0.0 when it is not bound to one)."""
         host, port = self.sock.getsockname()
         return str(host), int(port)
+
+    def source_for(self, dest: Address) -> Address:
+        host, port = self.local
+        if host == "0.0.0.0":  # the kernel picks the source per route: ask it which
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect(dest)
+                host = str(probe.getsockname()[0])
+        return host, port
 
     def send(self, datagrams: Sequence[Outgoing]) -> None:
         batcher = self._batcher
@@ -161,6 +173,9 @@ class MemoryWorkerTransport:
 
     @property
     def local(self) -> Address:
+        return self.endpoint.address
+
+    def source_for(self, dest: Address) -> Address:
         return self.endpoint.address
 
     def send(self, datagrams: Sequence[Outgoing]) -> None:

@@ -11,6 +11,7 @@ import contextlib
 import ipaddress
 import json
 import os
+import secrets
 import select
 import signal
 import subprocess
@@ -354,10 +355,12 @@ def run_workers(net: Network, argv_of_rank: Sequence[Sequence[str]],
 
 
 def worker_argv(net: Network, api: str, world: int, job: str,
-                options: Sequence[str] = ()) -> list[list[str]]:
-    """The lab worker program's command lines for every rank of a job on `net`."""
+                options: Sequence[str] = (), secret: str | None = None) -> list[list[str]]:
+    """The lab worker program's command lines for every rank of a job on `net`, sharing one
+    join secret (a fresh one unless given)."""
+    secret = secret or secrets.token_urlsafe(16)
     return [
-        [*WORKER, "--appliance", api, "--job", job, "--world", str(world),
+        [*WORKER, "--appliance", api, "--job", job, "--world", str(world), "--secret", secret,
          "--rank", str(rank), "--local", net.worker_address(rank), *options]
         for rank in range(world)
     ]

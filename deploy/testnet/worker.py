@@ -94,17 +94,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unicast", action="store_true", help="results by unicast fan-out")
     p.add_argument("--deadline", type=float, default=60.0, help="seconds per allreduce")
     p.add_argument("--token-file", help="the appliance API's bearer token")
+    p.add_argument("--secret", required=True, help="the job's join secret (every rank's)")
+    p.add_argument("--rejoin", action="store_true",
+                   help="a restarted rank: retire its old endpoint, start a new epoch")
     p.add_argument("--leave", action="store_true", help="leave the job at the end")
     add_probe_arguments(p)
     args = p.parse_args(argv)
 
     try:
         token = Path(args.token_file).read_text().strip() if args.token_file else None
-        jobs = [register(a, args.job, args.world, rank=args.rank, token=token,
-                         deterministic=args.deterministic, multicast=not args.unicast)
-                for a in args.appliance]
+        registered = [register(a, args.job, args.world, secret=args.secret, token=token,
+                               deterministic=args.deterministic, multicast=not args.unicast)
+                      for a in args.appliance]
         timing = Timing(deadline=args.deadline)
-        with ApplianceClient(jobs, args.rank, local_address=args.local, timing=timing) as client:
+        with ApplianceClient(registered, args.rank, local_address=args.local, timing=timing,
+                             rejoin=args.rejoin) as client:
+            jobs = client.jobs
             case = 0
             for dtype in args.dtypes:
                 for size in args.sizes:

@@ -26,7 +26,7 @@ s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 port = int(sys.argv[1])
 s.sendto(b"not ours", ("127.0.0.1", port))  # shorter than a header
 s.sendto(b"\\x00" * 100, ("127.0.0.1", port))  # bad magic
-bad_job = HEADER.pack(MAGIC, VERSION, 1, 1, 1, 0, 999, 0, 5, 1, 0, 0, 4, 0) + bytes(4)
+bad_job = HEADER.pack(MAGIC, VERSION, 1, 1, 1, 0, 999, 0, 1, 5, 1, 0, 0, 4, 1) + bytes(4)
 s.sendto(bad_job, ("127.0.0.1", port))  # a contribution for a job that does not exist
 """
 

@@ -106,10 +106,12 @@ def test_killed_core_is_restarted_and_the_allreduce_finishes_or_fails_clearly() 
         assert core["pid"] != victim
         (job,) = appliance.status()["jobs"]
         assert any("core 0 killed by signal 9" in d for d in job["disruptions"]), job
+        # The restarted core came back empty: the job moves to a new epoch.
+        wait_until(lambda: appliance.status()["jobs"][0]["epoch"] == 2, 30, what="epoch 2")
         for code, _rows, stderr in finish(procs, timeout_s=120):
-            # Either retransmission carried the round over to the new process, or the worker
-            # got a clear error naming the appliance core: never a hang.
-            assert code == 0 or ("AllreduceTimeout" in stderr and "core" in stderr), stderr
+            # Either the round carried over into the new epoch, or the worker got a clear
+            # error naming the core restart (it had results already): never a hang.
+            assert code == 0 or ("JobResynchronised" in stderr and "core" in stderr), stderr
 
 
 def test_status_and_metrics_show_jobs_counters_and_a_stalled_rank() -> None:

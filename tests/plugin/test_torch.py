@@ -90,7 +90,7 @@ def test_appliance_errors_surface_from_wait() -> None:
     with LoopbackNetwork.create(multicast=False) as net, \
             start_appliance(net, cores=1, multicast=False) as appliance:
         config = ApplianceConfig((appliance.api,), None, None, "127.0.0.1", False, lanes=2)
-        client, jobs = connect(config, "lonely", 0, 2)
+        client, jobs = connect(config, "lonely", "lonely-secret", 0, 2)
         client.rtt.timing = Timing(deadline=1.0)
         pump = RoundPump(client, "test")
         try:

@@ -17,6 +17,7 @@ from numpy.typing import NDArray
 
 from reduction_appliance.dataplane.aggregator import Aggregator
 from reduction_appliance.dataplane.counters import Counters
+from reduction_appliance.dataplane.errors import JobDiverged
 from reduction_appliance.dataplane.reduce import KernelTable
 from reduction_appliance.dataplane.slots import SlotArena
 from reduction_appliance.dataplane.spec import JobSpec
@@ -41,6 +42,7 @@ from reduction_appliance.plugin.session import (
     AllreduceRound,
     Endpoint,
     RttEstimator,
+    SlotUses,
     Timing,
     Transmit,
 )
@@ -67,14 +69,21 @@ class SimNet:
     multicast: bool = True
     faults: Faults = field(default_factory=Faults)
     timing: Timing = field(default_factory=lambda: Timing(0.01, 0.002, 0.2, 30.0))
+    # Called before every step of the clock with the network: a test's adversary injects
+    # datagrams there (`net.transmit(any source, any destination, any bytes)`); `tap` sees
+    # every datagram sent.
+    adversary: Callable[[MemoryNetwork], None] | None = None
+    tap: Callable[[Address, Address, bytes], None] | None = None
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.faults.seed)
-        self.net = MemoryNetwork(self._fault)
+        self.net = MemoryNetwork(self._fault, self.tap)
         self.arenas = [SlotArena(8, self.max_payload, 64) for _ in range(self.cores)]
         self.aggregators = [Aggregator(a, self.kernels, Counters()) for a in self.arenas]
         self.spec = JobSpec(7, 0xC0FFEE, self.world, self.slots, self.deterministic,
-                            MULTICAST if self.multicast else None)
+                            MULTICAST if self.multicast else None,
+                            endpoints=tuple(("worker", r) for r in range(self.world)),
+                            hold_buffers=32 if self.deterministic else 0)
         for agg in self.aggregators:
             agg.add_job(self.spec)
         self.core_transports = [MemoryCoreTransport(self.net.bind(("appliance", c)))
@@ -87,7 +96,9 @@ class SimNet:
             Endpoint(("appliance", c), 7, 0xC0FFEE, self.slots, f"appliance core {c}")
             for c in range(self.cores)
         )
+        self._cores = {ep.address for ep in self.endpoints}
         self.rtts = [RttEstimator(self.timing) for _ in range(self.world)]
+        self.uses = [SlotUses() for _ in range(self.world)]  # each rank's, kept across rounds
         self.round = 0
         self._batch = RxBatch()
         self._header = bytearray(HEADER_SIZE)
@@ -111,25 +122,27 @@ class SimNet:
             copies = 2
         return [1e-5 + self.rng.random() * f.max_delay for _ in range(copies)]
 
-    def _send(self, rank: int, due: list[Transmit], view: Callable[[Header], NDArray[np.uint8]]
-              ) -> None:
+    def _send(self, rank: int, due: list[Transmit],
+              view: Callable[[Transmit], NDArray[np.uint8]]) -> None:
         for t in due:
             pack_into(self._header, t.header)
-            payload = view(t.header)[t.header.offset:t.header.offset + t.header.length]
+            payload = view(t)[t.header.offset:t.header.offset + t.header.length]
             self.worker_ends[rank].sendto(bytes(self._header) + payload.tobytes(),
                                           self.endpoints[t.endpoint].address)
 
-    def _tick(self, wake: float, receive: Callable[[int, Header, bytes], None]) -> None:
+    def _tick(self, wake: float, receive: Callable[[int, Header, bytes, Address], None]) -> None:
         """Move the clock to the next event, let every core take its datagrams in (and send
         what they decide), then every worker."""
+        if self.adversary is not None:
+            self.adversary(self.net)
         self.net.advance(min(wake, self.net.next_arrival()))
         for agg, transport in zip(self.aggregators, self.core_transports, strict=True):
             while transport.receive(agg.pool, self._batch, 64):
                 transport.send(agg.on_batch(self._batch, self.now))
         for rank, end in enumerate(self.worker_ends):
             while (got := end.recv()) is not None:
-                datagram = got[0]
-                receive(rank, unpack(datagram), datagram[HEADER_SIZE:])
+                datagram, source = got
+                receive(rank, unpack(datagram), datagram[HEADER_SIZE:], source)
 
     def allreduce(self, arrays: list[NDArray[np.generic]], dtype: DType, op: Op,
                   order: list[int] | None = None) -> list[AllreduceRound]:
@@ -137,28 +150,32 @@ class SimNet:
         self.round += 1
         rounds = [
             AllreduceRound(self.endpoints, r, self.world, self.round, dtype, op,
-                           arrays[r].nbytes, self.max_payload, self.rtts[r], self.now)
+                           arrays[r].nbytes, self.max_payload, self.rtts[r], self.now,
+                           uses=self.uses[r])
             for r in range(self.world)
         ]
         views = [a.reshape(-1).view(np.uint8) for a in arrays]
 
-        def receive(rank: int, h: Header, payload: bytes) -> None:
+        def receive(rank: int, h: Header, payload: bytes, source: Address) -> None:
             rnd = rounds[rank]
             if h.kind is Kind.PENDING:
                 rnd.on_pending(h, payload)
                 return
-            k = rnd.accept(h)
+            if (h.kind is Kind.DIVERGED and source in self._cores
+                    and (h.job_id, h.cookie) == (self.spec.job_id, self.spec.cookie)):
+                raise JobDiverged(payload.decode(errors="replace"))
+            k = rnd.accept(h, source)
             if k is not None:
                 views[rank][h.offset:h.offset + h.length] = np.frombuffer(payload, np.uint8)
                 rnd.stored(k, self.now)
 
         for r in order or range(self.world):
-            self._send(r, rounds[r].due(self.now), lambda h, r=r: views[r])  # type: ignore[misc]
+            self._send(r, rounds[r].due(self.now), lambda t, r=r: views[r])  # type: ignore[misc]
         while not all(r.done for r in rounds):
             self._tick(min(r.wakeup() for r in rounds if not r.done), receive)
             for r, rnd in enumerate(rounds):
                 if not rnd.done:
-                    self._send(r, rnd.due(self.now), lambda h, r=r: views[r])  # type: ignore[misc]
+                    self._send(r, rnd.due(self.now), lambda t, r=r: views[r])  # type: ignore[misc]
         return rounds
 
     def allreduce_many(self, batches: list[list[NDArray[np.generic]]], dtype: DType, op: Op,
@@ -175,21 +192,22 @@ class SimNet:
         outcomes: list[list[Outcome]] = [[] for _ in range(self.world)]
         most = 0
 
-        def receive(rank: int, h: Header, payload: bytes) -> None:
+        def receive(rank: int, h: Header, payload: bytes, source: Address) -> None:
             p = pipelines[rank]
             if h.kind is Kind.PENDING:
-                p.on_pending(h, payload)
+                p.on_pending(h, payload, source)
             elif h.kind is Kind.ABORTED:
-                p.on_aborted(h)
-            elif (wanted := p.accept(h)) is not None:
-                views[rank][h.round][h.offset:h.offset + h.length] = np.frombuffer(payload,
-                                                                                   np.uint8)
-                p.stored(*wanted, self.now)
+                p.on_aborted(h, source)
+            elif (wanted := p.accept(h, source)) is not None:
+                rnd, k = wanted
+                views[rank][rnd.ticket][h.offset:h.offset + h.length] = np.frombuffer(
+                    payload, np.uint8)
+                p.stored(rnd, k, self.now)
 
         while not all(p.idle for p in pipelines):
             for r in range(self.world):
                 self._send(r, pipelines[r].due(self.now),
-                           lambda h, r=r: views[r][h.round])  # type: ignore[misc]
+                           lambda t, r=r: views[r][t.ticket])  # type: ignore[misc]
                 outcomes[r].extend(pipelines[r].finished())
                 most = max(most, pipelines[r].in_flight())
             wake = min(p.wakeup() for p in pipelines)

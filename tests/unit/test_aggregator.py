@@ -48,26 +48,40 @@ def arena() -> Iterator[SlotArena]:
         yield a
 
 
+def where(rank: int) -> tuple[str, int]:
+    """The endpoint rank joined from."""
+    return (f"198.18.0.{10 + rank}", 9000 + rank)
+
+
+def spec(world: int = 3, deterministic: bool = False, multicast: bool = True,
+         job: int = 5, epoch: int = 1, hold: int | None = None) -> JobSpec:
+    """Every rank joined; a deterministic job may hold what one segment can need."""
+    held = (world - 1 if hold is None else hold) if deterministic else 0
+    return JobSpec(job, COOKIE, world, 2, deterministic, GROUP if multicast else None,
+                   epoch=epoch, endpoints=tuple(where(r) for r in range(world)),
+                   hold_buffers=held)
+
+
 def make(arena: SlotArena, world: int = 3, deterministic: bool = False,
          multicast: bool = True) -> Aggregator:
     agg = Aggregator(arena, KERNELS, Counters())
-    agg.add_job(JobSpec(5, COOKIE, world, 2, deterministic, GROUP if multicast else None))
+    agg.add_job(spec(world, deterministic, multicast))
     return agg
 
 
 def contribute(agg: Aggregator, rank: int, data: np.ndarray, *, round_no: int = 1,
                slot: int = 0, offset: int = 0, op: Op = Op.SUM, cookie: int = COOKIE,
                job: int = 5, flags: int = 0, dtype: DType | None = None,
-               length: int | None = None) -> list[Send]:
+               length: int | None = None, use: int = 1, epoch: int = 1,
+               source: tuple[str, int] | None = None) -> list[Send]:
     payload = data.reshape(-1).view(np.uint8)
     found = by_numpy(data.dtype)
     dt = dtype or (found.dtype if found else DType.FLOAT32)
     h = Header(Kind.CONTRIBUTION, dt, op, flags, job, rank, cookie, round_no, slot, offset,
-               len(payload) if length is None else length)
+               len(payload) if length is None else length, use, epoch)
     header = bytearray(HEADER_SIZE)
     pack_into(header, h)
-    return feed(agg, [(bytes(header) + payload.tobytes(),
-                       (f"198.18.0.{10 + rank}", 9000 + rank))])
+    return feed(agg, [(bytes(header) + payload.tobytes(), source or where(rank))])
 
 
 def result_of(sends: list[Send], dtype: np.dtype) -> np.ndarray:
@@ -114,7 +128,7 @@ def test_retransmission_of_unfinished_segment_gets_pending_bitmap(arena: SlotAre
     contribute(agg, 2, np.ones(8, np.float32))
     (reply,) = contribute(agg, 2, np.ones(8, np.float32), flags=Flags.RETRANSMIT)
     h = unpack(bytes(reply.header))
-    assert h.kind is Kind.PENDING and h.aux == 2
+    assert h.kind is Kind.PENDING and h.use == 1 and h.epoch == 1
     assert int.from_bytes(bytes(reply.payload), "little") == 0b0101
     stats = agg.stats(5)
     assert stats is not None and sorted(stats.waiting) == [1, 3]
@@ -137,11 +151,11 @@ def test_late_retransmission_answered_while_the_other_copy_fills(arena: SlotAren
         first = contribute(agg, r, np.full(8, 1, np.float32), offset=0)
     stored = bytes(first[0].payload)
     # Rank 0 got the result and moved on to the slot's next segment ...
-    contribute(agg, 0, np.full(8, 5, np.float32), offset=4096)
+    contribute(agg, 0, np.full(8, 5, np.float32), offset=4096, use=2)
     # ... while rank 1 lost it and retransmits the old one: answered from the shadow copy.
     (resend,) = contribute(agg, 1, np.full(8, 1, np.float32), offset=0, flags=Flags.RETRANSMIT)
     assert bytes(resend.payload) == stored
-    sends = contribute(agg, 1, np.full(8, 5, np.float32), offset=4096)
+    sends = contribute(agg, 1, np.full(8, 5, np.float32), offset=4096, use=2)
     assert np.array_equal(result_of(sends, np.float32), np.full(8, 10, np.float32))
 
 
@@ -150,9 +164,9 @@ def test_stale_round_is_dropped(arena: SlotArena) -> None:
     for r in range(2):
         contribute(agg, r, np.ones(4, np.float32), round_no=1, offset=0)
     for r in range(2):
-        contribute(agg, r, np.ones(4, np.float32), round_no=2, offset=0)
+        contribute(agg, r, np.ones(4, np.float32), round_no=2, offset=0, use=2)
     for r in range(2):
-        contribute(agg, r, np.ones(4, np.float32), round_no=3, offset=0)
+        contribute(agg, r, np.ones(4, np.float32), round_no=3, offset=0, use=3)
     assert contribute(agg, 0, np.ones(4, np.float32), round_no=1, offset=0) == []
     assert agg.counters[Counter.DROP_STALE] == 1
 
@@ -174,23 +188,28 @@ def test_bad_datagrams_are_counted_and_dropped(arena: SlotArena, kwargs: dict[st
     assert agg.counters[Counter.SEGMENTS_REDUCED] == 0
 
 
-def test_bad_rank_and_mismatched_dtype_are_dropped(arena: SlotArena) -> None:
+def test_bad_rank_is_dropped_and_a_mismatched_use_tells_every_rank(arena: SlotArena) -> None:
     agg = make(arena, world=2)
-    assert contribute(agg, 2, np.ones(4, np.float32)) == []
+    assert contribute(agg, 2, np.ones(4, np.float32), source=where(2)) == []
     assert agg.counters[Counter.DROP_BAD_RANK] == 1
     contribute(agg, 0, np.ones(4, np.float32))
-    assert contribute(agg, 1, np.ones(8, np.float16)) == []  # same bytes, other dtype
+    notices = contribute(agg, 1, np.ones(8, np.float16))  # same bytes, other dtype
     assert agg.counters[Counter.DROP_MISMATCH] == 1
+    assert sorted(n.dest for n in notices) == [where(0), where(1)]
+    reason = bytes(notices[0].payload).decode()
+    assert unpack(bytes(notices[0].header)).kind is Kind.DIVERGED
+    assert "rank 1 sent round 1 offset 0 length 16 FLOAT16" in reason
+    assert "rank 0 sent round 1 offset 0 length 16 FLOAT32" in reason
 
 
 def test_next_segment_before_slot_finished_is_refused(arena: SlotArena) -> None:
     agg = make(arena, world=2)
     contribute(agg, 0, np.ones(4, np.float32), offset=0)
-    assert contribute(agg, 0, np.ones(4, np.float32), offset=4096) == []
+    assert contribute(agg, 0, np.ones(4, np.float32), offset=4096, use=2) == []
     assert agg.counters[Counter.DROP_SLOT_BUSY] == 1
     # A newer round means the old one was abandoned by its workers: the slot is recycled.
-    contribute(agg, 0, np.ones(4, np.float32), round_no=2)
-    sends = contribute(agg, 1, np.ones(4, np.float32), round_no=2)
+    contribute(agg, 0, np.ones(4, np.float32), round_no=2, use=2)
+    sends = contribute(agg, 1, np.ones(4, np.float32), round_no=2, use=2)
     assert np.array_equal(result_of(sends, np.float32), np.full(4, 2, np.float32))
     assert agg.counters[Counter.ABANDONED] == 1
 
@@ -247,15 +266,17 @@ def test_header_size_is_what_the_wire_says() -> None:
     assert HEADER_SIZE == 48
 
 
-def test_abort_tells_known_workers_and_answers_later_datagrams(arena: SlotArena) -> None:
+def test_abort_tells_bound_workers_and_answers_their_later_datagrams(arena: SlotArena) -> None:
     agg = make(arena, world=3)
     contribute(agg, 0, np.ones(4, np.float32))
     contribute(agg, 2, np.ones(4, np.float32))
     notices = agg.abort_job(5)
-    assert sorted(n.dest for n in notices) == [("198.18.0.10", 9000), ("198.18.0.12", 9002)]
+    assert sorted(n.dest for n in notices) == [where(0), where(1), where(2)]
     assert all(unpack(bytes(n.header)).kind is Kind.ABORTED for n in notices)
     (late,) = contribute(agg, 1, np.ones(4, np.float32))
-    assert unpack(bytes(late.header)).kind is Kind.ABORTED and late.dest[1] == 9001
+    assert unpack(bytes(late.header)).kind is Kind.ABORTED and late.dest == where(1)
     assert contribute(agg, 1, np.ones(4, np.float32), cookie=7) == []  # not told to strangers
-    assert agg.counters[Counter.ABORT_NOTICES] == 3
+    # ... nor to another host that knows the cookie: notices go to bound endpoints only
+    assert contribute(agg, 1, np.ones(4, np.float32), source=("198.18.0.99", 9001)) == []
+    assert agg.counters[Counter.ABORT_NOTICES] == 4
     assert arena.free_slots == arena.capacity  # the job's slots are free again

@@ -59,16 +59,17 @@ def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
 
 def test_registration_is_idempotent_and_refuses_disagreement() -> None:
     registry = Registry(parse({}))
-    plan = registry.plan(JobRequest("job", 4), cookie=7, now=0.0)
+    plan = registry.plan(JobRequest("job", 4), cookie=7, secret="s", now=0.0)
     registry.commit(plan)
-    assert registry.plan(JobRequest("job", 4), cookie=8, now=0.0) is plan  # the other ranks
+    again = registry.plan(JobRequest("job", 4), cookie=8, secret="s", now=0.0)
+    assert again is plan  # the other ranks
     with pytest.raises(ConflictError, match="exists"):
-        registry.plan(JobRequest("job", 8), cookie=9, now=0.0)
-    other = registry.plan(JobRequest("other", 2), cookie=10, now=0.0)
+        registry.plan(JobRequest("job", 8), cookie=9, secret="s", now=0.0)
+    other = registry.plan(JobRequest("other", 2), cookie=10, secret="t", now=0.0)
     registry.commit(other)
     assert other.spec.job_id != plan.spec.job_id
     assert other.spec.multicast != plan.spec.multicast  # one group per job
-    described = plan.describe(registry.cfg)
+    described = plan.describe(registry.cfg, member=True)
     assert described.cookie == 7 and described.public().cookie is None
     assert described.segment_bytes == parse({}).dataplane.max_payload
     # The one schema both ends use: what the API sends, a worker parses back unchanged.
@@ -78,9 +79,9 @@ def test_registration_is_idempotent_and_refuses_disagreement() -> None:
 def test_bad_job_requests_are_refused() -> None:
     registry = Registry(parse({}))
     with pytest.raises(BadRequest, match="world_size"):
-        registry.plan(JobRequest("job", 0), cookie=1, now=0.0)
+        registry.plan(JobRequest("job", 0), cookie=1, secret="s", now=0.0)
     with pytest.raises(BadRequest, match="name"):
-        registry.plan(JobRequest("", 2), cookie=1, now=0.0)
+        registry.plan(JobRequest("", 2), cookie=1, secret="s", now=0.0)
 
 
 def test_the_tree_written_out_loads_back_equal(tmp_path: Path) -> None:
@@ -94,7 +95,8 @@ def test_the_tree_written_out_loads_back_equal(tmp_path: Path) -> None:
 
 
 def test_a_malformed_registration_answer_names_the_field() -> None:
-    good = Registry(parse({})).plan(JobRequest("j", 2), cookie=3, now=0.0).describe(parse({}))
+    good = Registry(parse({})).plan(JobRequest("j", 2), cookie=3, secret="s",
+                                    now=0.0).describe(parse({}))
     wire = good.to_json()
     with pytest.raises(SchemaError, match="'world_size' should be int"):
         JobDescription.from_json(wire | {"world_size": "2"})

@@ -57,7 +57,7 @@ def test_rounds_overlap_in_their_own_slots_and_start_in_order() -> None:
             wanted = p.accept(t.header._replace(kind=Kind.RESULT))
             assert wanted is not None
             p.stored(*wanted, 0.001)
-    assert [(o.round, o.error) for o in p.finished()] == [(second, None)]
+    assert [(o.ticket, o.error) for o in p.finished()] == [(second, None)]
     assert p.due(0.001) == [] and p.in_flight() == 1  # lane 0 is free, yet round 3 waits
 
 
@@ -70,7 +70,7 @@ def test_an_abort_fails_rounds_in_flight_and_rounds_started_later() -> None:
     p.on_aborted(sent[0].header._replace(kind=Kind.ABORTED))
     p.due(0.002)
     outcomes = p.finished()
-    assert [o.round for o in outcomes] == rounds
+    assert [o.ticket for o in outcomes] == rounds
     assert all(isinstance(o.error, JobAborted) for o in outcomes)
     assert p.idle
 
@@ -82,12 +82,12 @@ def test_a_round_that_times_out_frees_its_lane_for_the_next() -> None:
     p.due(0.0)
     sent = p.due(1.5)  # past the deadline: round 1 fails, round 2 starts at once
     (outcome,) = p.finished()
-    assert outcome.round == lost and isinstance(outcome.error, AllreduceTimeout)
+    assert outcome.ticket == lost and isinstance(outcome.error, AllreduceTimeout)
     assert {t.header.round for t in sent} == {nxt}
     wanted = p.accept(sent[0].header._replace(kind=Kind.RESULT))
     assert wanted is not None
     p.stored(*wanted, 1.6)
-    assert [(o.round, o.error) for o in p.finished()] == [(nxt, None)]
+    assert [(o.ticket, o.error) for o in p.finished()] == [(nxt, None)]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -118,7 +118,7 @@ def test_concurrent_rounds_over_a_lossy_network_are_exact(
         inputs = [[make(rng, n, dtype) for _ in range(world)] for n in sizes]
         batches = [[x.copy() for x in xs] for xs in inputs]
         outcomes, most = net.allreduce_many(batches, dtype, op, lanes)
-        assert sorted((o.round, o.error) for o in outcomes) == [
+        assert sorted((o.ticket, o.error) for o in outcomes) == [
             (i + 1, None) for i in range(len(sizes))]
         for xs, arrays in zip(inputs, batches, strict=True):
             want = reference(xs, op)

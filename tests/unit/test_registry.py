@@ -1,4 +1,5 @@
-"""The job lifecycle table and admission: values in, values (or named refusals) out."""
+"""The job lifecycle table, credentials, endpoints and admission: values in, values (or named
+refusals) out."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from reduction_appliance.control.registry import (
     Registry,
     UnknownJob,
 )
-from reduction_appliance.dataplane.errors import AdmissionError, BadRequest
+from reduction_appliance.dataplane.errors import AdmissionError, BadRequest, Conflict, Forbidden
+
+SECRET = "s3cret-of-the-job"
 
 
 def registry(**jobs: object) -> Registry:
@@ -19,22 +22,77 @@ def registry(**jobs: object) -> Registry:
     return Registry(parse({"dataplane": {"slot_memory_mb": 2}, "jobs": jobs}))
 
 
-def admit(reg: Registry, name: str, world: int = 2, slots: int = 0, now: float = 0.0) -> int:
-    plan = reg.plan(JobRequest(name, world, slots=slots), cookie=1, now=now)
+def admit(reg: Registry, name: str, world: int = 2, slots: int = 0, now: float = 0.0,
+          deterministic: bool = False) -> int:
+    plan = reg.plan(JobRequest(name, world, deterministic, slots=slots), cookie=1,
+                    secret=SECRET, now=now)
     reg.commit(plan)
     return plan.spec.job_id
+
+
+def at(rank: int, port: int = 40000) -> tuple[str, int]:
+    return (f"198.18.0.{101 + rank}", port)
 
 
 def test_joining_every_rank_activates_and_the_last_leave_ends_the_job() -> None:
     reg = registry()
     job = admit(reg, "a", world=2)
-    assert reg.join(job, 0).state is JobState.CREATED
-    assert reg.join(job, 1).state is JobState.ACTIVE
-    assert reg.join(job, 1).state is JobState.ACTIVE  # a restarted worker re-joins
-    assert reg.leave(job, 0).state is JobState.ACTIVE
-    assert reg.leave(job, 1).state is JobState.DONE
+    assert reg.join(job, 0, SECRET, at(0)).state is JobState.CREATED
+    plan = reg.join(job, 1, SECRET, at(1))
+    assert plan.state is JobState.ACTIVE and plan.spec.endpoints == (at(0), at(1))
+    assert plan.spec.epoch == 1
+    assert reg.leave(job, 0, SECRET).state is JobState.ACTIVE
+    assert reg.leave(job, 1, SECRET).state is JobState.DONE
     with pytest.raises(UnknownJob):
         reg.get(job)
+
+
+def test_a_second_process_claiming_a_joined_rank_is_refused_naming_both() -> None:
+    reg = registry()
+    job = admit(reg, "a", world=2)
+    reg.join(job, 1, SECRET, at(1))
+    with pytest.raises(Conflict) as refused:
+        reg.join(job, 1, SECRET, ("198.18.0.200", 41234))
+    text = str(refused.value)
+    assert "rank 1" in text and "198.18.0.102:40000" in text and "198.18.0.200:41234" in text
+    assert reg.get(job).spec.endpoints[1] == at(1)  # nothing moved
+
+
+def test_a_restarted_rank_rejoins_from_a_new_endpoint_in_a_new_epoch() -> None:
+    reg = registry()
+    job = admit(reg, "a", world=2)
+    reg.join(job, 0, SECRET, at(0))
+    reg.join(job, 1, SECRET, at(1))
+    plan = reg.join(job, 1, SECRET, at(1, port=40777), rejoin=True)
+    assert plan.spec.endpoints[1] == at(1, port=40777)  # the old endpoint is retired
+    assert plan.spec.epoch == 2 and plan.state is JobState.ACTIVE
+    # A rank that left and comes back starts a new epoch too.
+    reg.leave(job, 0, SECRET)
+    assert reg.join(job, 0, SECRET, at(0)).spec.epoch == 3
+
+
+def test_resync_moves_the_job_once_however_many_ranks_ask() -> None:
+    reg = registry()
+    job = admit(reg, "a", world=3)
+    assert reg.resync(job, SECRET, seen_epoch=1).spec.epoch == 2
+    assert reg.resync(job, SECRET, seen_epoch=1).spec.epoch == 2  # the others, late
+    assert reg.resync(job, SECRET, seen_epoch=2).spec.epoch == 3
+
+
+def test_the_secret_guards_join_leave_resync_and_registering_again() -> None:
+    reg = registry()
+    job = admit(reg, "a", world=2)
+    for attempt in (lambda: reg.join(job, 0, "wrong", at(0)),
+                    lambda: reg.leave(job, 0, "wrong"),
+                    lambda: reg.resync(job, "wrong", 1),
+                    lambda: reg.plan(JobRequest("a", 2), cookie=2, secret="wrong", now=0.0)):
+        with pytest.raises(Forbidden, match="secret"):
+            attempt()
+    # Registering the same spec without a secret finds the job, and nothing secret with it.
+    found = reg.plan(JobRequest("a", 2), cookie=2, secret="", now=0.0)
+    assert found.spec.job_id == job
+    assert found.describe(reg.cfg).cookie is None
+    assert found.describe(reg.cfg, member=True).cookie == 1
 
 
 def test_abort_and_illegal_transitions() -> None:
@@ -45,7 +103,7 @@ def test_abort_and_illegal_transitions() -> None:
         reg.abort(job)
     other = admit(reg, "b")
     with pytest.raises(BadRequest, match="rank 5 outside"):
-        reg.join(other, 5)
+        reg.join(other, 5, SECRET, at(5))
 
 
 def test_idle_jobs_are_evicted_from_their_last_activity() -> None:
@@ -68,3 +126,17 @@ def test_admission_refuses_what_does_not_fit_the_slot_budget_and_says_so() -> No
     text = str(refused.value)
     assert "needs 8 slot pairs" in text and "only 4 of 39 are free" in text
     admit(reg, "b", slots=4)  # what fits is admitted
+
+
+def test_held_buffers_are_reserved_per_deterministic_job_and_refused_beyond() -> None:
+    # 128 receive buffers: 64 stay for receiving, 64 may be held, 40 per deterministic job.
+    reg = Registry(parse({"dataplane": {"rx_buffers": 128},
+                          "jobs": {"hold_buffers": 40, "slots": 2}}))
+    first = reg.plan(JobRequest("d1", 4, deterministic=True), cookie=1, secret=SECRET, now=0)
+    reg.commit(first)
+    assert first.spec.hold_buffers == 40
+    reg.commit(reg.plan(JobRequest("plain", 4), cookie=1, secret=SECRET, now=0))  # holds none
+    with pytest.raises(AdmissionError) as refused:
+        reg.plan(JobRequest("d2", 4, deterministic=True), cookie=1, secret=SECRET, now=0)
+    assert "needs 40 receive buffers" in str(refused.value)
+    assert "only 24 of 64 are unreserved" in str(refused.value)

@@ -12,6 +12,7 @@ import pytest
 from reduction_appliance.dataplane.counters import Counter, Counters
 from reduction_appliance.dataplane.errors import AdmissionError, CoreFailure
 from reduction_appliance.dataplane.loop import CoreLoop
+from reduction_appliance.dataplane.registration import EndpointInfo
 from reduction_appliance.dataplane.spec import (
     AddJob,
     Command,
@@ -24,7 +25,7 @@ from reduction_appliance.dataplane.spec import (
 from reduction_appliance.dataplane.transport import MemoryCoreTransport, MemoryNetwork
 from reduction_appliance.plugin.client import ApplianceClient
 from reduction_appliance.plugin.rendezvous import JobInfo
-from reduction_appliance.plugin.session import Endpoint, Timing
+from reduction_appliance.plugin.session import Timing
 from reduction_appliance.plugin.transport import MemoryWorkerTransport
 
 GROUP = ("239.255.0.1", 7100)
@@ -77,11 +78,11 @@ def test_client_and_core_loop_over_the_in_memory_seams(multicast: bool) -> None:
     net = MemoryNetwork()
     ours, theirs = Pipe()
     loop = core_loop(net, theirs)
-    spec = JobSpec(job, cookie, world, 4, multicast=GROUP if multicast else None)
+    spec = JobSpec(job, cookie, world, 4, multicast=GROUP if multicast else None,
+                   endpoints=tuple((f"198.18.0.{101 + r}", 40000) for r in range(world)))
     assert loop.serve(Request(1, AddJob(spec))).error is None
-    endpoint = Endpoint(CORE, job, cookie, 4, "appliance core 0")
-    info = JobInfo("memory", job, cookie, world, (endpoint,), 1024,
-                   GROUP if multicast else None, False)
+    info = JobInfo("memory", job, "seams", world, 1024, GROUP if multicast else None, False,
+                   30.0, (EndpointInfo(0, *CORE, 4),), cookie=cookie)
     clients = [
         ApplianceClient([info], r, timing=Timing(0.01, 0.002, 0.2, 30.0), clock=net.clock,
                         transport=MemoryWorkerTransport(
@@ -95,7 +96,7 @@ def test_client_and_core_loop_over_the_in_memory_seams(multicast: bool) -> None:
         while len(done) < world:
             for r, c in enumerate(clients):
                 for outcome in c.progress(timeout=0):
-                    assert outcome.error is None and outcome.round == rounds[r]
+                    assert outcome.error is None and outcome.ticket == rounds[r]
                     done.add(r)
             while loop.receive_burst():
                 pass

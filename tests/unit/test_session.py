@@ -63,7 +63,7 @@ def test_deadline_raises_naming_silent_cores_and_missing_ranks() -> None:
                          RttEstimator(timing), 0.0)
     sent = rnd.due(0.0)
     rnd.stored(rnd.accept(sent[1].header._replace(kind=Kind.RESULT)) or 0, 0.01)
-    pending = sent[0].header._replace(kind=Kind.PENDING, aux=2)
+    pending = sent[0].header._replace(kind=Kind.PENDING)
     rnd.on_pending(pending, bytes([0b0110]))
     with pytest.raises(AllreduceTimeout) as err:
         while True:

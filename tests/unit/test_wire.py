@@ -44,10 +44,10 @@ TEST_PORT = 47000
 # value that differs from its neighbours' bytes, so a swapped, shifted or truncated field shows.
 
 CONTRIBUTION_HEX = """
-    5241 01 01     magic "RA", version 1, kind CONTRIBUTION
+    5241 02 01     magic "RA", version 2, kind CONTRIBUTION
     03 02 01 00    dtype BFLOAT16, op AVG, flags RETRANSMIT, zero
     0a0b0c0d       job id
-    1234 0000      rank, zero
+    1234 5678      rank, epoch
     deadbeef       cookie (high half)
     cafef00d       cookie (low half)
     00c0ffee       round
@@ -55,21 +55,20 @@ CONTRIBUTION_HEX = """
     00000012       offset (high half): above 4 GiB, so a 32-bit offset would show
     34567800       offset (low half)
     00001f40       length 8000
-    00000000       aux: zero for a contribution
+    00000007       use: the slot's 7th use this epoch
 """
 CONTRIBUTION = Header(
     kind=Kind.CONTRIBUTION, dtype=DType.BFLOAT16, op=Op.AVG, flags=Flags.RETRANSMIT,
     job_id=0x0A0B0C0D, rank=0x1234, cookie=0xDEADBEEFCAFEF00D, round=0x00C0FFEE, slot=0xABCD,
-    offset=0x12_3456_7800, length=8000, aux=0,
+    offset=0x12_3456_7800, length=8000, use=7, epoch=0x5678,
 )
 
-# A second golden with the top bit set in every wide field (catches signed packing) and a nonzero
-# aux, which only PENDING carries.
+# A second golden with the top bit set in every wide field (catches signed packing).
 PENDING_HEX = """
-    5241 01 03     magic "RA", version 1, kind PENDING
+    5241 02 03     magic "RA", version 2, kind PENDING
     01 04 00 00    dtype FLOAT32, op MAX, no flags, zero
     fffffffe       job id
-    ffff 0000      rank, zero
+    ffff 8001      rank, epoch
     01234567       cookie (high half)
     89abcdef       cookie (low half)
     80000001       round
@@ -77,12 +76,12 @@ PENDING_HEX = """
     ffffffff       offset (high half)
     ffffff00       offset (low half)
     00000004       length: a 4-byte rank bitmap
-    00000003       aux: 3 ranks arrived
+    80000003       use
 """
 PENDING = Header(
     kind=Kind.PENDING, dtype=DType.FLOAT32, op=Op.MAX, flags=Flags.NONE, job_id=0xFFFFFFFE,
     rank=0xFFFF, cookie=0x0123456789ABCDEF, round=0x80000001, slot=0x7FFFFFFF,
-    offset=0xFFFFFFFFFFFFFF00, length=4, aux=3,
+    offset=0xFFFFFFFFFFFFFF00, length=4, use=0x80000003, epoch=0x8001,
 )
 
 
@@ -183,7 +182,8 @@ headers = st.builds(
     slot=uint(32),
     offset=uint(64),
     length=uint(32),
-    aux=uint(32),
+    use=uint(32),
+    epoch=uint(16),
 )
 
 
@@ -195,7 +195,7 @@ def test_wire_bytes_dissect_in_scapy(h: Header, payload: bytes) -> None:
     dissected = ReductionHeader(packed(h) + payload)
     assert scapy_fields(dissected) == header_fields(h)
     assert (dissected.magic, dissected.version) == (MAGIC, VERSION)
-    assert (dissected.reserved1, dissected.reserved2) == (0, 0)
+    assert dissected.reserved1 == 0
     assert bytes(dissected.payload) == payload
 
 
