@@ -154,7 +154,7 @@ def _appliance_case(plan: SweepPlan, net: _Net, appliance: ApplianceProcess,
     row = _base(plan, workers, "appliance", mode, size, dtype, op)
     job = _job_name(workers, mode, index)
     secret = secrets.token_urlsafe(16)
-    argv = [[*WORKER, "--appliance", appliance.api, "--job", job, "--secret", secret,
+    argv = [[*WORKER, "--appliance", appliance.api, "--job", job, f"--secret={secret}",
              "--world", str(workers), "--rank", str(rank),
              "--local", net.net.worker_address(rank), *_case_options(plan, size, dtype, op),
              *(["--unicast"] if mode == "unicast" else []),

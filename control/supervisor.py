@@ -25,13 +25,13 @@ import itertools
 import multiprocessing as mp
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from multiprocessing.shared_memory import SharedMemory
 from types import TracebackType
-from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import numpy as np

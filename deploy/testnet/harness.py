@@ -360,7 +360,7 @@ def worker_argv(net: Network, api: str, world: int, job: str,
     join secret (a fresh one unless given)."""
     secret = secret or secrets.token_urlsafe(16)
     return [
-        [*WORKER, "--appliance", api, "--job", job, "--world", str(world), "--secret", secret,
+        [*WORKER, "--appliance", api, "--job", job, "--world", str(world), f"--secret={secret}",
          "--rank", str(rank), "--local", net.worker_address(rank), *options]
         for rank in range(world)
     ]

@@ -90,7 +90,7 @@ class Job:
             assert "joined" in line, line
 
     def argv(self, rank: int, *extra: str) -> list[str]:
-        return ["--appliance", self.appliance.api, "--job", self.name, "--secret", self.secret,
+        return ["--appliance", self.appliance.api, "--job", self.name, f"--secret={self.secret}",
                 "--world", str(self.world), "--rank", str(rank),
                 "--local", self.net.worker_address(self.hosts[rank]), *self.options, *extra]
 
