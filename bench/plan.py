@@ -128,6 +128,7 @@ class SweepPlan:
     cores: int
     check: bool = True
     gloo: bool = True
+    loss_pct: float = 0.0  # random loss on every worker link, each direction (rack only)
 
     @property
     def rate_bps(self) -> int | None:
@@ -172,6 +173,8 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-check", action="store_true",
                    help="skip the numpy reference check (it costs seconds at 256 MiB)")
     p.add_argument("--no-gloo", action="store_true", help="appliance only, no Gloo ring pass")
+    p.add_argument("--loss", type=float, default=0.0, metavar="PCT",
+                   help="random loss on every worker link, each direction, percent (rack)")
 
 
 def plan_from_args(args: argparse.Namespace) -> SweepPlan:
@@ -182,5 +185,5 @@ def plan_from_args(args: argparse.Namespace) -> SweepPlan:
         rate=args.rate if args.network == "rack" else None, sizes=tuple(args.sizes),
         dtypes=tuple(args.dtypes), ops=tuple(args.ops), modes=tuple(args.modes),
         iters=args.iters, warmup=args.warmup, cores=args.cores, check=not args.no_check,
-        gloo=not args.no_gloo,
+        gloo=not args.no_gloo, loss_pct=args.loss,
     )

@@ -15,12 +15,16 @@
     GET    /metrics                 -> Prometheus text
 
 Served on TCP for workers (a bearer token is required when api.token_file is set: 401
-otherwise) and on a Unix socket for reductionctl (guarded by the socket's file permissions).
-Errors are JSON `{"error": reason}`. The caller's faults (`RequestError`) carry their own 4xx
-status and say what to change: 400 bad request, 401 bad token, 403 not the job's secret, 404
-unknown job, 409 a conflict with the job's state or spec (a rank joined twice), or a job that
-does not fit. 503: the appliance cannot serve it
-now (a core restarting, shutting down). 500: our fault, logged with its traceback.
+otherwise), on a Unix socket for reductionctl (guarded by the socket's file permissions), and
+optionally GET /metrics alone on a separate port; all three on the one bounded server of
+control/httpserver.py. Errors are JSON `{"error": reason}`. The caller's faults
+(`RequestError`) carry their own 4xx status and say what to change: 400 bad request (also a
+body that is not a JSON object, or nested deeper than 32), 401 bad token, 403 not the job's
+secret, 404 unknown job, 409 a conflict with the job's state or spec (a rank joined twice), or
+a job that does not fit; 411 a body sent without Content-Length, 413 one over
+api.max_body_bytes (both answered from the headers alone). 503: the appliance cannot serve it
+now (a core restarting, shutting down, too many connections). 500: our fault, logged as one
+line.
 """
 
 from __future__ import annotations
@@ -28,13 +32,11 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import os
 import re
 import socket
-import socketserver
+import traceback
 from collections.abc import Callable
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,179 +47,173 @@ from reduction_appliance.dataplane.errors import (
     Unavailable,
 )
 
+from .config import ApplianceConfig
+from .httpserver import HttpServer, Limits, Request, Response
 from .metrics import CONTENT_TYPE, render
 from .service import Appliance
 
-__all__ = ["ApiServer", "MetricsServer", "UnixApiServer"]
+__all__ = ["MAX_JSON_DEPTH", "ApiApp", "MetricsApp", "build_server"]
 
 _log = logging.getLogger("reductiond.api")
 _JOB_ACTION = re.compile(r"^/v1/jobs/(\d+)(?:/(join|leave|resync|abort))?$")
-_MAX_BODY = 64 * 1024
+#: Deepest JSON nesting a body may have: our bodies are flat objects; json's recursion on a
+#: deeper one would cost a stack per level (and a RecursionError at ~1000).
+MAX_JSON_DEPTH = 32
+_JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+
+_Action = Callable[[Appliance, Request], Response]
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: ApiServer | UnixApiServer
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # the API is polled by tools; access logs would drown the daemon's own log
-
-    def address_string(self) -> str:
-        return "unix" if isinstance(self.client_address, str) else super().address_string()
-
-    # ---- plumbing ----
-    def _reply(self, status: HTTPStatus, body: object, content_type: str = "") -> None:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", content_type or "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _body(self) -> dict[str, Any]:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > _MAX_BODY:
-            raise BadRequest(f"request body over {_MAX_BODY} bytes")
-        try:
-            body = json.loads(self.rfile.read(length) or b"{}")
-        except json.JSONDecodeError as exc:
-            raise BadRequest(f"request body is not JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise BadRequest("request body must be a JSON object")
-        return body
-
-    def _authorised(self) -> bool:
-        token = self.server.token
-        if token is None:
-            return True
-        given = self.headers.get("Authorization", "")
-        if given.startswith("Bearer ") and hmac.compare_digest(given[7:].strip(), token):
-            return True
-        self.send_response(HTTPStatus.UNAUTHORIZED)
-        self.send_header("WWW-Authenticate", 'Bearer realm="reduction-appliance"')
-        data = json.dumps({"error": "missing or wrong bearer token"}).encode()
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-        return False
-
-    def _dispatch(self, action: Callable[[], tuple[HTTPStatus, object, str]]) -> None:
-        if not self._authorised():
-            return
-        try:
-            status, body, content_type = action()
-        except RequestError as exc:  # the caller's fault: say what to change
-            status, body, content_type = HTTPStatus(exc.status), {"error": str(exc)}, ""
-        except Unavailable as exc:
-            status, body, content_type = HTTPStatus.SERVICE_UNAVAILABLE, {"error": str(exc)}, ""
-        except Exception as exc:  # ours: never the caller's 4xx
-            _log.exception("%s %s failed", self.command, self.path)
-            kind = type(exc).__name__ if not isinstance(exc, ReductionError) else "error"
-            status, body, content_type = (HTTPStatus.INTERNAL_SERVER_ERROR,
-                                          {"error": f"internal {kind}: {exc}"}, "")
-        self._reply(status, body, content_type)
-
-    # ---- routes ----
-    def do_GET(self) -> None:
-        app = self.server.appliance
-
-        def route() -> tuple[HTTPStatus, object, str]:
-            if self.path == "/v1/status":
-                return HTTPStatus.OK, app.snapshot().to_json(), ""
-            if self.path == "/metrics":
-                return HTTPStatus.OK, render(app.snapshot()), CONTENT_TYPE
-            if self.path == "/v1/jobs":
-                return HTTPStatus.OK, [j.to_json() for j in app.jobs()], ""
-            match = _JOB_ACTION.match(self.path)
-            if match and match.group(2) is None:
-                return HTTPStatus.OK, app.job(int(match.group(1))).to_json(), ""
-            return HTTPStatus.NOT_FOUND, {"error": f"no such resource {self.path}"}, ""
-
-        self._dispatch(route)
-
-    def do_POST(self) -> None:
-        app = self.server.appliance
-
-        def route() -> tuple[HTTPStatus, object, str]:
-            if self.path == "/v1/jobs":
-                return HTTPStatus.OK, app.create_job(self._body()).to_json(), ""
-            match = _JOB_ACTION.match(self.path)
-            if not match or match.group(2) is None:
-                return HTTPStatus.NOT_FOUND, {"error": f"no such resource {self.path}"}, ""
-            job_id, action = int(match.group(1)), match.group(2)
-            if action == "abort":
-                return HTTPStatus.OK, app.abort(job_id).to_json(), ""
-            handler = {"join": app.join, "leave": app.leave, "resync": app.resync}[action]
-            return HTTPStatus.OK, handler(job_id, self._body()).to_json(), ""
-
-        self._dispatch(route)
-
-    def do_DELETE(self) -> None:
-        app = self.server.appliance
-
-        def route() -> tuple[HTTPStatus, object, str]:
-            match = _JOB_ACTION.match(self.path)
-            if not match or match.group(2) is not None:
-                return HTTPStatus.NOT_FOUND, {"error": f"no such resource {self.path}"}, ""
-            return HTTPStatus.OK, app.abort(int(match.group(1))).to_json(), ""
-
-        self._dispatch(route)
+@dataclass(frozen=True)
+class _Route:
+    action: _Action
+    needs_body: bool = False
 
 
-class ApiServer(ThreadingHTTPServer):
-    """TCP, for workers; token-checked when a token is given."""
+def _route(method: str, path: str) -> _Route | Response:
+    """The route a request names, or the answer saying why there is none."""
+    if method not in ("GET", "POST", "DELETE"):
+        return Response.error(501, f"unsupported method {method}")
+    match = _JOB_ACTION.match(path)
+    job_id = int(match.group(1)) if match else 0
+    action = match.group(2) if match else None
+    if method == "GET":
+        if path == "/v1/status":
+            return _Route(lambda app, _: Response.json(200, app.snapshot().to_json()))
+        if path == "/metrics":
+            return _Route(lambda app, _: Response(200, render(app.snapshot()),
+                                                  CONTENT_TYPE))
+        if path == "/v1/jobs":
+            return _Route(lambda app, _: Response.json(200, [j.to_json() for j in app.jobs()]))
+        if match and action is None:
+            return _Route(lambda app, _: Response.json(200, app.job(job_id).to_json()))
+    elif method == "POST":
+        if path == "/v1/jobs":
+            return _Route(lambda app, r: Response.json(200, app.create_job(
+                json_object(r.body)).to_json()), needs_body=True)
+        if action == "abort":
+            return _Route(lambda app, _: Response.json(200, app.abort(job_id).to_json()))
+        if action in ("join", "leave", "resync"):
+            def act(app: Appliance, r: Request) -> Response:
+                handler = {"join": app.join, "leave": app.leave, "resync": app.resync}[action]
+                return Response.json(200, handler(job_id, json_object(r.body)).to_json())
+            return _Route(act, needs_body=True)
+    elif match and action is None:  # DELETE
+        return _Route(lambda app, _: Response.json(200, app.abort(job_id).to_json()))
+    return Response.error(404, f"no such resource {path}")
 
-    daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], appliance: Appliance,
-                 token: str | None) -> None:
+def json_object(data: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; `BadRequest` says what is wrong with it. The nesting
+    is checked before parsing, so json's recursion never runs deep."""
+    depth = 0
+    for token in _JSON_TOKENS.finditer(data):
+        bracket = token.group()
+        if bracket in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise BadRequest(f"request body nests deeper than {MAX_JSON_DEPTH} levels")
+        elif bracket in (b"]", b"}"):
+            depth -= 1
+    try:
+        body = json.loads(data or b"{}")
+    except RecursionError:
+        raise BadRequest(f"request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:  # JSONDecodeError, or bytes in no JSON encoding
+        raise BadRequest(f"request body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+class ApiApp:
+    """The routes above for one listener; `token` (TCP only) is checked from the head."""
+
+    def __init__(self, appliance: Appliance, token: str | None) -> None:
         self.appliance = appliance
         self.token = token
-        super().__init__(address, _Handler)
+
+    def check(self, head: Request) -> Response | None:
+        if self.token is not None:
+            given = head.headers.get("authorization", "")
+            if not (given.startswith("Bearer ")
+                    and hmac.compare_digest(given[7:].strip().encode(), self.token.encode())):
+                return Response.json(401, {"error": "missing or wrong bearer token"},
+                                     (("WWW-Authenticate", 'Bearer realm="reduction-appliance"'),))
+        route = _route(head.method, head.path)
+        if isinstance(route, Response):
+            return route
+        if route.needs_body and head.content_length is None:
+            return Response.error(411, f"{head.method} {head.path} needs a JSON body with a "
+                                  "Content-Length header")
+        return None
+
+    def respond(self, request: Request) -> Response:
+        route = _route(request.method, request.path)
+        if isinstance(route, Response):
+            return route
+        try:
+            return route.action(self.appliance, request)
+        except RequestError as exc:  # the caller's fault: say what to change
+            return Response.error(exc.status, str(exc))
+        except Unavailable as exc:
+            return Response.error(503, str(exc))
+        except Exception as exc:  # ours: never the caller's 4xx; one line, where it failed
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            _log.error("%s %s failed: %s: %s (at %s:%s in %s)", request.method, request.path,
+                       type(exc).__name__, exc, Path(frame.filename).name, frame.lineno,
+                       frame.name)
+            kind = type(exc).__name__ if not isinstance(exc, ReductionError) else "error"
+            return Response.error(500, f"internal {kind}: {exc}")
 
 
-class UnixApiServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    """The same API on a Unix socket, for reductionctl on the appliance host."""
+class MetricsApp:
+    """A separate, unauthenticated Prometheus endpoint: GET /metrics and nothing else."""
 
-    daemon_threads = True
-    token = None
-
-    def __init__(self, path: str, appliance: Appliance) -> None:
+    def __init__(self, appliance: Appliance) -> None:
         self.appliance = appliance
-        self.path = path
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        if Path(path).is_socket():
-            _remove_stale_socket(path)
-        super().__init__(path, _Handler)
-        os.chmod(path, 0o660)
 
-    def server_close(self) -> None:
-        super().server_close()
-        Path(self.path).unlink(missing_ok=True)
+    def check(self, head: Request) -> Response | None:
+        if head.method != "GET" or head.path != "/metrics":
+            return Response.error(404, "only GET /metrics here")
+        return None
 
-
-class MetricsServer(ThreadingHTTPServer):
-    """A separate, unauthenticated Prometheus endpoint (GET /metrics only)."""
-
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], appliance: Appliance) -> None:
-        self.appliance = appliance
-        self.token = None
-        super().__init__(address, _MetricsHandler)
+    def respond(self, request: Request) -> Response:
+        try:
+            return Response(200, render(self.appliance.snapshot()), CONTENT_TYPE)
+        except Unavailable as exc:
+            return Response.error(503, str(exc))
 
 
-class _MetricsHandler(_Handler):
-    def do_GET(self) -> None:
-        if self.path != "/metrics":
-            self._reply(HTTPStatus.NOT_FOUND, {"error": "only /metrics here"})
-            return
-        self._reply(HTTPStatus.OK, render(self.server.appliance.snapshot()), CONTENT_TYPE)
-
-    def do_POST(self) -> None:
-        self._reply(HTTPStatus.NOT_FOUND, {"error": "only GET /metrics here"})
-
-    do_DELETE = do_POST
+def build_server(cfg: ApplianceConfig, appliance: Appliance,
+                 token: str | None) -> tuple[HttpServer, list[str]]:
+    """One bounded server with every listener the config asks for, bound now (so a port in
+    use fails the start), and a description of each for the ready line."""
+    server = HttpServer(Limits.from_config(cfg.api))
+    where: list[str] = []
+    try:
+        if cfg.api.listen is not None:
+            listen = cfg.api.listen
+            host, port = server.listen_tcp((listen.host, listen.port), ApiApp(appliance, token))
+            where.append(f"api {host}:{port}{' (token)' if token else ''}")
+        if cfg.api.unix_socket:
+            path = cfg.api.unix_socket
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            if Path(path).is_socket():
+                _remove_stale_socket(path)
+            server.listen_unix(path, ApiApp(appliance, None))
+            where.append(f"unix {path}")
+        if cfg.metrics.listen is not None:
+            metrics = cfg.metrics.listen
+            host, port = server.listen_tcp((metrics.host, metrics.port), MetricsApp(appliance))
+            where.append(f"metrics {host}:{port}")
+    except OSError as exc:
+        server.stop()
+        raise ReductionError(f"cannot listen: {exc}") from exc
+    except BaseException:
+        server.stop()
+        raise
+    return server, where
 
 
 def _remove_stale_socket(path: str) -> None:

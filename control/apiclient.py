@@ -50,14 +50,19 @@ class UnixApi:
                          headers={"Content-Type": "application/json"} if data else {})
             reply = conn.getresponse()
             raw = reply.read()
-        except OSError as exc:
-            raise ApiError(0, f"cannot reach reductiond at {self.path}: {exc}") from exc
+        except (OSError, http.client.HTTPException) as exc:  # refused, reset, not HTTP
+            raise ApiError(0, f"cannot reach reductiond at {self.path}: "
+                              f"{type(exc).__name__}: {exc}") from exc
         finally:
             conn.close()
-        if reply.getheader("Content-Type", "").startswith("application/json"):
-            value = json.loads(raw)
-        else:
-            value = raw.decode()
+        try:
+            if reply.getheader("Content-Type", "").startswith("application/json"):
+                value = json.loads(raw)
+            else:
+                value = raw.decode()
+        except ValueError as exc:
+            raise ApiError(reply.status, f"{method} {url}: {reply.status} with an unreadable "
+                                         f"body: {exc}") from exc
         if reply.status >= 400:
             reason = value.get("error", value) if isinstance(value, dict) else value
             raise ApiError(reply.status, f"{method} {url}: {reply.status} {reason}")

@@ -115,6 +115,9 @@ class JobDefaults:
     slots: int = 32  # slot pairs per core per job: the worker's window on that core
     idle_timeout_s: float = 600.0
     deadline_s: float = 60.0  # advised to workers: an allreduce unfinished by then fails
+    # a rank (or the appliance) silent this long is declared dead; workers heartbeat well
+    # within it, so a slow but live rank never is
+    liveness_timeout_s: float = 5.0
     # receive buffers per core a deterministic job may hold (early ranks' contributions
     # waiting for their turn), reserved at admission so that no job can starve another
     hold_buffers: int = 128
@@ -127,6 +130,12 @@ class ApiConfig:
                                     metadata={"parse": _host_port})
     unix_socket: str = "/run/reduction-appliance/api.sock"  # for reductionctl; "" = none
     token_file: str = ""  # bearer token required on TCP; "" = no authentication (labs only)
+    max_connections: int = 4096  # open connections, all listeners; beyond: 503 and close
+    handler_threads: int = 8  # requests served at once (they wait on the cores)
+    max_body_bytes: int = 65536  # a larger request body gets 413
+    header_timeout_s: float = 10.0  # for a request line and headers to arrive
+    idle_timeout_s: float = 30.0  # a keep-alive connection with no request is closed
+    drain_s: float = 5.0  # on SIGTERM: longest wait for requests in flight
 
 
 @dataclass(frozen=True)
@@ -246,12 +255,18 @@ def parse(raw: dict[str, Any], source: str = "<memory>") -> ApplianceConfig:
            f"must be between 1 and dataplane.slot_capacity ({dataplane.slot_capacity})")
     _check(jobs.idle_timeout_s > 0, "jobs.idle_timeout_s", "must be > 0")
     _check(jobs.deadline_s > 0, "jobs.deadline_s", "must be > 0")
+    _check(0.5 <= jobs.liveness_timeout_s <= 3600, "jobs.liveness_timeout_s", "must be 0.5..3600")
     holdable = holdable_buffers(dataplane.rx_buffers)
     _check(1 <= jobs.hold_buffers <= holdable, "jobs.hold_buffers",
            f"must be between 1 and the {holdable} receive buffers deterministic jobs may hold "
            f"(dataplane.rx_buffers {dataplane.rx_buffers} less a burst's reserve)")
 
     api = ApiConfig(**_section(raw, "api", ApiConfig))
+    _check(16 <= api.max_connections <= 1_000_000, "api.max_connections", "must be 16..1000000")
+    _check(1 <= api.handler_threads <= 256, "api.handler_threads", "must be 1..256")
+    _check(1024 <= api.max_body_bytes <= 16 << 20, "api.max_body_bytes", "must be 1 KiB..16 MiB")
+    for key in ("header_timeout_s", "idle_timeout_s", "drain_s"):
+        _check(0 < getattr(api, key) <= 3600, f"api.{key}", "must be > 0 and <= 3600")
     _check(bool(api.listen or api.unix_socket), "api", "needs listen or unix_socket")
     if api.token_file:
         _check(api.listen is not None, "api.token_file", "protects the TCP API; set api.listen")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,11 @@ def _age(seconds: float | None) -> str:
 
 
 def render_status(s: dict[str, Any]) -> str:
-    lines = [f"reductiond {s['version']}  up {s['uptime_s']:.0f}s  config {s['config']}", ""]
+    lines = [f"reductiond {s['version']}  up {s['uptime_s']:.0f}s  config {s['config']}"]
+    if s.get("janitor_errors"):
+        lines.append(f"! janitor: {s['janitor_errors']} periodic chore(s) failed since start "
+                     "(each logged by reductiond)")
+    lines.append("")
     lines.append(f"{'core':>4} {'pid':>7} {'cpu':>4} {'port':>6} {'state':>10} {'restarts':>8} "
                  f"{'pps in':>9} {'GB/s in':>8} {'pkts in':>10} {'reduced':>10} {'drops':>6} "
                  f"{'busy':>6}")
@@ -55,6 +60,8 @@ def render_status(s: dict[str, Any]) -> str:
             f"{c['bytes_per_s'] / 1e9:>8.3f} {k.get('packets_in', 0):>10} "
             f"{format_size(k.get('bytes_reduced', 0)):>10} {drops:>6} "
             f"{c['busy_fraction'] * 100:>5.1f}%")
+        if c.get("last_exit"):
+            lines.append(f"     ! core {c['index']} last exit: {c['last_exit']}")
     lines.append("")
     if not s["jobs"]:
         lines.append("jobs: none")
@@ -72,6 +79,9 @@ def render_status(s: dict[str, Any]) -> str:
             lines.extend(f"     ! {d}" for d in j.get("disruptions", []))
             if j.get("diverged"):
                 lines.append(f"     ! {j['diverged']}")
+            for rank, silent_s in j.get("silent", {}).items():
+                where = j.get("endpoints", {}).get(str(rank)) or j.get("endpoints", {}).get(rank)
+                lines.append(f"     ! rank {rank} ({where}) silent for {silent_s:.1f} s")
     lines.append("")
     for i in s["interfaces"]:
         lines.append(f"interface {i['name']}: {'up' if i['up'] else 'DOWN'}, MTU {i['mtu']}, "
@@ -79,6 +89,8 @@ def render_status(s: dict[str, Any]) -> str:
     lines.append("steering: " + ("; ".join(s["steering"]) or "no rules installed"))
     lines.extend(f"  note: {n}" for n in s["steering_notes"])
     lines.append("rdma devices: " + (", ".join(s["rdma_devices"]) or "none"))
+    lines.append("fallbacks:" if s.get("fallbacks") else "fallbacks: none")
+    lines.extend(f"  - {f}" for f in s.get("fallbacks", ()))
     return "\n".join(lines)
 
 
@@ -155,27 +167,57 @@ def steering_cmd(args: argparse.Namespace) -> int:
 
 def clean(args: argparse.Namespace) -> int:
     """Remove what a crashed reductiond left: its steering rules and its Unix socket, with the
-    same teardown code a clean stop runs."""
+    same teardown code a clean stop runs. A live daemon owns them: if its Unix socket (or its
+    TCP API) accepts a connection, nothing is touched."""
     if not args.config:
         print("clean needs --config (the crashed appliance's config)", file=sys.stderr)
         return EXIT_USAGE
     cfg = load(args.config)
+    sock = cfg.api.unix_socket
+    stale_socket = bool(sock) and Path(sock).is_socket()
+    live = (sock if stale_socket and _answers(sock) else
+            str(cfg.api.listen) if cfg.api.listen is not None and _tcp_answers(cfg.api.listen)
+            else None)
+    if live is not None:
+        print(f"reductionctl: reductiond is running on {live}: stop it first (clean only "
+              "removes what a crashed one left); nothing was changed", file=sys.stderr)
+        return EXIT_FAILED
     removed: list[str] = []
     if cfg.dataplane.interface:
         inputs = steering.SteeringInputs.from_config(cfg, rx_queues=1)
         removed += steering.remove(steering.plan(inputs))
-    sock = cfg.api.unix_socket
-    if sock and Path(sock).is_socket():
-        try:
-            UnixApi(sock, timeout_s=2).get("/v1/status")
-            print(f"reductiond is running on {sock}: stop it first", file=sys.stderr)
-            return EXIT_FAILED
-        except ApiError:
-            Path(sock).unlink(missing_ok=True)
-            removed.append(f"stale socket {sock}")
+    if stale_socket:
+        Path(sock).unlink(missing_ok=True)
+        removed.append(f"stale socket {sock}")
     print(json.dumps(removed) if args.json else
           ("removed: " + "; ".join(removed) if removed else "nothing to clean"))
     return EXIT_OK
+
+
+def _answers(sock: str) -> bool:
+    """Whether a process serves `sock`: a connection it accepts (a crashed daemon's socket file
+    refuses). Not an HTTP request: a live daemon that is slow to answer is still alive; and
+    whatever leaves it unclear (a full backlog, no permission) counts as alive."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2)
+    try:
+        probe.connect(sock)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError:  # a full backlog (timeout), no permission: cannot tell, so hands off
+        return True
+    finally:
+        probe.close()
+    return True
+
+
+def _tcp_answers(address: tuple[str, int]) -> bool:
+    """Whether something accepts connections on the config's API address (from this host)."""
+    try:
+        socket.create_connection(address, timeout=2).close()
+    except OSError:
+        return False
+    return True
 
 
 def add_commands(sub: Any) -> None:

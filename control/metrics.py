@@ -76,6 +76,10 @@ CORE_COUNTERS: dict[str, tuple[str, str]] = {
         "core_segments_reduced",
         "Segments whose contributions from all ranks were reduced; moves when a slot completes.",
     ),
+    "heartbeats": (
+        "core_heartbeats",
+        "HEARTBEATs from joined ranks (workers send several per liveness timeout), answered.",
+    ),
     "job_notices": (
         "core_job_notices",
         "RESYNC and DIVERGED notices sent to workers (a re-joined rank, ranks that disagree).",
@@ -171,6 +175,18 @@ def _appliance_families(snap: ApplianceSnapshot) -> Iterator[Metric]:
     )
     info.add_metric([], {"version": snap.version, "config": snap.config})
     yield info
+    errors = CounterMetricFamily(
+        PREFIX + "appliance_janitor_errors",
+        "Periodic chores of the daemon (rates, idle eviction) and core-monitor passes that "
+        "failed and were survived; each is one log line.")
+    errors.add_metric([], snap.janitor_errors)
+    yield errors
+    yield GaugeMetricFamily(
+        PREFIX + "appliance_fallbacks",
+        "Things the appliance gave up on this host (slower kernels, unicast instead of "
+        "multicast, no GSO); `reductionctl status` and the log say which and why.",
+        value=len(snap.fallbacks),
+    )
     yield GaugeMetricFamily(
         PREFIX + "appliance_uptime_seconds",
         "Seconds since the appliance daemon started.",

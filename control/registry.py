@@ -38,6 +38,7 @@ Job states and the events that move them (anything else raises `IllegalTransitio
 from __future__ import annotations
 
 import hmac
+import re
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
@@ -66,6 +67,8 @@ __all__ = [
 ]
 
 _EPOCHS = 1 << 16  # the header's epoch field is 16 bits: epochs wrap, compared for equality
+# What a job may be called: printable, no spaces or control characters, no quoting trouble.
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}")
 
 
 class ConflictError(Conflict):
@@ -146,6 +149,7 @@ class JobPlan:
             endpoints=tuple(EndpointInfo(i, dp.address, dp.base_port + i, self.spec.slots)
                             for i in range(dp.cores)),
             multicast=self.spec.multicast, epoch=self.spec.epoch,
+            liveness_s=self.spec.liveness_timeout,
         )
 
 
@@ -156,8 +160,11 @@ def _same_secret(given: str, secret: str) -> bool:
 class Registry:
     """Every job of the appliance. Not thread-safe: the daemon serialises calls."""
 
-    def __init__(self, cfg: ApplianceConfig) -> None:
+    def __init__(self, cfg: ApplianceConfig, *, multicast: bool = True) -> None:
+        """`multicast` False: this host cannot route to the groups (a fallback the daemon
+        decided and logged), so every job fans its results out by unicast."""
         self.cfg = cfg
+        self.multicast = multicast and cfg.multicast.enabled
         self._by_id: dict[int, JobPlan] = {}
         self._next_id = 1
         groups = cfg.multicast.groups
@@ -193,8 +200,10 @@ class Registry:
         for the right spec with the wrong secret, `AdmissionError` naming the budget exceeded.
         `secret` empty means the caller has none (another rank): the existing job is returned
         and the caller learns nothing secret from it."""
-        if not request.name or len(request.name) > 128:
-            raise BadRequest("job name must be 1..128 characters")
+        if not _JOB_NAME.fullmatch(request.name):
+            raise BadRequest(
+                f"job name {request.name[:64]!r}: 1..128 characters of letters, digits and "
+                "._:@+=- (they appear in status, metrics and logs)")
         if not 1 <= request.world_size <= 4096:
             raise BadRequest(f"world_size must be 1..4096, got {request.world_size}")
         existing = self.find(request.name)
@@ -230,11 +239,12 @@ class Registry:
                 f"{holdable} are unreserved (dataplane.rx_buffers = {dp.rx_buffers})")
         job_id = self._next_id
         multicast = None
-        if request.multicast and self.cfg.multicast.enabled:
+        if request.multicast and self.multicast:
             group = self._groups[(job_id - 1) % len(self._groups)]
             multicast = (group, self.cfg.multicast.port)
         spec = JobSpec(job_id, cookie, request.world_size, slots, request.deterministic,
-                       multicast, hold_buffers=hold)
+                       multicast, hold_buffers=hold,
+                       liveness_timeout=self.cfg.jobs.liveness_timeout_s)
         return JobPlan(request.name, request, spec, now, secret)
 
     def commit(self, plan: JobPlan) -> None:
@@ -260,6 +270,8 @@ class Registry:
         if not 0 <= rank < spec.world_size:
             raise BadRequest(f"rank {rank} outside world size {spec.world_size}")
         current = spec.endpoints[rank]
+        if rank in plan.joined and current == endpoint and not rejoin:
+            return plan  # the same join again (its answer was lost): nothing changes
         if rank in plan.joined and not rejoin:
             where = "" if current is None else f" from {current[0]}:{current[1]}"
             raise Conflict(

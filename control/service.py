@@ -44,6 +44,7 @@ class Appliance:
         self.supervisor = supervisor
         self.started = time.monotonic()
         self.draining = False
+        self.janitor_errors = 0  # the daemon's periodic chores that failed (each logged)
         self._lock = threading.Lock()
         # core index -> (monotonic time, packets in, bytes in) at the last sample, and rates
         self._samples: dict[int, tuple[float, int, int]] = {}
@@ -155,6 +156,10 @@ class Appliance:
                 self.registry.abort(plan.spec.job_id)
                 self.supervisor.remove_job(plan.spec.job_id, abort=True)
 
+    def probe_cores(self) -> None:
+        """Called about once a second: a core that does not answer is killed and restarted."""
+        self.supervisor.probe()
+
     def sample_rates(self) -> None:
         """Called about once a second: receive rates per core for status."""
         now = time.monotonic()
@@ -190,6 +195,9 @@ class Appliance:
                 for rank, since in st.waiting.items():
                     act.lagging[rank] = max(act.lagging.get(rank, 0.0), core_now - since)
                 act.diverged = act.diverged or st.diverged
+                # Heartbeats go to one core per appliance: a rank is silent only if every
+                # core says so, for as long as the one that heard it last.
+                act.silent_votes.append(st.silent)
             out.append(act)
         return out
 
@@ -212,6 +220,7 @@ class Appliance:
                 last_activity_s=None if act.last_activity is None else now - act.last_activity,
                 lagging={r: round(w, 3) for r, w in sorted(act.lagging.items())},
                 epoch=plan.spec.epoch, diverged=act.diverged,
+                silent={r: round(s, 1) for r, s in sorted(act.silent.items())},
                 endpoints={r: f"{a[0]}:{a[1]}" for r, a in enumerate(plan.spec.endpoints)
                            if a is not None},
                 disruptions=tuple(
@@ -226,7 +235,7 @@ class Appliance:
                 index=core.config.index,
                 pid=core.process.pid if core.process is not None else None,
                 cpu=core.config.cpu, port=core.config.bind[1], state=core.state.value,
-                kernels=core.kernels,
+                kernels=core.kernels, last_exit=core.last_exit,
                 restarts=core.restarts, counters=counters,
                 busy_fraction=core.counters[Counter.POLL_BUSY_LOOPS] / loops if loops else 0.0,
                 packets_per_s=self._rates.get(core.config.index, (0.0, 0.0))[0],
@@ -242,21 +251,32 @@ class Appliance:
             version=VERSION, uptime_s=now - self.started, config=self.cfg.source,
             cores=tuple(cores), jobs=tuple(jobs), interfaces=interfaces, steering=rules,
             steering_notes=notes, rdma_devices=rdma,
+            fallbacks=self.supervisor.fallbacks.describe(),
+            janitor_errors=self.janitor_errors + self.supervisor.errors,
         )
 
 
 class _Activity:
     __slots__ = ("bytes_reduced", "diverged", "job_id", "lagging", "last_activity", "rounds",
-                 "segments_reduced")
+                 "segments_reduced", "silent_votes")
 
     def __init__(self, job_id: int) -> None:
         self.job_id = job_id
         self.diverged: str | None = None
+        self.silent_votes: list[dict[int, float]] = []  # per core: rank -> seconds silent
         self.rounds = 0
         self.bytes_reduced = 0
         self.segments_reduced = 0
         self.last_activity: float | None = None
         self.lagging: dict[int, float] = {}
+
+    @property
+    def silent(self) -> dict[int, float]:
+        """Ranks every core finds silent, for as long as the core that heard them last."""
+        if not self.silent_votes:
+            return {}
+        ranks = set.intersection(*(set(v) for v in self.silent_votes))
+        return {r: min(v[r] for v in self.silent_votes) for r in sorted(ranks)}
 
 
 def _integer(body: dict[str, Any], key: str, low: int = 0, high: int = 2**31) -> int:

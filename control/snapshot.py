@@ -26,6 +26,7 @@ class CoreSnapshot:
     packets_per_s: float = 0.0  # received, over the last sampling second
     bytes_per_s: float = 0.0  # received, over the last sampling second
     kernels: str = ""  # the reduce-kernel backend the core chose
+    last_exit: str = ""  # why it last died or was killed (stalled), when it ever did
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class JobSnapshot:
     epoch: int = 1  # resynchronisations: a rank re-joined, or the ranks resynced
     endpoints: dict[int, str] = field(default_factory=dict)  # rank -> "host:port" it joined from
     diverged: str | None = None  # why the ranks disagree (a core said so), until a new epoch
+    silent: dict[int, float] = field(default_factory=dict)  # rank -> seconds without a word
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,8 @@ class ApplianceSnapshot:
     steering: tuple[str, ...] = ()  # human descriptions of the installed rules
     steering_notes: tuple[str, ...] = ()  # what could not be steered here, and why
     rdma_devices: tuple[str, ...] = ()
+    janitor_errors: int = 0  # the daemon's periodic chores that failed (each logged once)
+    fallbacks: tuple[str, ...] = ()  # what the appliance gave up on this host, and why
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

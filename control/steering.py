@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import ipaddress
+import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -322,6 +323,26 @@ def interfaces_snapshot(ifnames: Sequence[str], netns: str | None = None
                               and ipaddress.IPv4Network(prefix).subnet_of(_MULTICAST)))
             out.append(InterfaceSnapshot(name, state.mtu, state.up, mc))
     return out
+
+
+def multicast_unroutable(source: str, interface_address: str,
+                         groups: ipaddress.IPv4Network) -> str | None:
+    """None when the data plane's sockets can send to the multicast groups, else why not.
+    The probe is a socket set up as a core's is (bound to `source`, IP_MULTICAST_IF
+    `interface_address`), and its UDP connect() is the kernel's own route lookup for exactly
+    those sends (no datagram leaves). An explicit multicast interface needs no route; a
+    wildcard one does, and without it every multicast result would fail (ENETUNREACH)."""
+    group = str(groups.network_address + 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.bind((source, 0))
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF,
+                            socket.inet_aton(interface_address))
+            sock.connect((group, 9))
+        except OSError as exc:
+            return (f"no route from {source} (multicast interface {interface_address}) to "
+                    f"{groups}: {exc.strerror or exc}")
+    return None
 
 
 def rdma_devices() -> list[str]:

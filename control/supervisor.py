@@ -3,11 +3,13 @@
 Each core gets a pipe (its mailbox) and a small shared-memory array (its counters, which only it
 writes). Requests carry an id and the reply must carry it back (`dataplane.spec`): a reply that
 arrives after its request gave up is recognised and dropped, so replies can never slip out of
-step with requests. A monitor thread waits on the processes: a core that dies is restarted with
-exponential backoff, gets every current job again, and the event is recorded for the jobs that
-had traffic on it (status shows it; their workers either complete by retransmission to the new
-process, or get a clear timeout error naming that core). `Supervisor` is a context manager:
-leaving it stops every core and frees the memory.
+step with requests. A core that does not answer within `_REPLY_TIMEOUT_S` is stalled (stopped,
+wedged): it is killed, which the monitor sees as a death and restarts. A monitor thread waits
+on the processes: a core that dies is restarted with exponential backoff, gets every current
+job again, and the event is recorded for the jobs that had traffic on it (status shows it);
+`on_restart` then moves its jobs to a new epoch, since the new process starts with empty
+slots (their workers carry on, or a round that had results fails with a clear error).
+`Supervisor` is a context manager: leaving it stops every core and frees the memory.
 
 A core's states and what moves them (`_TRANSITIONS`; anything else raises)::
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import multiprocessing as mp
 import threading
 import time
@@ -58,10 +61,12 @@ from reduction_appliance.dataplane.spec import (
 )
 
 from .config import ApplianceConfig
+from .fallbacks import Fallbacks
 
 __all__ = ["CoreHandle", "CoreUnavailable", "Disruption", "Supervisor"]
 
 R = TypeVar("R")
+_log = logging.getLogger("reductiond.supervisor")
 
 _READY_TIMEOUT_S = 30.0  # a spawned core imports numpy (and torch) before it answers
 _REPLY_TIMEOUT_S = 10.0  # a running core answers between bursts: milliseconds normally
@@ -102,6 +107,7 @@ class CoreHandle:
     restarts: int = 0
     started_at: float = 0.0
     last_exit: str = ""
+    stalled: str = ""  # why the supervisor killed it, until the monitor has seen it die
     kernels: str = ""  # the reduce-kernel backend the core chose
 
     def move(self, event: _Event) -> None:
@@ -121,7 +127,8 @@ class Disruption:
 
 class Supervisor:
     def __init__(self, cfg: ApplianceConfig,
-                 on_restart: Callable[[int], None] | None = None) -> None:
+                 on_restart: Callable[[int], None] | None = None,
+                 fallbacks: Fallbacks | None = None) -> None:
         """`on_restart(core)` is called (from the monitor thread) after a core that died runs
         again with every job: its slots started empty, so the jobs need a new epoch."""
         self.cfg = cfg
@@ -134,6 +141,8 @@ class Supervisor:
         self._jobs_lock = threading.Lock()
         self._monitor: threading.Thread | None = None
         self._ids = itertools.count(1)
+        self.errors = 0  # unexpected errors the monitor survived
+        self.fallbacks = fallbacks or Fallbacks()  # what cores report giving up, logged once
 
     def core_configs(self) -> list[CoreConfig]:
         dp = self.cfg.dataplane
@@ -190,25 +199,38 @@ class Supervisor:
         if not isinstance(first, Ready):
             raise CoreFailure(f"data-plane core {index} sent {first!r} instead of Ready")
         core.kernels = first.kernels
+        for what in first.fallbacks:
+            self.fallbacks.note(what, index)
         core.move(_Event.READY)
         core.started_at = time.monotonic()
 
     def _watch(self) -> None:
-        """Restart cores that die, with backoff, until stop()."""
+        """Restart cores that die, with backoff, until stop(). Nothing may end this thread:
+        an unexpected error is logged and the watch goes on."""
         failures = [0] * len(self.cores)
         while not self._stopping.is_set():
-            sentinels = {c.process.sentinel: c for c in self.cores
-                         if c.process is not None and c.state is CoreState.RUNNING}
-            for ready in wait(list(sentinels), timeout=0.5):
-                if self._stopping.is_set():
-                    return
-                core = sentinels[cast(int, ready)]
-                assert core.process is not None
-                core.process.join(timeout=1)  # reap it: exitcode is None until then
-                code = core.process.exitcode
-                core.last_exit = f"exit code {code}" if code is None or code >= 0 \
-                    else f"killed by signal {-code}"
-                self._restart(core, failures)
+            try:
+                self._watch_once(failures)
+            except Exception:
+                _log.exception("supervisor: the core monitor failed; it goes on")
+                self.errors += 1
+                self._stopping.wait(1.0)
+
+    def _watch_once(self, failures: list[int]) -> None:
+        sentinels = {c.process.sentinel: c for c in self.cores
+                     if c.process is not None and c.state is CoreState.RUNNING}
+        for ready in wait(list(sentinels), timeout=0.5):
+            if self._stopping.is_set():
+                return
+            core = sentinels[cast(int, ready)]
+            assert core.process is not None
+            core.process.join(timeout=1)  # reap it: exitcode is None until then
+            code = core.process.exitcode
+            why = (f"exit code {code}" if code is None or code >= 0
+                   else f"killed by signal {-code}")
+            core.last_exit = f"{core.stalled} ({why})" if core.stalled else why
+            core.stalled = ""
+            self._restart(core, failures)
 
     def _restart(self, core: CoreHandle, failures: list[int]) -> None:
         i = core.config.index
@@ -300,10 +322,10 @@ class Supervisor:
         deadline = time.monotonic() + _REPLY_TIMEOUT_S
         while True:
             if not mailbox.poll(max(0.0, deadline - time.monotonic())):
-                alive = core.process is not None and core.process.is_alive()
-                raise CoreUnavailable(f"data-plane core {index} did not answer "
-                                      f"{type(command).__name__} within {_REPLY_TIMEOUT_S:g} s "
-                                      f"(alive: {alive})")
+                what = f"no answer to {type(command).__name__} within {_REPLY_TIMEOUT_S:g} s"
+                self._stalled(core, what)
+                raise CoreUnavailable(f"data-plane core {index} stalled ({what}); it is being "
+                                      "restarted")
             try:
                 reply = mailbox.recv()
             except (EOFError, OSError) as exc:
@@ -318,6 +340,15 @@ class Supervisor:
             raise CoreFailure(f"core {index} answered {type(command).__name__} with "
                               f"{type(reply.value).__name__}, not {command.reply_type.__name__}")
         return cast(R, reply.value)
+
+    def _stalled(self, core: CoreHandle, what: str) -> None:
+        """A core that does not answer (stopped, wedged in a kernel call, looping) is killed:
+        the monitor then restarts it like any core that died, and its jobs move on."""
+        core.stalled = f"stalled: {what}; killed"
+        _log.warning("data-plane core %d stalled (%s): killing it to restart it",
+                     core.config.index, what)
+        if core.process is not None and core.process.is_alive():
+            core.process.kill()
 
     def ask(self, core: CoreHandle, command: Command[R]) -> R:
         with core.lock:
@@ -367,10 +398,22 @@ class Supervisor:
             with contextlib.suppress(CoreUnavailable):  # a restarting core gets the new list
                 self.ask(core, AbortJob(job_id) if abort else RemoveJob(job_id))
 
+    def probe(self) -> None:
+        """Ask every running core for a reply (the janitor does, every second, jobs or not): a
+        core that does not answer in time is stalled, and is killed to be restarted."""
+        for core in self.cores:
+            with contextlib.suppress(CoreUnavailable):
+                self._note(core, self.ask(core, QueryStats(())))
+
+    def _note(self, core: CoreHandle, stats: CoreStats) -> CoreStats:
+        for what in stats.fallbacks:
+            self.fallbacks.note(what, core.config.index)
+        return stats
+
     def stats(self, job_ids: tuple[int, ...]) -> list[CoreStats]:
         """What every running core says about these jobs."""
         out: list[CoreStats] = []
         for core in self.cores:
             with contextlib.suppress(CoreUnavailable):
-                out.append(self.ask(core, QueryStats(job_ids)))
+                out.append(self._note(core, self.ask(core, QueryStats(job_ids))))
         return out

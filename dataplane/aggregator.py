@@ -24,6 +24,11 @@ Slot protocol (after SwitchML, without its limits):
 * Deterministic mode sums in rank order: a contribution that arrives ahead of its turn is held
   in its receive buffer (no copy, ownership moves) until the ranks before it are in, within the
   job's own quota of held buffers (`JobSpec.hold_buffers`), so no job can starve another.
+* Liveness: every datagram a bound rank sends (a contribution, or the HEARTBEAT its worker
+  sends several times per liveness timeout even while it computes) marks it alive. A HEARTBEAT
+  is answered with LIVENESS listing the ranks silent longer than `JobSpec.liveness_timeout`,
+  so every rank learns within a heartbeat that a peer died; and an answer at all tells the
+  worker the appliance lives.
 
 The states of one slot copy and what moves them (`_COPY_TRANSITIONS`; anything else raises)::
 
@@ -49,7 +54,19 @@ from .reduce import KernelTable, SegmentKernel
 from .slots import RxPool, SlotArena, holdable_buffers, receive_reserve
 from .spec import Address, JobSpec, JobStats
 from .transport import RxBatch, Send
-from .wire import HEADER_SIZE, ITEMSIZE, DType, Flags, Header, Kind, Op, pack_into, unpack
+from .wire import (
+    HEADER_SIZE,
+    ITEMSIZE,
+    DType,
+    Flags,
+    Header,
+    Kind,
+    Op,
+    SilentRank,
+    pack_into,
+    pack_silent,
+    unpack,
+)
 
 __all__ = ["Aggregator", "CopyState"]
 
@@ -129,10 +146,12 @@ class _Slot:
 
 class _Job:
     __slots__ = ("all_ranks", "arena_slots", "bytes_reduced", "diverged", "held",
-                 "last_activity", "rounds", "segments_reduced", "slots", "spec")
+                 "last_activity", "last_seen", "rounds", "segments_reduced", "slots", "spec")
 
-    def __init__(self, spec: JobSpec, arena_slots: list[int], slots: list[_Slot]) -> None:
+    def __init__(self, spec: JobSpec, arena_slots: list[int], slots: list[_Slot],
+                 now: float) -> None:
         self.spec = spec
+        self.last_seen = [now] * spec.world_size  # when each rank last said anything
         self.arena_slots = arena_slots
         self.slots = slots
         self.all_ranks = (1 << spec.world_size) - 1
@@ -166,7 +185,7 @@ class Aggregator:
         self._reserve = receive_reserve(len(self._pool))
 
     # ---- job table (driven by the control plane through the mailbox) ----
-    def add_job(self, spec: JobSpec) -> list[Send]:
+    def add_job(self, spec: JobSpec, now: float) -> list[Send]:
         if spec.job_id in self._jobs:
             raise AdmissionError(f"job {spec.job_id} already exists on this core")
         if spec.world_size < 1 or spec.slots < 1 or len(spec.endpoints) != spec.world_size:
@@ -186,21 +205,24 @@ class Aggregator:
             ))
             for i, s in enumerate(arena_slots)
         ]
-        self._jobs[spec.job_id] = _Job(spec, arena_slots, slots)
+        self._jobs[spec.job_id] = _Job(spec, arena_slots, slots, now)
         self._cells[Counter.SLOTS_IN_USE] += spec.slots
         return []
 
-    def update_job(self, spec: JobSpec) -> list[Send]:
+    def update_job(self, spec: JobSpec, now: float) -> list[Send]:
         """New endpoints (a rank joined or re-joined) or a new epoch (every slot starts empty
         again; every bound worker is told with RESYNC)."""
         job = self._jobs.get(spec.job_id)
         if job is None:
-            return self.add_job(spec)
+            return self.add_job(spec, now)
         old = job.spec
         if (spec.cookie, spec.world_size, spec.slots) != (old.cookie, old.world_size,
                                                            old.slots):
             raise AdmissionError(f"job {spec.job_id}: only endpoints and epoch may change")
         job.spec = spec
+        for rank, (was, now_at) in enumerate(zip(old.endpoints, spec.endpoints, strict=True)):
+            if was != now_at:
+                job.last_seen[rank] = now  # a rank that (re-)joined is alive
         if spec.epoch == old.epoch:
             return []
         for slot in job.slots:
@@ -245,7 +267,7 @@ class Aggregator:
     def job_ids(self) -> list[int]:
         return list(self._jobs)
 
-    def stats(self, job_id: int) -> JobStats | None:
+    def stats(self, job_id: int, now: float) -> JobStats | None:
         job = self._jobs.get(job_id)
         if job is None:
             return None
@@ -258,8 +280,19 @@ class Aggregator:
             for rank in range(job.spec.world_size):
                 if missing >> rank & 1:
                     waiting[rank] = min(waiting.get(rank, copy.started), copy.started)
+        silent = {s.rank: s.silent_s for s in self._silent(job, now)}
         return JobStats(job.rounds, job.bytes_reduced, job.segments_reduced,
-                        job.last_activity, waiting, job.diverged)
+                        job.last_activity, waiting, job.diverged, silent)
+
+    def _silent(self, job: _Job, now: float) -> list[SilentRank]:
+        """Joined ranks silent past the liveness timeout. A rank that has not joined yet is not
+        one of them (workers start at different times): its peers wait for it until their
+        deadline, and the timeout then names it as missing."""
+        limit = job.spec.liveness_timeout
+        endpoints = job.spec.endpoints
+        return [SilentRank(rank, endpoints[rank], now - seen)
+                for rank, seen in enumerate(job.last_seen)
+                if endpoints[rank] is not None and now - seen > limit]
 
     # ---- datagram path ----
     def on_batch(self, batch: RxBatch, now: float) -> list[Send]:
@@ -276,7 +309,10 @@ class Aggregator:
                 pool.release(index)
                 continue
             if h.kind is not Kind.CONTRIBUTION:
-                cells[Counter.DROP_MALFORMED] += 1
+                if h.kind is Kind.HEARTBEAT:
+                    self._heartbeat(h, source, now, out)
+                else:
+                    cells[Counter.DROP_MALFORMED] += 1
                 pool.release(index)
                 continue
             if not self._contribution(h, index, nbytes - HEADER_SIZE, source, now, out):
@@ -307,6 +343,7 @@ class Aggregator:
         if spec.endpoints[h.rank] != source:
             cells[Counter.DROP_BAD_SOURCE] += 1
             return False
+        job.last_seen[h.rank] = now
         if h.epoch != spec.epoch:
             cells[Counter.DROP_EPOCH] += 1
             cells[Counter.JOB_NOTICES] += 1
@@ -357,6 +394,36 @@ class Aggregator:
                 out.append(self._pending(job, copy, h, source))
             return False
         return self._accumulate(job, copy, h.rank, index, out)
+
+    def _heartbeat(self, h: Header, source: Address, now: float, out: list[Send]) -> None:
+        """A worker is alive: answer with the job's silent ranks (or RESYNC, or ABORTED)."""
+        cells = self._cells
+        job = self._jobs.get(h.job_id)
+        if job is None:
+            tomb = self._aborted.get(h.job_id)
+            if tomb is not None and tomb[0] == h.cookie and source in tomb[1]:
+                cells[Counter.ABORT_NOTICES] += 1
+                out.append(self._notice(Kind.ABORTED, h, source))
+            else:
+                cells[Counter.DROP_UNKNOWN_JOB] += 1
+            return
+        spec = job.spec
+        if h.cookie != spec.cookie:
+            cells[Counter.DROP_BAD_COOKIE] += 1
+            return
+        if h.rank >= spec.world_size:
+            cells[Counter.DROP_BAD_RANK] += 1
+            return
+        if spec.endpoints[h.rank] != source:
+            cells[Counter.DROP_BAD_SOURCE] += 1
+            return
+        job.last_seen[h.rank] = now
+        cells[Counter.HEARTBEATS] += 1
+        if h.epoch != spec.epoch:
+            cells[Counter.JOB_NOTICES] += 1
+            out.append(self._notice(Kind.RESYNC, h, source))
+            return
+        out.append(self._notice(Kind.LIVENESS, h, source, pack_silent(self._silent(job, now))))
 
     def _diverge(self, job: _Job, copy: _Copy, h: Header, out: list[Send]) -> None:
         """The ranks disagree on what one use of a slot is: tell every rank why, now and on

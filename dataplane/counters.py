@@ -46,6 +46,7 @@ class Counter(IntEnum):
     DROP_EPOCH = 27  # from an epoch before the job's current one (answered with RESYNC)
     DROP_WINDOW = 28  # a slot use beyond the next one: can never occupy a slot
     JOB_NOTICES = 29  # RESYNC and DIVERGED notices sent to workers
+    HEARTBEATS = 30  # HEARTBEATs from bound ranks (each answered with LIVENESS)
 
 
 N_COUNTERS = len(Counter)

@@ -19,6 +19,7 @@ from __future__ import annotations
 __all__ = [
     "AdmissionError",
     "AllreduceTimeout",
+    "ApplianceSilent",
     "BadRequest",
     "ConfigError",
     "Conflict",
@@ -29,6 +30,7 @@ __all__ = [
     "JobResynchronised",
     "NotFound",
     "PeerError",
+    "RankSilent",
     "ReductionError",
     "RequestError",
     "Unavailable",
@@ -102,6 +104,17 @@ class AllreduceTimeout(ReductionError):
 class JobAborted(ReductionError):
     """The appliance removed the job (an operator's abort, idle eviction or its shutdown) and
     said so. Register the job again to continue."""
+
+
+class RankSilent(ReductionError):
+    """A rank of the job has been silent longer than the liveness timeout (its process died,
+    its host or its network is gone): the message names it, its endpoint and for how long.
+    The job cannot finish an allreduce without it; a restarted rank re-joins (`rejoin`)."""
+
+
+class ApplianceSilent(ReductionError):
+    """An appliance (or the network to it) has not answered for longer than the liveness
+    timeout: the message names it. Restart it, or register the job elsewhere."""
 
 
 class JobDiverged(ReductionError):

@@ -67,15 +67,22 @@ class CoreLoop:
         self.transport.close()
         self.arena.close()
 
+    def fallbacks(self) -> tuple[str, ...]:
+        """What this core gave up here, and why (status shows it; the daemon logs it once)."""
+        skipped = self.kernels.passed_over
+        kernels = (f"reduce kernels {self.kernels.backend}, not {'; '.join(skipped)}",) \
+            if skipped else ()
+        return kernels + self.transport.fallbacks()
+
     # ---- mailbox ----
     def execute(self, command: Command[object]) -> object:
         """Apply one control-plane command; what it returns is the reply value."""
         agg = self.aggregator
         if isinstance(command, AddJob):
-            self._send(agg.add_job(command.spec))
+            self._send(agg.add_job(command.spec, self.clock()))
             return None
         if isinstance(command, UpdateJob):
-            self._send(agg.update_job(command.spec))
+            self._send(agg.update_job(command.spec, self.clock()))
             return None
         if isinstance(command, RemoveJob):
             agg.remove_job(command.job_id)
@@ -84,7 +91,9 @@ class CoreLoop:
             self._send(agg.abort_job(command.job_id))
             return None
         if isinstance(command, QueryStats):
-            return CoreStats(self.clock(), {j: agg.stats(j) for j in command.job_ids})
+            now = self.clock()
+            return CoreStats(now, {j: agg.stats(j, now) for j in command.job_ids},
+                             self.fallbacks())
         if isinstance(command, Stop):
             self._running = False
             return None
@@ -186,7 +195,7 @@ def run_core(cfg: CoreConfig, mailbox: Connection, counters_name: str) -> None:
             mailbox.send(ErrorReport.of(exc))
             return
         try:
-            mailbox.send(Ready(cfg.index, loop.kernels.backend))
+            mailbox.send(Ready(cfg.index, loop.kernels.backend, loop.fallbacks()))
             loop.run()
         finally:
             loop.close()

@@ -48,7 +48,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -132,6 +132,9 @@ class KernelTable:
 
     backend: str
     _kernels: Mapping[tuple[DType, Op], SegmentKernel] = field(repr=False)
+    # Better backends skipped because they cannot load here, each with why ("torch (No module
+    # named 'torch')"): a fallback the daemon logs once and status shows.
+    passed_over: tuple[str, ...] = ()
 
     def kernel(self, dtype: DType, op: Op) -> SegmentKernel:
         return self._kernels[(dtype, op)]
@@ -351,18 +354,26 @@ class _HalfKernel(_Kernel):
 # --- selection ----------------------------------------------------------------------------------
 
 
-def _import(name: str) -> ModuleType | None:
+def _why_not(name: str) -> str | None:
+    """None when the module imports, else why not (the exception, in one line)."""
     try:
-        return importlib.import_module(name)
-    except (ImportError, OSError):  # OSError: a wheel whose shared libraries fail to load
-        return None
+        importlib.import_module(name)
+    except (ImportError, OSError) as exc:  # OSError: a wheel whose shared libraries fail to load
+        return f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return None
+
+
+def unavailable_backends() -> dict[str, str]:
+    """Backends that cannot load in this process, best first, each with why."""
+    needs = {"torch": "torch", "numpy+ml_dtypes": "ml_dtypes"}
+    why = {backend: _why_not(module) for backend, module in needs.items()}
+    return {b: reason for b in BACKENDS if (reason := why.get(b)) is not None}
 
 
 def available_backends() -> tuple[str, ...]:
     """Backends usable in this process, best first ("numpy" is always last and always there)."""
-    usable = {"numpy": True, "numpy+ml_dtypes": _import("ml_dtypes") is not None}
-    usable["torch"] = _import("torch") is not None
-    return tuple(b for b in BACKENDS if usable[b])
+    missing = unavailable_backends()
+    return tuple(b for b in BACKENDS if b not in missing)
 
 
 def _fp16_table() -> NDArray[np.float32]:
@@ -405,9 +416,12 @@ def select_kernels(prefer: str | None = None) -> KernelTable:
     """
     if sys.byteorder != "little":
         raise ConfigError("tensor payloads are little-endian; this host is big-endian")
-    usable = available_backends()
+    missing = unavailable_backends()
+    usable = tuple(b for b in BACKENDS if b not in missing)
     if prefer is None:
-        return _build(usable[0])
+        best = _build(usable[0])
+        skipped = tuple(f"{b} ({missing[b]})" for b in BACKENDS[:BACKENDS.index(usable[0])])
+        return replace(best, passed_over=skipped)
     if prefer not in usable:
         why = "unknown" if prefer not in BACKENDS else "not available here"
         raise ConfigError(f"dataplane.kernels: {prefer!r} is {why}; choose one of "

@@ -73,6 +73,7 @@ class JobDescription:
     endpoints: tuple[EndpointInfo, ...]
     multicast: tuple[str, int] | None  # the group results come back on
     epoch: int = 1  # the job's current epoch (rounds and slot uses count from its start)
+    liveness_s: float = 5.0  # a rank or appliance silent this long is declared dead
     secret: str | None = None  # the join secret: only in the answer that created the job
 
     def public(self) -> JobDescription:
@@ -88,7 +89,7 @@ class JobDescription:
             "endpoints": [e.to_json() for e in self.endpoints],
             "multicast": (None if self.multicast is None
                           else {"group": self.multicast[0], "port": self.multicast[1]}),
-            "epoch": self.epoch, "secret": self.secret,
+            "epoch": self.epoch, "secret": self.secret, "liveness_s": self.liveness_s,
         }
 
     @classmethod
@@ -122,4 +123,5 @@ class JobDescription:
             state=_field(data, "state", str, where), joined=tuple(joined),
             deadline_s=_field(data, "deadline_s", float, where), endpoints=endpoints,
             multicast=multicast, epoch=_field(data, "epoch", int, where), secret=secret,
+            liveness_s=_field(data, "liveness_s", float, where),
         )

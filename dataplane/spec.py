@@ -92,6 +92,7 @@ class JobSpec:
     epoch: int = 1
     endpoints: tuple[Address | None, ...] = ()
     hold_buffers: int = 0
+    liveness_timeout: float = 5.0  # a rank silent this long is reported to the others
 
     def __post_init__(self) -> None:
         if len(self.endpoints) < self.world_size:  # not joined yet: no endpoints
@@ -109,15 +110,18 @@ class JobStats:
     last_activity: float | None  # the core's monotonic time of its last accepted contribution
     waiting: dict[int, float]  # rank -> since when (core time) some filling segment waits for it
     diverged: str | None = None  # why the ranks disagree (until the next epoch)
+    silent: dict[int, float] = field(default_factory=dict)  # rank -> seconds silent, > timeout
 
 
 @dataclass(frozen=True)
 class CoreStats:
     """The reply to `QueryStats`: the core's clock (to turn its times into ages) and per job
-    its stats, None for a job the core does not have."""
+    its stats, None for a job the core does not have; and what it has fallen back from so
+    far (a transport can give up GSO at its first send, long after Ready)."""
 
     now: float
     jobs: dict[int, JobStats | None]
+    fallbacks: tuple[str, ...] = ()
 
 
 class Command(Generic[R]):
@@ -205,7 +209,7 @@ class Ready:
 
     core: int
     kernels: str  # the reduce-kernel backend it chose
-    notes: tuple[str, ...] = field(default=())  # fallbacks it took, said once
+    fallbacks: tuple[str, ...] = field(default=())  # what it gave up here, and why
 
 
 # ---- the core's lifecycle, as the supervisor sees it ------------------------------------------

@@ -104,6 +104,11 @@ class CoreTransport(Protocol):
     def take_counts(self) -> TransportCounts:
         ...
 
+    def fallbacks(self) -> tuple[str, ...]:
+        """What this transport gave up for lack of support here (a GSO the kernel refused),
+        each with why: the core reports them and the daemon logs each once."""
+        ...
+
     def close(self) -> None:
         ...
 
@@ -258,6 +263,9 @@ class MemoryCoreTransport:
     def take_counts(self) -> TransportCounts:
         counts, self._counts = self._counts, TransportCounts()
         return counts
+
+    def fallbacks(self) -> tuple[str, ...]:
+        return ()
 
     def close(self) -> None:
         self.endpoint.close()

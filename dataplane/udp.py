@@ -65,6 +65,7 @@ class DatagramBatcher:
         self.bytes_sent = 0
         self.send_errors = 0
         self.last_error: OSError | None = None
+        self.gso_refused = ""  # why the kernel refused UDP_SEGMENT, once it has
 
     def take_counts(self) -> tuple[int, int, int]:
         """(datagrams, bytes, failed datagrams) since the last call."""
@@ -128,6 +129,7 @@ class DatagramBatcher:
         except OSError as exc:
             if exc.errno not in _GSO_UNSUPPORTED:
                 raise
+            self.gso_refused = f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
         self.gso = False  # this kernel or route cannot segment: one datagram per call from now
         return sum(self.sock.sendmsg(iov[i:i + 2], (), 0, dest) for i in range(0, len(iov), 2))
 
@@ -193,6 +195,11 @@ class UdpCoreTransport:
     def take_counts(self) -> TransportCounts:
         sent, nbytes, errors = self.batcher.take_counts()
         return TransportCounts(sent, nbytes, errors)
+
+    def fallbacks(self) -> tuple[str, ...]:
+        refused = self.batcher.gso_refused
+        return (f"UDP GSO refused by the kernel ({refused}): one sendmsg per result "
+                "datagram",) if refused else ()
 
     def close(self) -> None:
         self.sock.close()

@@ -32,6 +32,13 @@ for LIVENESS). All fields are in network byte order::
     |       use: the slot's use number within the epoch (1, 2..)    |  44
     +---------------------------------------------------------------+
 
+A LIVENESS payload is a list of silent ranks, one 12-byte record each (`SILENT`)::
+
+    rank (16) | port (16) | IPv4 address (32) | silent for, milliseconds (32)
+
+Its `round` echoes the HEARTBEAT's, so a worker can tell a fresh answer from one that waited in
+its socket.
+
 A segment is named by (job, round, offset); the slot says where the appliance aggregates it and
 `use` which use of that slot it is. Every rank numbers the uses of each slot alike (1, 2, ... in
 the order the slot is used), so the appliance accepts exactly the slot's current use, the one
@@ -43,6 +50,7 @@ one precompiled struct, so the hot path never builds intermediate bytes objects.
 
 from __future__ import annotations
 
+import socket
 import struct
 from enum import IntEnum, IntFlag
 from typing import NamedTuple
@@ -54,15 +62,19 @@ __all__ = [
     "HEADER_SIZE",
     "ITEMSIZE",
     "MAGIC",
+    "SILENT",
     "VERSION",
     "DType",
     "Flags",
     "Header",
     "Kind",
     "Op",
+    "SilentRank",
     "WireError",
     "pack_into",
+    "pack_silent",
     "unpack",
+    "unpack_silent",
 ]
 
 MAGIC = 0x5241
@@ -71,6 +83,7 @@ VERSION = 2
 HEADER = struct.Struct("!HBBBBBxIHHQIIQII")
 HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 48
+SILENT = struct.Struct("!HH4sI")
 
 
 class Kind(IntEnum):
@@ -159,3 +172,26 @@ def unpack(buf: bytes | bytearray | memoryview, at: int = 0) -> Header:
     if k is None or d is None or o is None:
         raise WireError(f"unknown kind/dtype/op {kind}/{dtype}/{op}")
     return Header(k, d, o, flags, job_id, rank, cookie, rnd, slot, offset, length, use, epoch)
+
+
+class SilentRank(NamedTuple):
+    rank: int
+    address: tuple[str, int] | None  # the endpoint it joined from
+    silent_s: float
+
+
+def pack_silent(ranks: list[SilentRank]) -> bytes:
+    out = bytearray()
+    for r in ranks:
+        host, port = r.address or ("0.0.0.0", 0)
+        out += SILENT.pack(r.rank, port, socket.inet_aton(host),
+                           min(int(r.silent_s * 1000), 2**32 - 1))
+    return bytes(out)
+
+
+def unpack_silent(payload: bytes | memoryview) -> list[SilentRank]:
+    """The records of a LIVENESS payload; `WireError` for one that is not whole records."""
+    if len(payload) % SILENT.size:
+        raise WireError(f"LIVENESS payload of {len(payload)} bytes is not whole records")
+    return [SilentRank(rank, (socket.inet_ntoa(ip), port), ms / 1000)
+            for rank, port, ip, ms in SILENT.iter_unpack(payload)]

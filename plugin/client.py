@@ -13,6 +13,7 @@ import math
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -20,11 +21,20 @@ import numpy as np
 from numpy.typing import NDArray
 
 from reduction_appliance.dataplane.dtypes import by_numpy
-from reduction_appliance.dataplane.errors import ReductionError
+from reduction_appliance.dataplane.errors import PeerError, ReductionError
 from reduction_appliance.dataplane.transport import Address
-from reduction_appliance.dataplane.wire import DType, Header, Kind, Op
+from reduction_appliance.dataplane.wire import (
+    HEADER_SIZE,
+    DType,
+    Header,
+    Kind,
+    Op,
+    pack_into,
+    unpack_silent,
+)
 
 from . import rendezvous
+from .lease import Lease
 from .pipeline import Outcome, RoundPipeline
 from .rendezvous import JobInfo
 from .session import Endpoint, RttEstimator, Timing, Transmit
@@ -66,8 +76,11 @@ class ApplianceClient:
     The client joins every registered job as `rank` from the endpoint its transport sends from
     (`rejoin=True` for a restarted worker: see plugin/rendezvous.py); a job given already joined
     (with its cookie) is used as it is. Without `timing`, the appliance's advised deadline
-    applies. `transport`, `clock` and `join` replace the UDP sockets, the monotonic clock and
-    the API call (tests pass an in-memory network and its simulated clock).
+    applies. A thread of its own (`lease`) sends a HEARTBEAT to every appliance ten times per
+    liveness timeout, whatever the caller does between allreduces, so a slow rank is never
+    declared dead; the answers name dead ranks (see plugin/pipeline.py). `transport`, `clock`
+    and `join` replace the UDP sockets, the monotonic clock and the API call (tests pass an
+    in-memory network and its simulated clock, and `lease=False`: they call `heartbeat()`).
     """
 
     def __init__(
@@ -82,6 +95,7 @@ class ApplianceClient:
         clock: Callable[[], float] = time.monotonic,
         join: Callable[..., JobInfo] = rendezvous.join,
         rejoin: bool = False,
+        lease: bool = True,
     ) -> None:
         if not jobs:
             raise ReductionError("ApplianceClient needs at least one registered job")
@@ -109,11 +123,17 @@ class ApplianceClient:
             self.transport.close()
             raise ReductionError(f"the appliances are at different epochs of this job "
                                  f"({sorted(epochs)}); resync it")
-        self.endpoints: tuple[Endpoint, ...] = tuple(e for j in self.jobs for e in j.endpoints)
+        self.endpoints: tuple[Endpoint, ...] = tuple(
+            replace(e, appliance=a) for a, j in enumerate(self.jobs) for e in j.endpoints)
         self.segment_bytes = min(j.segment_bytes for j in self.jobs)
         self.rtt = RttEstimator(timing or Timing(deadline=min(j.deadline_s for j in self.jobs)))
+        liveness = min(j.liveness_s for j in self.jobs)
         self.pipeline = RoundPipeline(self.endpoints, rank, self.world_size, self.segment_bytes,
-                                      self.rtt, lanes, epoch=epochs.pop())
+                                      self.rtt, lanes, epoch=epochs.pop(),
+                                      liveness_timeout=liveness)
+        self._appliance_of = {e.address: e.appliance for e in self.endpoints}
+        self._beat_to = [(j.cores[0].host, j.cores[0].port) for j in self.jobs]
+        self._beat_header = bytearray(HEADER_SIZE)
         self.retransmissions = 0
         # round -> its caller's array as bytes. A memoryview: slice assignment from the
         # transport's buffer is a plain memcpy (a numpy slice assigned from a memoryview took
@@ -123,6 +143,22 @@ class ApplianceClient:
         self._clock = clock
         self._addresses = [e.address for e in self.endpoints]
         self._closed = False
+        self._lease: Lease | None = None
+        if lease:
+            self._lease = Lease(self.heartbeat, max(0.05, liveness / 10),
+                                f"reduction-lease-{rank}")
+
+    def heartbeat(self) -> None:
+        """Tell every appliance this rank is alive (thread-safe: the lease thread calls it)."""
+        seq = self.pipeline.heartbeat_seq + 1
+        self.pipeline.heartbeat_seq = seq
+        for job, dest in zip(self.jobs, self._beat_to, strict=True):
+            assert job.cookie is not None
+            header = bytearray(HEADER_SIZE)
+            pack_into(header, Header(Kind.HEARTBEAT, DType.FLOAT32, Op.SUM, 0, job.job_id,
+                                     self.rank, job.cookie, seq % 2**32, 0, 0, 0, 0,
+                                     self.pipeline.epoch))
+            self.transport.send_raw(bytes(header), dest)
 
     def resync(self) -> None:
         """Move the job to a new epoch at every appliance (after `JobDiverged`: every rank
@@ -142,6 +178,8 @@ class ApplianceClient:
         """Close the transport; rounds still queued or in flight end with a `ReductionError`."""
         if not self._closed:
             self._closed = True
+            if self._lease is not None:
+                self._lease.stop()
             self._unclaimed.extend(
                 self.abandon("the appliance client was closed during the allreduce"))
             self.transport.close()
@@ -226,6 +264,9 @@ class ApplianceClient:
 
     def _on_datagram(self, h: Header, payload: memoryview, source: Address) -> None:
         pipeline = self.pipeline
+        appliance = self._appliance_of.get(source)
+        if appliance is not None:
+            pipeline.heard(appliance, self._clock())
         if h.kind is Kind.RESULT:
             wanted = pipeline.accept(h, source)
             if wanted is not None:
@@ -240,3 +281,9 @@ class ApplianceClient:
             pipeline.on_resync(h, source)
         elif h.kind is Kind.DIVERGED:
             pipeline.on_diverged(h, bytes(payload).decode(errors="replace"), source)
+        elif h.kind is Kind.LIVENESS:
+            try:
+                silent = unpack_silent(payload)
+            except PeerError:
+                return
+            pipeline.on_liveness(h, silent, source)

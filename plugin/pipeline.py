@@ -9,6 +9,12 @@ function of the round number alone (never "the first free lane", which depends o
 round whose lane is still busy waits, and so does everything submitted after it, which keeps
 rounds starting in submission order on every rank.
 
+Liveness: the transport offers the LIVENESS answers to its heartbeats (`on_liveness`) and says
+when it last heard from each appliance (`heard`). A fresh answer that names a silent rank fails
+every round in flight at once with `RankSilent` (and rounds started while the rank stays
+silent); an appliance that has sent nothing for the liveness timeout while a round needs it
+fails that round with `ApplianceSilent`. Both name who, where, and for how long.
+
 A caller knows a round by its ticket (`submit` returns it), which never changes; the round's
 number on the wire counts from the start of the job's epoch. When the appliance announces a new
 epoch (a rank re-joined: RESYNC), every slot starts over: a round that has not yet received any
@@ -28,11 +34,13 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from reduction_appliance.dataplane.errors import (
+    ApplianceSilent,
     JobDiverged,
     JobResynchronised,
+    RankSilent,
     ReductionError,
 )
-from reduction_appliance.dataplane.wire import DType, Header, Kind, Op
+from reduction_appliance.dataplane.wire import DType, Header, Kind, Op, SilentRank
 
 from .session import Address, AllreduceRound, Endpoint, RttEstimator, SlotUses, Transmit
 
@@ -75,7 +83,8 @@ class RoundPipeline:
     """The rounds of one rank of one job: queued, in flight (at most one per lane), finished."""
 
     def __init__(self, endpoints: tuple[Endpoint, ...], rank: int, world_size: int,
-                 segment_bytes: int, rtt: RttEstimator, lanes: int = 1, epoch: int = 1) -> None:
+                 segment_bytes: int, rtt: RttEstimator, lanes: int = 1, epoch: int = 1,
+                 liveness_timeout: float = float("inf")) -> None:
         if not endpoints:
             raise ReductionError("an allreduce needs at least one appliance endpoint")
         self.endpoints = endpoints
@@ -96,6 +105,12 @@ class RoundPipeline:
         self._abort: Header | None = None  # the appliance's ABORTED notice, once it came
         self._diverged: str | None = None  # the appliance's DIVERGED reason, this epoch
         self._next_round = 1  # wire number of the next round to start, this epoch
+        self.liveness_timeout = liveness_timeout
+        appliances = max(ep.appliance for ep in endpoints) + 1
+        self._heard = [0.0] * appliances  # when each appliance last sent us anything
+        self._silent_ranks: dict[int, str] = {}  # appliance -> why a rank is dead
+        self._silent_appliances: dict[int, str] = {}  # appliance -> why we think it is dead
+        self.heartbeat_seq = 0  # the newest HEARTBEAT sent; older answers are stale
         self.submitted = 0
         self.most_in_flight = 0  # high-water mark: evidence that rounds really overlapped
         self.rejected = 0  # results and notices refused: wrong source, cookie, use or epoch
@@ -124,6 +139,17 @@ class RoundPipeline:
             if self._diverged is not None:
                 self._finished.append(Outcome(req.ticket, JobDiverged(self._diverged), 0))
                 continue
+            if self._silent_ranks:
+                reason = next(iter(self._silent_ranks.values()))
+                self._finished.append(Outcome(req.ticket, RankSilent(reason), 0))
+                continue
+            if self._silent_appliances:  # until it is heard from again
+                reason = next(iter(self._silent_appliances.values()))
+                self._finished.append(Outcome(req.ticket, ApplianceSilent(reason), 0))
+                continue
+            # An idle worker does not read its answers: give every appliance a fresh
+            # liveness timeout from the start of a round.
+            self._heard = [max(h, now) for h in self._heard]
             try:
                 rnd = AllreduceRound(self._lane_endpoints[lane], self.rank, self.world_size,
                                      self._next_round, req.dtype, req.op, req.nbytes,
@@ -152,7 +178,7 @@ class RoundPipeline:
         out: list[Transmit] = []
         while True:
             self._start_queued(now)
-            failed = False
+            failed = self._check_appliances(now)
             for rnd in list(self._active.values()):
                 try:
                     out.extend(rnd.due(now))  # asking twice at one instant returns nothing new
@@ -163,10 +189,61 @@ class RoundPipeline:
                 return out  # else a lane came free: start the next round and ask again
 
     def wakeup(self) -> float:
-        """When `due` next has work (inf when nothing is in flight or queued)."""
-        if self._queued and self._busy[self._next_round % self.lanes] is None:
+        """When `due` next has work (inf when nothing is in flight or queued); now when an
+        outcome waits to be collected (`finished`)."""
+        if self._finished or (self._queued and self._busy[self._next_round % self.lanes] is None):
             return 0.0
-        return min((rnd.wakeup() for rnd in self._active.values()), default=float("inf"))
+        if not self._active:
+            return float("inf")
+        silence = min(self._heard) + self.liveness_timeout
+        return min(silence, min(rnd.wakeup() for rnd in self._active.values()))
+
+    # ---- liveness ----
+    def heard(self, appliance: int, now: float) -> None:
+        """A datagram of ours came from one of that appliance's cores."""
+        self._heard[appliance] = max(self._heard[appliance], now)
+        self._silent_appliances.pop(appliance, None)
+
+    def _check_appliances(self, now: float) -> bool:
+        """Fail the rounds that need an appliance silent past the liveness timeout."""
+        failed = False
+        for rnd in list(self._active.values()):
+            for a in {ep.appliance for ep in rnd.endpoints}:
+                quiet = now - self._heard[a]
+                if quiet > self.liveness_timeout:
+                    names = sorted({ep.name for ep in rnd.endpoints if ep.appliance == a})
+                    reason = (f"{names[0].rsplit(' core ', 1)[0]} has sent nothing for "
+                              f"{quiet:.1f} s (liveness timeout {self.liveness_timeout:g} s) "
+                              f"while round {rnd.round} of rank {self.rank} waited on it: it "
+                              f"died or the network to it is down ({', '.join(names)})")
+                    self._silent_appliances[a] = reason
+                    self._finish(rnd, ApplianceSilent(reason))
+                    failed = True
+                    break
+        return failed
+
+    def on_liveness(self, h: Header, silent: list[SilentRank],
+                    source: Address | None = None) -> None:
+        """An answer to our heartbeat: the ranks the appliance has not heard for too long."""
+        if (h.kind is not Kind.LIVENESS or not self._ours(h, source) or h.epoch != self.epoch
+                or h.round + 2 < self.heartbeat_seq):  # an old answer, left in the socket
+            return
+        appliance = next(ep.appliance for ep in self.endpoints
+                         if source is None or ep.address == source)
+        dead = [s for s in silent if s.rank != self.rank]
+        if not dead:
+            self._silent_ranks.pop(appliance, None)
+            return
+        reason = "; ".join(
+            f"rank {s.rank} ({s.address[0]}:{s.address[1]})" if s.address else f"rank {s.rank}"
+            for s in dead)
+        reason += (f" silent for {max(s.silent_s for s in dead):.1f} s (liveness timeout "
+                   f"{self.liveness_timeout:g} s): its worker died, or its host or network is "
+                   f"gone; job {h.job_id} cannot finish an allreduce without it (a restarted "
+                   "rank re-joins)")
+        self._silent_ranks[appliance] = reason
+        for rnd in list(self._active.values()):
+            self._finish(rnd, RankSilent(reason))
 
     # ---- what comes back ----
     def _ours(self, h: Header, source: Address | None) -> bool:
@@ -232,6 +309,7 @@ class RoundPipeline:
         self.uses.reset()
         self._next_round = 1
         self._diverged = None
+        self._silent_ranks.clear()
         restart: list[_Request] = []
         for wire_round in sorted(self._active):
             rnd = self._active[wire_round]

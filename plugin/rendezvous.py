@@ -13,11 +13,17 @@ ranks of a job must agree on the name, the world size and the mode; the applianc
 mismatch with 409, a wrong secret with 403.
 
 The answers follow `dataplane.registration`, the schema the appliance writes them with.
+
+Every call retries what may pass on a second try (no connection, a timeout, a lost answer,
+503 or another 5xx) with exponential backoff until its deadline; a refusal (4xx) is final at
+once. Calls are safe to repeat: registering again finds the job, joining again from the same
+endpoint changes nothing, a resync names the epoch it saw.
 """
 
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, replace
@@ -55,6 +61,7 @@ class JobInfo:
     token: str | None = None
     cookie: int | None = None
     epoch: int = 1
+    liveness_s: float = 5.0  # a rank or appliance silent this long is declared dead
 
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:
@@ -66,8 +73,40 @@ class JobInfo:
                      for c in self.cores)
 
 
+_FIRST_RETRY_S = 0.1
+_MOST_BETWEEN_S = 2.0
+_ATTEMPT_S = 5.0  # one attempt's own timeout, so that a lost answer leaves time to retry
+
+
 def _call(appliance: str, method: str, path: str, body: dict[str, object] | None,
           token: str | None, timeout_s: float) -> JobDescription:
+    deadline = time.monotonic() + timeout_s
+    pause = _FIRST_RETRY_S
+    attempts = 0
+    while True:
+        attempts += 1
+        left = deadline - time.monotonic()
+        try:
+            reply = _attempt(appliance, method, path, body, token, min(_ATTEMPT_S, max(left, 0.1)))
+            break
+        except _Retryable as exc:
+            if time.monotonic() + pause >= deadline:
+                raise RendezvousError(f"{exc} (gave up after {attempts} attempts in "
+                                      f"{timeout_s:g} s)") from exc.__cause__
+            time.sleep(pause)  # backoff between attempts at an API that did not answer
+            pause = min(pause * 2, _MOST_BETWEEN_S)
+    try:
+        return JobDescription.from_json(reply)
+    except SchemaError as exc:
+        raise RendezvousError(f"appliance {appliance} sent a malformed job reply: {exc}") from exc
+
+
+class _Retryable(Exception):
+    """An attempt that may pass when repeated: no answer, or the appliance is busy (5xx)."""
+
+
+def _attempt(appliance: str, method: str, path: str, body: dict[str, object] | None,
+             token: str | None, timeout_s: float) -> object:
     request = urllib.request.Request(
         f"http://{appliance}{path}", data=json.dumps(body).encode() if body else None,
         method=method,
@@ -77,16 +116,15 @@ def _call(appliance: str, method: str, path: str, body: dict[str, object] | None
     try:
         with _DIRECT.open(request, timeout=timeout_s) as response:
             reply: object = json.loads(response.read())
+            return reply
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")
-        raise RendezvousError(f"appliance {appliance} refused {method} {path}: "
-                              f"{exc.code} {detail}") from exc
+        message = f"appliance {appliance} refused {method} {path}: {exc.code} {detail}"
+        if exc.code >= 500:
+            raise _Retryable(message) from exc
+        raise RendezvousError(message) from exc
     except (OSError, ValueError) as exc:
-        raise RendezvousError(f"cannot reach appliance API at {appliance}: {exc}") from exc
-    try:
-        return JobDescription.from_json(reply)
-    except SchemaError as exc:
-        raise RendezvousError(f"appliance {appliance} sent a malformed job reply: {exc}") from exc
+        raise _Retryable(f"cannot reach appliance API at {appliance}: {exc}") from exc
 
 
 def _info(appliance: str, job: JobDescription, secret: str | None,
@@ -94,7 +132,7 @@ def _info(appliance: str, job: JobDescription, secret: str | None,
     return JobInfo(appliance, job.job_id, job.name, job.world_size, job.segment_bytes,
                    job.multicast, job.deterministic, job.deadline_s, job.endpoints,
                    secret=job.secret or secret, token=token, cookie=job.cookie,
-                   epoch=job.epoch)
+                   epoch=job.epoch, liveness_s=job.liveness_s)
 
 
 def register(
@@ -106,7 +144,7 @@ def register(
     deterministic: bool = False,
     multicast: bool = True,
     token: str | None = None,
-    timeout_s: float = 10.0,
+    timeout_s: float = 30.0,
 ) -> JobInfo:
     """Register (or look up) job `name` at `appliance` ("host:port" of its API). `secret` is
     the job's join secret; without one, the creator gets a fresh one (`JobInfo.secret`) to hand
@@ -120,7 +158,7 @@ def register(
 
 
 def join(info: JobInfo, rank: int, endpoint: Address, *, rejoin: bool = False,
-         timeout_s: float = 10.0) -> JobInfo:
+         timeout_s: float = 30.0) -> JobInfo:
     """Join as `rank`, sending from `endpoint`; the answer carries the cookie and epoch."""
     if not info.secret:
         raise RendezvousError(f"joining job {info.name!r} needs its join secret (from the rank "
@@ -134,7 +172,7 @@ def join(info: JobInfo, rank: int, endpoint: Address, *, rejoin: bool = False,
     return replace(info, cookie=job.cookie, epoch=job.epoch)
 
 
-def resync(info: JobInfo, seen_epoch: int, timeout_s: float = 10.0) -> JobInfo:
+def resync(info: JobInfo, seen_epoch: int, timeout_s: float = 30.0) -> JobInfo:
     """Ask for a new epoch (ranks that diverged); the job moves once whoever asks first."""
     job = _call(info.appliance, "POST", f"/v1/jobs/{info.job_id}/resync",
                 {"secret": info.secret or "", "epoch": seen_epoch}, info.token, timeout_s)

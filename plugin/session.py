@@ -5,9 +5,15 @@ k mod E (an appliance core), where it is the m = k div E-th segment and uses slo
 Self-clocking: the next segment for a slot (k + S*E) is released only when the result of k came
 back, which is also what lets the appliance reuse a slot copy safely. Each first transmission
 on a slot takes that slot's next use number (`SlotUses`, shared by the rounds of one rank and
-counted alike by every rank), which the appliance checks against its window. Unanswered
-segments are retransmitted after an adaptive timeout (Karn's rule, exponential backoff up to
-`rto_max`). Results are accepted only from the core the segment went to, for its use and epoch.
+counted alike by every rank), which the appliance checks against its window. Results are
+accepted only from the core the segment went to, for its use and epoch.
+
+Loss recovery at rack speed: every appliance core has its own round-trip estimate (RFC 6298,
+Karn's rule) with a floor in the rack's time scale (`Timing.rto_min`), and only the lost
+segment's own timer backs off: one loss never slows the rest. A gap is repaired without
+waiting for a timer when it shows: once results came back for `FAST_RETRANSMIT` segments sent
+to the same core after one that is still unanswered, that one goes again at once (fast
+retransmit). A lost segment holds only its own slot: the other slots keep the pipe full.
 
 The transport asks `due(now)` what to send, offers each received RESULT header to `accept`, and
 reports `stored` once the payload sits in the output array. Nothing here touches a socket or a
@@ -39,45 +45,45 @@ class Endpoint:
     slots: int
     name: str
     slot_base: int = 0  # this round uses slots slot_base .. slot_base + slots - 1 (its lane)
+    appliance: int = 0  # which of the client's appliances the core belongs to
+
+
+FAST_RETRANSMIT = 3  # later segments answered before an unanswered one is presumed lost
 
 
 @dataclass(frozen=True)
 class Timing:
-    rto_initial: float = 0.1
-    rto_min: float = 0.02
-    rto_max: float = 1.0
+    rto_initial: float = 0.05  # before the first sample of a core
+    rto_min: float = 0.01  # the floor: a rack's round trips are well under it
+    rto_max: float = 1.0  # one segment's backed-off timer never waits longer
     deadline: float = 60.0
 
 
 @dataclass
 class RttEstimator:
-    """Smoothed round-trip time (RFC 6298), carried from one round to the next."""
+    """Smoothed round-trip time per destination (RFC 6298), carried from round to round.
+    Destinations are endpoint indices (appliance cores); each has its own estimate."""
 
     timing: Timing = field(default_factory=Timing)
-    srtt: float | None = None
-    rttvar: float = 0.0
-    backoff: int = 0  # timeouts since the last valid sample: the RTO doubles for each
+    _srtt: dict[int, float] = field(default_factory=dict)
+    _rttvar: dict[int, float] = field(default_factory=dict)
 
-    def sample(self, rtt: float) -> None:
-        self.backoff = 0
-        if self.srtt is None:
-            self.srtt, self.rttvar = rtt, rtt / 2
+    def sample(self, dest: int, rtt: float) -> None:
+        srtt = self._srtt.get(dest)
+        if srtt is None:
+            self._srtt[dest], self._rttvar[dest] = rtt, rtt / 2
         else:
-            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
-            self.srtt = 0.875 * self.srtt + 0.125 * rtt
+            self._rttvar[dest] = 0.75 * self._rttvar[dest] + 0.25 * abs(srtt - rtt)
+            self._srtt[dest] = 0.875 * srtt + 0.125 * rtt
 
-    def timed_out(self) -> None:
-        """A segment went unanswered: like TCP, back the whole estimate off (not only that
-        segment's timer) until a fresh sample shows the path is fast again. Under CPU
-        contention RTTs have a heavy tail; without this, one stall retransmits every segment
-        in flight and the extra load makes the next stall longer."""
-        self.backoff = min(self.backoff + 1, 6)
+    def srtt(self, dest: int) -> float | None:
+        return self._srtt.get(dest)
 
-    @property
-    def rto(self) -> float:
+    def rto(self, dest: int) -> float:
         t = self.timing
-        base = t.rto_initial if self.srtt is None else self.srtt + 4 * self.rttvar
-        return min(t.rto_max, max(t.rto_min, base) * (1 << self.backoff))
+        srtt = self._srtt.get(dest)
+        base = t.rto_initial if srtt is None else srtt + 4 * self._rttvar[dest]
+        return min(t.rto_max, max(t.rto_min, base))
 
 
 class Transmit(NamedTuple):
@@ -156,6 +162,14 @@ class AllreduceRound:
         self._retransmitted = bytearray(n)
         self._done = bytearray(n)
         self._use = [0] * n  # slot use number given at the first transmission
+        # Fast retransmit, per endpoint: the order first transmissions left in, the highest of
+        # those answered, and the unanswered ones oldest first.
+        self._seq = [0] * n
+        self._sent_seq = [0] * len(endpoints)
+        self._acked_seq = [0] * len(endpoints)
+        self._unanswered: list[deque[int]] = [deque() for _ in endpoints]
+        self._fast = bytearray(n)
+        self.fast_retransmissions = 0
         self.remaining = n
         self._timers: list[tuple[float, int]] = []
         e = len(endpoints)
@@ -196,29 +210,45 @@ class AllreduceRound:
         return self.remaining == 0
 
     def due(self, now: float) -> list[Transmit]:
-        """Segments to transmit now: newly released ones and expired retransmission timers."""
+        """Segments to transmit now: presumed lost ones (fast retransmit), expired timers,
+        newly released ones."""
         self.check(now)
         out: list[Transmit] = []
+        n_ep = len(self.endpoints)
+        for e, waiting in enumerate(self._unanswered):
+            acked = self._acked_seq[e]
+            for k in waiting:
+                if self._seq[k] + FAST_RETRANSMIT > acked:
+                    break
+                if not self._done[k] and not self._fast[k]:
+                    self._fast[k] = 1
+                    self.fast_retransmissions += 1
+                    self._resend(k, now, out)
         timers = self._timers
+        rto_max = self._rtt.timing.rto_max
         while timers and timers[0][0] <= now:
             when, k = heapq.heappop(timers)
             if self._done[k] or when != self._timer[k]:
                 continue  # answered, or superseded by a later timer
-            self._retransmitted[k] = 1
-            self.retransmissions += 1
-            self._rtt.timed_out()
-            self._rto[k] = min(max(self._rto[k] * 2, self._rtt.rto), self._rtt.timing.rto_max)
-            self._arm(k, now)
-            out.append(Transmit(k % len(self.endpoints), k, self._header(k, True), self.ticket))
-        rto = self._rtt.rto
+            self._rto[k] = min(max(self._rto[k] * 2, self._rtt.rto(k % n_ep)), rto_max)
+            self._resend(k, now, out)
         while self._ready:
             k = self._ready.popleft()
+            e = k % n_ep
             self._sent_at[k] = now
-            self._rto[k] = rto
+            self._rto[k] = self._rtt.rto(e)
+            self._sent_seq[e] += 1
+            self._seq[k] = self._sent_seq[e]
+            self._unanswered[e].append(k)
             self._arm(k, now)
-            out.append(Transmit(k % len(self.endpoints), k, self._header(k, False),
-                                self.ticket))
+            out.append(Transmit(e, k, self._header(k, False), self.ticket))
         return out
+
+    def _resend(self, k: int, now: float, out: list[Transmit]) -> None:
+        self._retransmitted[k] = 1
+        self.retransmissions += 1
+        self._arm(k, now)
+        out.append(Transmit(k % len(self.endpoints), k, self._header(k, True), self.ticket))
 
     def _arm(self, k: int, now: float) -> None:
         self._timer[k] = when = now + self._rto[k]
@@ -256,9 +286,15 @@ class AllreduceRound:
             return
         self._done[k] = 1
         self.remaining -= 1
+        e = k % len(self.endpoints)
         if not self._retransmitted[k]:
-            self._rtt.sample(now - self._sent_at[k])
-        ep = self.endpoints[k % len(self.endpoints)]
+            self._rtt.sample(e, now - self._sent_at[k])
+        if self._seq[k] > self._acked_seq[e]:
+            self._acked_seq[e] = self._seq[k]
+        waiting = self._unanswered[e]
+        while waiting and self._done[waiting[0]]:
+            waiting.popleft()
+        ep = self.endpoints[e]
         nxt = k + ep.slots * len(self.endpoints)
         if nxt < self.segments:
             self._ready.append(nxt)

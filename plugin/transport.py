@@ -66,6 +66,11 @@ class WorkerTransport(Protocol):
         """The address and port datagrams to `dest` leave from (what a rank joins with)."""
         ...
 
+    def send_raw(self, datagram: bytes, dest: Address) -> None:
+        """Send one datagram now; safe from another thread (the heartbeat lease); a failure is
+        a lost heartbeat, never raised."""
+        ...
+
     def close(self) -> None:
         ...
 
@@ -129,6 +134,10 @@ class UdpWorkerTransport:
             raise ReductionError(f"cannot send to the appliance from {self.local[0]}: "
                                  f"{error}") from error
 
+    def send_raw(self, datagram: bytes, dest: Address) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.sendto(datagram, dest)
+
     def receive(self, handle: Handler) -> int:
         taken = 0
         buf, view = self._buffer, self._view
@@ -182,6 +191,9 @@ class MemoryWorkerTransport:
         for d in datagrams:
             pack_into(self._header, d.header)
             self.endpoint.sendto(bytes(self._header) + bytes(d.payload), d.dest)
+
+    def send_raw(self, datagram: bytes, dest: Address) -> None:
+        self.endpoint.sendto(datagram, dest)
 
     def receive(self, handle: Handler) -> int:
         taken = 0

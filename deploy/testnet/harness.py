@@ -12,12 +12,13 @@ import ipaddress
 import json
 import os
 import secrets
-import select
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,7 @@ __all__ = [
     "LabNetwork",
     "LoopbackNetwork",
     "Network",
+    "OutputTail",
     "api_request",
     "appliance_config",
     "run_workers",
@@ -57,6 +59,7 @@ DAEMON = ("-m", "reduction_appliance.control.daemon")
 WORKER = ("-m", "reduction_appliance.deploy.testnet.worker")
 _API_PORT = 7070
 _READY_TIMEOUT_S = 60.0
+_TAIL_CHARS = 64 * 1024
 
 
 class HarnessError(RuntimeError):
@@ -215,6 +218,56 @@ def _stop_all(procs: list[subprocess.Popen[Any]]) -> None:
             proc.wait()
 
 
+class OutputTail:
+    """Drains one pipe of a child in a background thread, keeping only its last `limit`
+    characters (for error messages). An undrained pipe fills at about 64 KiB, and then the
+    child blocks in its next write: a daemon that logs would freeze mid-test.
+
+    `marker`: `seen` is set at the first line starting with it (or when the pipe ends), and
+    `line` is that line."""
+
+    def __init__(self, stream: Any, limit: int = _TAIL_CHARS, marker: str = "") -> None:
+        self.limit = limit
+        self.marker = marker
+        self.seen = threading.Event()
+        self.line = ""
+        self._lines: deque[str] = deque()
+        self._size = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._drain, args=(stream,), daemon=True,
+                                        name="output-tail")
+        self._thread.start()
+
+    def _drain(self, stream: Any) -> None:
+        try:
+            for line in iter(stream.readline, ""):
+                if self.marker and not self.line and line.startswith(self.marker):
+                    self.line = line
+                    self.seen.set()
+                with self._lock:
+                    self._lines.append(line)
+                    self._size += len(line)
+                    while self._size > self.limit and len(self._lines) > 1:
+                        self._size -= len(self._lines.popleft())
+        except (OSError, ValueError):
+            pass  # the pipe was closed under us
+        finally:
+            self.seen.set()
+
+    @property
+    def done(self) -> bool:
+        """The pipe ended (the child exited or closed it) and everything was read."""
+        return not self._thread.is_alive()
+
+    def join(self, timeout_s: float = 5.0) -> None:
+        self._thread.join(timeout_s)
+
+    def text(self) -> str:
+        """The last `limit` characters or so (whole lines)."""
+        with self._lock:
+            return "".join(self._lines)[-self.limit:]
+
+
 @dataclass
 class ApplianceProcess:
     process: subprocess.Popen[str]
@@ -223,6 +276,9 @@ class ApplianceProcess:
     net: Network
     index: int
     unix_socket: str  # the API for tools on the appliance host (no network traffic)
+    # the daemon's output, drained as it comes (its last 64 KiB each)
+    stdout: OutputTail | None = None
+    stderr: OutputTail | None = None
 
     @property
     def local_api(self) -> UnixApi:
@@ -253,7 +309,8 @@ class ApplianceProcess:
 def appliance_config(address: str, *, cores: int, mtu: int, slots: int = 32,
                      multicast: bool = True, poll: str = "adaptive", spin_us: int = 200,
                      kernels: str = "auto", unix_socket: str = "", token_file: str = "",
-                     interface: str = "", groups: str = "239.255.0.0/16") -> ApplianceConfig:
+                     interface: str = "", groups: str = "239.255.0.0/16",
+                     liveness_s: float = 5.0) -> ApplianceConfig:
     """The lab appliance's configuration, as the typed tree reductiond will load."""
     # Pin data-plane core i to CPU i when the machine has that many: the appliance's layout.
     cpus = tuple(range(cores)) if cores <= (os.cpu_count() or 1) else ()
@@ -263,7 +320,7 @@ def appliance_config(address: str, *, cores: int, mtu: int, slots: int = 32,
                                   kernels=kernels, slot_memory_mb=256, rx_buffers=1024,
                                   interface=interface),
         multicast=MulticastConfig(enabled=multicast, groups=ipaddress.IPv4Network(groups)),
-        jobs=JobDefaults(slots=slots),
+        jobs=JobDefaults(slots=slots, liveness_timeout_s=liveness_s),
         api=ApiConfig(listen=HostPort(address, _API_PORT), unix_socket=unix_socket,
                       token_file=token_file),
     )
@@ -273,11 +330,11 @@ def appliance_config(address: str, *, cores: int, mtu: int, slots: int = 32,
 def start_appliance(net: Network, index: int = 0, *, cores: int = 2, slots: int = 32,
                     poll: str = "adaptive", kernels: str = "auto", spin_us: int = 200,
                     multicast: bool | None = None, token: str | None = None,
-                    interface: str = "",
-                    groups: str = "239.255.0.0/16") -> Iterator[ApplianceProcess]:
+                    interface: str = "", groups: str = "239.255.0.0/16",
+                    liveness_s: float = 5.0) -> Iterator[ApplianceProcess]:
     """Run `reductiond` on appliance `index` until the block ends (then SIGTERM, then kill).
     `multicast` overrides the network's default (False: results by unicast fan-out only);
-    `token` makes the TCP API require it."""
+    `token` makes the TCP API require it; `liveness_s` is the jobs' liveness timeout."""
     address = net.appliance_address(index)
     with tempfile.TemporaryDirectory(prefix="reductiond-") as tmp:
         path = Path(tmp) / "appliance.toml"
@@ -290,16 +347,18 @@ def start_appliance(net: Network, index: int = 0, *, cores: int = 2, slots: int 
         cfg = appliance_config(address, cores=cores, mtu=net.mtu, slots=slots, multicast=mc,
                                poll=poll, spin_us=spin_us, kernels=kernels,
                                unix_socket=unix_socket, token_file=token_file,
-                               interface=interface, groups=groups)
+                               interface=interface, groups=groups, liveness_s=liveness_s)
         path.write_text(to_toml(cfg))
         proc = net.popen_appliance(
             index, [sys.executable, *DAEMON, "--config", str(path)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
+        out = OutputTail(proc.stdout, marker="reductiond ready")
+        err = OutputTail(proc.stderr)
         try:
-            _await_ready(proc)
+            _await_ready(proc, out, err)
             yield ApplianceProcess(proc, f"{address}:{_API_PORT}", path, net, index,
-                                   unix_socket)
+                                   unix_socket, out, err)
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -310,20 +369,18 @@ def start_appliance(net: Network, index: int = 0, *, cores: int = 2, slots: int 
                     proc.wait()
 
 
-def _await_ready(proc: subprocess.Popen[str]) -> None:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + _READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
-            break
-        line = proc.stdout.readline()
-        if line.startswith("reductiond ready"):
-            return
-        if not line and proc.poll() is not None:
-            stderr = proc.stderr.read() if proc.stderr else ""
-            raise HarnessError(f"reductiond exited with {proc.returncode}: {stderr.strip()}")
-    raise HarnessError(f"reductiond not ready within {_READY_TIMEOUT_S:g} s")
+def _await_ready(proc: subprocess.Popen[str], out: OutputTail, err: OutputTail) -> None:
+    """Until reductiond prints its ready line; a daemon that exits first fails with its
+    stderr's tail."""
+    if out.seen.wait(_READY_TIMEOUT_S) and out.line:
+        return
+    if proc.poll() is not None or out.done:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+        err.join()
+        raise HarnessError(f"reductiond exited with {proc.returncode}: {err.text().strip()}")
+    raise HarnessError(f"reductiond not ready within {_READY_TIMEOUT_S:g} s: "
+                       f"{err.text().strip()[-2000:]}")
 
 
 def run_workers(net: Network, argv_of_rank: Sequence[Sequence[str]],

@@ -4,8 +4,8 @@ fault an error is: real spawned data-plane processes, a real HTTP server on loop
 from __future__ import annotations
 
 import json
+import logging
 import socket
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from reduction_appliance.control.api import ApiServer
+from reduction_appliance.control.api import ApiApp
 from reduction_appliance.control.config import parse
+from reduction_appliance.control.httpserver import HttpServer, Limits
 from reduction_appliance.control.supervisor import Supervisor
 from reduction_appliance.dataplane.errors import (
     AdmissionError,
@@ -80,12 +81,11 @@ class _Stub:
     (CoreFailure("core 0 failed: KeyError: 3"), 500, "internal"),
     (KeyError("a bug of ours"), 500, "internal KeyError"),
 ])
-def test_the_api_answers_by_whose_fault(error: Exception, status: int, says: str) -> None:
-    server = ApiServer(("127.0.0.1", 0), _Stub(error), None)  # type: ignore[arg-type]
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        port = server.server_address[1]
+def test_the_api_answers_by_whose_fault(error: Exception, status: int, says: str,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    server = HttpServer(Limits())
+    _, port = server.listen_tcp(("127.0.0.1", 0), ApiApp(_Stub(error), None))  # type: ignore[arg-type]
+    with server, caplog.at_level(logging.INFO, logger="reductiond"):
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/jobs", method="POST",
                                          data=b'{"name": "j", "world_size": 2}')
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -93,7 +93,9 @@ def test_the_api_answers_by_whose_fault(error: Exception, status: int, says: str
             opener.open(request, timeout=10)
         assert answer.value.code == status
         assert says in json.loads(answer.value.read())["error"]
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    logged = [r for r in caplog.records if r.name.startswith("reductiond")]
+    if status == 500:  # ours: exactly one line, no traceback
+        assert len(logged) == 1 and logged[0].exc_info is None, logged
+        assert "\n" not in logged[0].getMessage()
+    else:  # the caller's fault or a 503: nothing to log
+        assert logged == []

@@ -2,6 +2,7 @@
 to pause, die and come back:
 
     run N SIZE      N allreduces (sum) of SIZE bytes of fp32; one JSON line with the outcome
+    compute S       be busy for S seconds without touching the client (a long forward pass)
     quit            leave the job and exit
 
 Inputs depend on the rank and the size only, so any allreduce of one rank pairs with any of the
@@ -59,12 +60,17 @@ def main() -> int:
             words = line.split()
             if not words or words[0] == "quit":
                 break
+            if words[0] == "compute":
+                time.sleep(float(words[1]))  # the workload: the client is not called meanwhile
+                print(json.dumps({"computed": float(words[1])}), flush=True)
+                continue
             count, size = int(words[1]), int(words[2])
             n = size // 4
             want = sum(inputs(r, n) for r in range(args.world)).astype(np.float32)
             mine = inputs(args.rank, n)
             ok = errors = 0
             failures: list[str] = []
+            first_failure: float | None = None  # CLOCK_MONOTONIC: the test's clock too
             times: list[float] = []
             for _ in range(count):
                 work = mine.copy()
@@ -73,12 +79,14 @@ def main() -> int:
                     client.allreduce(work)
                 except ReductionError as exc:
                     errors += 1
+                    first_failure = first_failure or time.monotonic()
                     failures.append(f"{type(exc).__name__}: {exc}")
                     continue
                 times.append(time.perf_counter() - start)
                 ok += int(work.tobytes() == want.tobytes())
             print(json.dumps({"ran": count, "exact": ok, "errors": errors,
                               "failures": failures[-3:], "times": times,
+                              "first_failure": first_failure,
                               "rejected": client.pipeline.rejected,
                               "epoch": client.pipeline.epoch}), flush=True)
         leave(client.jobs[0], args.rank)

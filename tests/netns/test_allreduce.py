@@ -94,8 +94,10 @@ def test_multicast_sends_one_copy_per_segment_unicast_sends_n() -> None:
     assert_all_exact(outputs, 1)
     def first_copies(c: dict[str, int]) -> float:
         """Result datagrams sent per reduced segment, not counting the answers to
-        retransmissions (stored results resent, PENDING notes): those go to one worker."""
-        sent = c["packets_out"] - c["results_resent"] - c["pending_sent"]
+        retransmissions (stored results resent, PENDING notes), which go to one worker, nor
+        the answers to heartbeats and other notices."""
+        answers = c["heartbeats"] + c["job_notices"] + c["abort_notices"]
+        sent = c["packets_out"] - c["results_resent"] - c["pending_sent"] - answers
         assert c["segments_reduced"] > 0
         return sent / c["segments_reduced"]
 

@@ -11,6 +11,7 @@ import ipaddress
 import os
 import secrets
 import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -171,3 +172,23 @@ def test_snapshot_and_address_lookup(ns: str) -> None:
         ("v1", 1500, False, ()),
         ("nope0", 0, False, ()),
     ]
+
+
+def unroutable_in(ns_name: str, source: str, interface: str) -> str:
+    """`multicast_unroutable` run inside the namespace (the probe is a socket: it must be
+    opened there)."""
+    code = ("import ipaddress, sys; from reduction_appliance.control.steering import "
+            "multicast_unroutable as m; print(m(sys.argv[1], sys.argv[2], "
+            "ipaddress.IPv4Network('239.255.0.0/16')))")
+    return subprocess.run(["ip", "netns", "exec", ns_name, sys.executable, "-c", code, source,
+                           interface], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_multicast_is_unroutable_from_a_wildcard_socket_without_a_route(ns: str) -> None:
+    assert unroutable_in(ns, "0.0.0.0", "0.0.0.0") == (
+        "no route from 0.0.0.0 (multicast interface 0.0.0.0) to 239.255.0.0/16: "
+        "Network is unreachable")
+    # A core's socket names its multicast interface: the kernel sends there without a route.
+    assert unroutable_in(ns, "10.9.0.1", "10.9.0.1") == "None"
+    with Steering(the_plan().plan, netns=ns):  # a data interface: steering adds the route
+        assert unroutable_in(ns, "0.0.0.0", "0.0.0.0") == "None"

@@ -85,7 +85,7 @@ class SimNet:
                             endpoints=tuple(("worker", r) for r in range(self.world)),
                             hold_buffers=32 if self.deterministic else 0)
         for agg in self.aggregators:
-            agg.add_job(self.spec)
+            agg.add_job(self.spec, 0.0)
         self.core_transports = [MemoryCoreTransport(self.net.bind(("appliance", c)))
                                 for c in range(self.cores)]
         self.worker_ends: list[MemoryEndpoint] = []

@@ -65,7 +65,7 @@ def spec(world: int = 3, deterministic: bool = False, multicast: bool = True,
 def make(arena: SlotArena, world: int = 3, deterministic: bool = False,
          multicast: bool = True) -> Aggregator:
     agg = Aggregator(arena, KERNELS, Counters())
-    agg.add_job(spec(world, deterministic, multicast))
+    agg.add_job(spec(world, deterministic, multicast), 0.0)
     return agg
 
 
@@ -130,7 +130,7 @@ def test_retransmission_of_unfinished_segment_gets_pending_bitmap(arena: SlotAre
     h = unpack(bytes(reply.header))
     assert h.kind is Kind.PENDING and h.use == 1 and h.epoch == 1
     assert int.from_bytes(bytes(reply.payload), "little") == 0b0101
-    stats = agg.stats(5)
+    stats = agg.stats(5, 0.0)
     assert stats is not None and sorted(stats.waiting) == [1, 3]
 
 
@@ -216,11 +216,11 @@ def test_next_segment_before_slot_finished_is_refused(arena: SlotArena) -> None:
 
 def test_slot_budget_is_enforced(arena: SlotArena) -> None:
     agg = Aggregator(arena, KERNELS, Counters())
-    agg.add_job(JobSpec(1, 1, 2, 8))
+    agg.add_job(JobSpec(1, 1, 2, 8), 0.0)
     with pytest.raises(AdmissionError, match="slots"):
-        agg.add_job(JobSpec(2, 1, 2, 1))
+        agg.add_job(JobSpec(2, 1, 2, 1), 0.0)
     agg.remove_job(1)
-    agg.add_job(JobSpec(2, 1, 2, 1))
+    agg.add_job(JobSpec(2, 1, 2, 1), 0.0)
 
 
 @pytest.mark.parametrize("dtype", list(DType))

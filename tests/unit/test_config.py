@@ -80,8 +80,10 @@ def test_bad_job_requests_are_refused() -> None:
     registry = Registry(parse({}))
     with pytest.raises(BadRequest, match="world_size"):
         registry.plan(JobRequest("job", 0), cookie=1, secret="s", now=0.0)
-    with pytest.raises(BadRequest, match="name"):
-        registry.plan(JobRequest("", 2), cookie=1, secret="s", now=0.0)
+    for name in ("", "x" * 129, "tab\there", "bell\x07", "new\nline", "-leading", "sp ace"):
+        with pytest.raises(BadRequest, match="job name"):
+            registry.plan(JobRequest(name, 2), cookie=1, secret="s", now=0.0)
+    registry.plan(JobRequest("torch-3f2a_run:7@host+x=1.y", 2), cookie=1, secret="s", now=0.0)
 
 
 def test_the_tree_written_out_loads_back_equal(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ def kinds(sends: list[Send]) -> list[Kind]:
 
 def test_contributions_from_another_source_are_dropped_and_counted(arena: SlotArena) -> None:
     agg = Aggregator(arena, KERNELS, Counters())
-    agg.add_job(spec(world=2))
+    agg.add_job(spec(world=2), 0.0)
     contribute(agg, 0, np.ones(4, np.float32))
     # Another host, with the right cookie, claims rank 1: dropped, never summed.
     assert contribute(agg, 1, np.full(4, 1000, np.float32), source=STRANGER) == []
@@ -48,7 +48,7 @@ def test_contributions_from_another_source_are_dropped_and_counted(arena: SlotAr
 
 def test_unicast_results_go_to_bound_endpoints_whatever_datagrams_say(arena: SlotArena) -> None:
     agg = Aggregator(arena, KERNELS, Counters())
-    agg.add_job(spec(world=2, multicast=False))
+    agg.add_job(spec(world=2, multicast=False), 0.0)
     for _ in range(5):  # forged, even with the cookie: cannot re-point a rank's results
         contribute(agg, 1, np.ones(4, np.float32), source=STRANGER)
         contribute(agg, 1, np.ones(4, np.float32), source=STRANGER, round_no=9, use=2)
@@ -59,7 +59,7 @@ def test_unicast_results_go_to_bound_endpoints_whatever_datagrams_say(arena: Slo
 
 def test_a_flood_far_ahead_of_the_window_never_occupies_a_slot(arena: SlotArena) -> None:
     agg = Aggregator(arena, KERNELS, Counters())
-    agg.add_job(spec(world=2))
+    agg.add_job(spec(world=2), 0.0)
     for slot in range(2):  # 64 datagrams, as in the report: one per slot and use
         for use in (3, 7, 2**31, 2**32 - 1):
             for rnd in (2**32 - 1, 1):
@@ -78,10 +78,10 @@ def test_a_flood_far_ahead_of_the_window_never_occupies_a_slot(arena: SlotArena)
 def test_a_new_epoch_resets_every_slot_and_answers_stale_datagrams_with_resync(
         arena: SlotArena) -> None:
     agg = Aggregator(arena, KERNELS, Counters())
-    agg.add_job(spec(world=2))
+    agg.add_job(spec(world=2), 0.0)
     contribute(agg, 0, np.ones(4, np.float32))  # round 1 half done when rank 1 restarts
     moved = (*spec(world=2).endpoints[:1], (where(1)[0], 40777))
-    notices = agg.update_job(replace(spec(world=2), epoch=2, endpoints=moved))
+    notices = agg.update_job(replace(spec(world=2), epoch=2, endpoints=moved), 0.0)
     assert sorted(n.dest for n in notices) == [where(0), moved[1]]
     assert all(unpack(bytes(n.header)).kind is Kind.RESYNC and
                unpack(bytes(n.header)).epoch == 2 for n in notices)
@@ -98,7 +98,7 @@ def test_a_new_epoch_resets_every_slot_and_answers_stale_datagrams_with_resync(
 
 def test_diverged_ranks_are_all_told_until_a_new_epoch(arena: SlotArena) -> None:
     agg = Aggregator(arena, KERNELS, Counters())
-    agg.add_job(spec(world=3))
+    agg.add_job(spec(world=3), 0.0)
     contribute(agg, 0, np.ones(4, np.float32), round_no=4)
     told = contribute(agg, 2, np.ones(4, np.float32), round_no=5)  # a round lost at rank 2
     assert kinds(told) == [Kind.DIVERGED] * 3 and sorted(s.dest for s in told) == [
@@ -106,11 +106,11 @@ def test_diverged_ranks_are_all_told_until_a_new_epoch(arena: SlotArena) -> None
     reason = bytes(told[0].payload).decode()
     assert "slot 0 use 1" in reason and "rank 2 sent round 5" in reason
     assert "rank 0 sent round 4" in reason
-    stats = agg.stats(5)
+    stats = agg.stats(5, 0.0)
     assert stats is not None and stats.diverged == reason
     (again,) = contribute(agg, 1, np.ones(4, np.float32), round_no=4)  # everyone hears it
     assert kinds([again]) == [Kind.DIVERGED] and again.dest == where(1)
-    agg.update_job(replace(spec(world=3), epoch=2))
+    agg.update_job(replace(spec(world=3), epoch=2), 0.0)
     for rank in range(2):
         assert contribute(agg, rank, np.ones(4, np.float32), epoch=2) == []
     sends = contribute(agg, 2, np.ones(4, np.float32), epoch=2)
@@ -122,8 +122,8 @@ def test_a_deterministic_job_holds_only_its_quota_and_cannot_starve_another(
     agg = Aggregator(arena, KERNELS, Counters())
     greedy = replace(spec(world=4, deterministic=True, job=5), hold_buffers=3)
     other = replace(spec(world=4, deterministic=True, job=6), hold_buffers=3)
-    agg.add_job(greedy)
-    agg.add_job(other)
+    agg.add_job(greedy, 0.0)
+    agg.add_job(other, 0.0)
     # The greedy job's ranks 1..3 run ahead on both slots: 6 early contributions, quota 3.
     for slot in range(2):
         for rank in (3, 2, 1):
@@ -136,12 +136,12 @@ def test_a_deterministic_job_holds_only_its_quota_and_cannot_starve_another(
     assert np.array_equal(result_of(sends, np.float32), np.full(4, 16, np.float32))
     # Admission refuses what the pool cannot reserve, saying how much is left.
     with pytest.raises(AdmissionError, match="held receive buffers but only 58"):
-        agg.add_job(replace(spec(world=2, deterministic=True, job=7), hold_buffers=100))
+        agg.add_job(replace(spec(world=2, deterministic=True, job=7), hold_buffers=100), 0.0)
 
 
 def test_notices_of_an_aborted_job_go_to_its_bound_endpoints_only(arena: SlotArena) -> None:
     agg = Aggregator(arena, KERNELS, Counters())
-    agg.add_job(JobSpec(9, COOKIE, 2, 2, multicast=GROUP, endpoints=(where(0), where(1))))
+    agg.add_job(JobSpec(9, COOKIE, 2, 2, multicast=GROUP, endpoints=(where(0), where(1))), 0.0)
     agg.abort_job(9)
     assert contribute(agg, 0, np.ones(4, np.float32), job=9, source=STRANGER) == []
     (told,) = contribute(agg, 0, np.ones(4, np.float32), job=9)

@@ -105,6 +105,7 @@ SNAPSHOT = ApplianceSnapshot(
     cores=(CORE0, CORE1),
     jobs=(TRAINING, WAITING),
     interfaces=(InterfaceSnapshot(name="eth1", mtu=9000, up=True, multicast_routes=()),),
+    fallbacks=("reduce kernels numpy, not torch (ImportError: no torch) (cores 0, 1)",),
 )
 
 
@@ -126,6 +127,7 @@ def test_appliance_info_and_uptime() -> None:
         == 1
     )
     assert value("reduction_appliance_uptime_seconds") == 3600.0
+    assert value("reduction_appliance_fallbacks") == 1
 
 
 @pytest.mark.parametrize(
@@ -229,7 +231,8 @@ def test_interfaces() -> None:
 def test_empty_appliance_renders() -> None:
     empty = ApplianceSnapshot(version="0.1.0", uptime_s=0.0, config="", cores=(), jobs=())
     names = {s.name for s in samples(empty)}
-    assert names == {"reduction_appliance_info", "reduction_appliance_uptime_seconds"}
+    assert names == {"reduction_appliance_info", "reduction_appliance_uptime_seconds",
+                     "reduction_appliance_janitor_errors_total", "reduction_appliance_fallbacks"}
 
 
 def test_names_follow_conventions() -> None:

@@ -128,7 +128,7 @@ def test_concurrent_rounds_over_a_lossy_network_are_exact(
         if lanes > 1 and len(sizes) > 1:
             assert most >= 2  # submitted together, they really overlapped
         for agg in net.aggregators:
-            stats = agg.stats(7)
+            stats = agg.stats(7, net.now)
             assert stats is not None and stats.waiting == {}
     finally:
         net.close()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from reduction_appliance.dataplane.counters import Counter, Counters
-from reduction_appliance.dataplane.errors import AdmissionError, CoreFailure
+from reduction_appliance.dataplane.errors import AdmissionError, CoreFailure, RankSilent
 from reduction_appliance.dataplane.loop import CoreLoop
 from reduction_appliance.dataplane.registration import EndpointInfo
 from reduction_appliance.dataplane.spec import (
@@ -86,7 +86,8 @@ def test_client_and_core_loop_over_the_in_memory_seams(multicast: bool) -> None:
     clients = [
         ApplianceClient([info], r, timing=Timing(0.01, 0.002, 0.2, 30.0), clock=net.clock,
                         transport=MemoryWorkerTransport(
-                            net, (f"198.18.0.{101 + r}", 40000), [GROUP] if multicast else []))
+                            net, (f"198.18.0.{101 + r}", 40000), [GROUP] if multicast else []),
+                        lease=False)
         for r in range(world)
     ]
     try:
@@ -109,6 +110,53 @@ def test_client_and_core_loop_over_the_in_memory_seams(multicast: bool) -> None:
         assert loop.counters[Counter.PACKETS_IN] == world * segments
         # Multicast: one result per segment; unicast fan-out: one per worker.
         assert loop.counters[Counter.PACKETS_OUT] == segments * (1 if multicast else world)
+    finally:
+        for c in clients:
+            c.close()
+        loop.close()
+        ours.close()
+        theirs.close()
+
+
+def test_a_dead_rank_is_named_to_the_others_within_the_liveness_timeout() -> None:
+    """Heartbeats through the real loop on simulated time: rank 2 stops (its process is gone),
+    ranks 0 and 1 keep heartbeating; their round fails with RankSilent naming rank 2 and its
+    endpoint, once rank 2 has been silent for the job's liveness timeout."""
+    world, cookie, job = 3, 0xBEEF, 4
+    net = MemoryNetwork()
+    ours, theirs = Pipe()
+    loop = core_loop(net, theirs)
+    where = [(f"198.18.0.{101 + r}", 40000) for r in range(world)]
+    spec = JobSpec(job, cookie, world, 4, multicast=GROUP, endpoints=tuple(where),
+                   liveness_timeout=5.0)
+    assert loop.serve(Request(1, AddJob(spec))).error is None
+    info = JobInfo("memory", job, "liveness", world, 1024, GROUP, False, 60.0,
+                   (EndpointInfo(0, *CORE, 4),), cookie=cookie, liveness_s=5.0)
+    clients = [ApplianceClient([info], r, clock=net.clock, lease=False,
+                               transport=MemoryWorkerTransport(net, where[r], [GROUP]))
+               for r in range(world)]
+    try:
+        clients[2].close()  # rank 2 is gone: no heartbeat, no contribution from now on
+        tickets = [clients[r].start(np.ones(1000, np.float32)) for r in range(2)]
+        failed: dict[int, BaseException] = {}
+        beat_at = 0.0
+        while len(failed) < 2 and net.now < 30.0:
+            if net.now >= beat_at:  # the lease threads' job, ten times per timeout
+                for r in range(2):
+                    clients[r].heartbeat()
+                beat_at = net.now + 0.5
+            for r in range(2):
+                for outcome in clients[r].progress(timeout=0):
+                    assert outcome.ticket == tickets[r] and outcome.error is not None
+                    failed[r] = outcome.error
+            while loop.receive_burst():
+                pass
+            net.advance(min(net.next_arrival(), beat_at))
+        assert set(failed) == {0, 1}
+        for error in failed.values():
+            assert isinstance(error, RankSilent)
+            assert "rank 2 (198.18.0.103:40000)" in str(error), error
+        assert 5.0 < net.now < 6.0 + 0.5  # named within the timeout and one heartbeat
     finally:
         for c in clients:
             c.close()

@@ -124,7 +124,7 @@ def test_lossy_network_is_always_exact(
             for a in arrays:
                 assert same_bits(a, want)
         for agg in net.aggregators:  # no receive buffer leaked by held contributions
-            stats = agg.stats(7)
+            stats = agg.stats(7, net.now)
             assert stats is not None and stats.waiting == {}
     finally:
         net.close()

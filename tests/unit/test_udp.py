@@ -67,3 +67,4 @@ def test_without_gso_every_datagram_is_sent_alone() -> None:
     b.flush()
     assert [len(iov) for iov, _, _ in sock.calls] == [2, 2, 2]
     assert not b.gso and b.take_counts() == (3, 153, 0)
+    assert b.gso_refused == "EIO: no GSO here"  # the core reports it as a fallback

@@ -1,0 +1,149 @@
+"""reductiond's pieces that need no data plane: sd_notify on a real datagram socket, the
+janitor that must never kill the daemon, the open-files limit, how status shows the
+janitor's failures, and the harness draining a daemon's output."""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reduction_appliance.control import daemon
+from reduction_appliance.control.ctl import render_status
+from reduction_appliance.control.daemon import Janitor, raise_open_files_limit, sd_notify
+from reduction_appliance.dataplane.errors import Unavailable
+from reduction_appliance.deploy.testnet.harness import OutputTail
+
+
+@pytest.mark.parametrize("abstract", [False, True])
+def test_sd_notify_reaches_a_datagram_socket(abstract: bool, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as systemd:
+        if abstract:
+            name = f"rd-parts-{os.getpid()}"
+            systemd.bind("\0" + name)
+            monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
+        else:
+            path = str(tmp_path / "notify")
+            systemd.bind(path)
+            monkeypatch.setenv("NOTIFY_SOCKET", path)
+        systemd.settimeout(5)
+        assert sd_notify("READY=1\nSTATUS=serving")
+        assert systemd.recv(4096) == b"READY=1\nSTATUS=serving"
+
+
+def test_sd_notify_is_a_no_op_without_systemd_and_one_line_when_it_fails(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    assert not sd_notify("READY=1")
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "nobody"))
+    with caplog.at_level(logging.INFO, logger="reductiond"):
+        assert not sd_notify("READY=1")
+    assert len(caplog.records) == 1 and caplog.records[0].exc_info is None
+
+
+def test_the_watchdog_interval_is_half_of_watchdog_usec(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    monkeypatch.setenv("WATCHDOG_USEC", "30000000")
+    assert daemon._watchdog_interval_s() == 15.0
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid() + 1))  # meant for another process
+    assert daemon._watchdog_interval_s() is None
+    monkeypatch.delenv("WATCHDOG_USEC")
+    assert daemon._watchdog_interval_s() is None
+
+
+class _Broken:
+    """An Appliance whose chores fail the way a test says."""
+
+    def __init__(self, error: Exception | None) -> None:
+        self.error = error
+        self.evicted = 0
+        self.probed = 0
+
+    def probe_cores(self) -> None:
+        self.probed += 1
+
+    def sample_rates(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def evict_idle(self) -> list[Any]:
+        self.evicted += 1
+        return []
+
+
+def test_the_janitor_logs_counts_and_carries_on(caplog: pytest.LogCaptureFixture) -> None:
+    broken = _Broken(ZeroDivisionError("rates of nothing"))
+    failures: list[int] = []
+    janitor = Janitor(broken, lambda: failures.append(1))  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger="reductiond"):
+        for _ in range(3):
+            janitor.tick()  # never raises
+    assert len(failures) == 3 and broken.evicted == broken.probed == 3  # the others still ran
+    assert len(caplog.records) == 3  # one line per failure, no traceback
+    assert all(r.exc_info is None and "ZeroDivisionError: rates of nothing" in r.getMessage()
+               and "\n" not in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    broken.error = Unavailable("core 0 is restarting")  # not a failure: it passes
+    with caplog.at_level(logging.INFO, logger="reductiond"):
+        janitor.tick()
+    assert len(failures) == 3 and caplog.records == []
+
+
+def test_status_shows_the_janitors_failures() -> None:
+    snapshot = {"version": "0.1.0", "uptime_s": 5.0, "config": "a.toml", "cores": [],
+                "jobs": [], "interfaces": [], "steering": [], "steering_notes": [],
+                "rdma_devices": [], "janitor_errors": 0}
+    assert "janitor" not in render_status(snapshot)
+    shown = render_status(snapshot | {"janitor_errors": 4})
+    assert "janitor: 4 periodic chore(s) failed" in shown.split("\n\n")[0]
+    assert shown.split("\n\n")[2] == "jobs: none"  # `reductionctl jobs` still finds its part
+
+
+def test_the_open_files_limit_is_raised_to_the_hard_limit(
+        caplog: pytest.LogCaptureFixture) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        if hard != resource.RLIM_INFINITY and hard > 1024:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+        with caplog.at_level(logging.INFO, logger="reductiond"):
+            now = raise_open_files_limit()
+        assert now == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if hard != resource.RLIM_INFINITY:
+            assert now == hard
+        assert [r.levelname for r in caplog.records] == ["INFO"]
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_harness_drains_a_chatty_child_and_keeps_its_tail() -> None:
+    # More than a pipe holds (64 KiB) on both pipes before the ready line: an undrained
+    # child would block in its writes and never get there.
+    chatty = ("import sys\n"
+              "for i in range(20000): print(f'out {i:08}', flush=False); "
+              "print(f'err {i:08}', file=sys.stderr)\n"
+              "print('reductiond ready: yes', flush=True)\n"
+              "sys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, "-c", chatty], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out = OutputTail(proc.stdout, marker="reductiond ready")
+        err = OutputTail(proc.stderr, limit=4096)
+        assert out.seen.wait(60) and out.line == "reductiond ready: yes\n"
+        assert proc.poll() is None  # not blocked, not dead: waiting on its stdin
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    err.join()
+    assert err.done and err.text().endswith("err 00019999\n")
+    assert len(err.text()) <= 4096
