@@ -96,8 +96,13 @@ CORE_COUNTERS: dict[str, tuple[str, str]] = {
     ),
     "pending_sent": (
         "core_pending_sent",
-        "PENDING notes sent to a worker that retransmitted a contribution already counted while "
-        "the segment still waits for other ranks; moves on each such retransmission.",
+        "PENDING notes: to a worker that retransmitted or queried a segment still waiting for "
+        "other ranks, and to each of those ranks (their contribution never came).",
+    ),
+    "queries": (
+        "core_queries",
+        "QUERYs: a rank whose contribution already arrived asks for the result (48 bytes instead "
+        "of resending the segment); answered with the result or PENDING.",
     ),
     "duplicates": (
         "core_duplicates",

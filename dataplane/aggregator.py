@@ -146,12 +146,14 @@ class _Slot:
 
 class _Job:
     __slots__ = ("all_ranks", "arena_slots", "bytes_reduced", "diverged", "held",
-                 "last_activity", "last_seen", "rounds", "segments_reduced", "slots", "spec")
+                 "last_activity", "last_data", "last_seen", "rounds", "segments_reduced", "slots",
+                 "spec")
 
     def __init__(self, spec: JobSpec, arena_slots: list[int], slots: list[_Slot],
                  now: float) -> None:
         self.spec = spec
         self.last_seen = [now] * spec.world_size  # when each rank last said anything
+        self.last_data = [-1.0] * spec.world_size  # ... sent a contribution or a query
         self.arena_slots = arena_slots
         self.slots = slots
         self.all_ranks = (1 << spec.world_size) - 1
@@ -308,21 +310,21 @@ class Aggregator:
                 cells[Counter.DROP_MALFORMED] += 1
                 pool.release(index)
                 continue
-            if h.kind is not Kind.CONTRIBUTION:
-                if h.kind is Kind.HEARTBEAT:
-                    self._heartbeat(h, source, now, out)
-                else:
-                    cells[Counter.DROP_MALFORMED] += 1
-                pool.release(index)
+            if h.kind is Kind.CONTRIBUTION or h.kind is Kind.QUERY:
+                if not self._contribution(h, index, nbytes - HEADER_SIZE, source, now, out):
+                    pool.release(index)
                 continue
-            if not self._contribution(h, index, nbytes - HEADER_SIZE, source, now, out):
-                pool.release(index)
+            if h.kind is Kind.HEARTBEAT:
+                self._heartbeat(h, source, now, out)
+            else:
+                cells[Counter.DROP_MALFORMED] += 1
+            pool.release(index)
         return out
 
     def _contribution(self, h: Header, index: int, received: int, source: Address,
                       now: float, out: list[Send]) -> bool:
-        """Handle one contribution whose datagram sits in buffer `index`; True when a
-        deterministic job keeps that buffer."""
+        """Handle one contribution (or a QUERY: its header alone) whose datagram sits in
+        buffer `index`; True when a deterministic job keeps that buffer."""
         cells = self._cells
         job = self._jobs.get(h.job_id)
         if job is None:
@@ -357,11 +359,14 @@ class Aggregator:
         if h.slot >= spec.slots:
             cells[Counter.DROP_BAD_SLOT] += 1
             return False
-        if (received != h.length or received == 0 or received % ITEMSIZE[h.dtype]
-                or received > self._arena.max_payload):
+        query = h.kind is Kind.QUERY
+        length = h.length if query else received  # a query names the segment's length
+        if ((query and received) or (not query and received != h.length) or length == 0
+                or length % ITEMSIZE[h.dtype] or length > self._arena.max_payload):
             cells[Counter.DROP_BAD_LENGTH] += 1
             return False
         job.last_activity = now
+        job.last_data[h.rank] = now
 
         slot = job.slots[h.slot]
         latest = slot.copies[slot.latest]
@@ -371,6 +376,10 @@ class Aggregator:
         elif h.use == other.use and other.state is not CopyState.EMPTY:
             copy = other
         elif h.use == latest.use + 1:
+            if query:  # asks after a use that never started here: "send it again"
+                cells[Counter.PENDING_SENT] += 1
+                out.append(self._notice(Kind.PENDING, h, source, bytes((spec.world_size + 7) // 8)))
+                return False
             return self._start_use(job, slot, h, index, now, out)
         elif h.use < latest.use:
             cells[Counter.DROP_STALE] += 1
@@ -379,7 +388,7 @@ class Aggregator:
             cells[Counter.DROP_WINDOW] += 1
             return False
 
-        if (copy.round != h.round or copy.offset != h.offset or copy.length != received
+        if (copy.round != h.round or copy.offset != h.offset or copy.length != length
                 or copy.dtype is not h.dtype or copy.op is not h.op):
             cells[Counter.DROP_MISMATCH] += 1
             self._diverge(job, copy, h, out)
@@ -388,10 +397,10 @@ class Aggregator:
             cells[Counter.RESULTS_RESENT] += 1
             out.append(Send(source, copy.header, copy.result))
             return False
-        if copy.arrived >> h.rank & 1:
-            cells[Counter.DUPLICATES] += 1
-            if h.flags & Flags.RETRANSMIT:
-                out.append(self._pending(job, copy, h, source))
+        if query or copy.arrived >> h.rank & 1:
+            cells[Counter.DUPLICATES if not query else Counter.QUERIES] += 1
+            if query or h.flags & Flags.RETRANSMIT:
+                self._waiting(job, copy, h, source, out)
             return False
         return self._accumulate(job, copy, h.rank, index, out)
 
@@ -529,18 +538,33 @@ class Aggregator:
         else:
             out.extend(Send(a, copy.header, copy.result) for a in job.bound)
 
-    def _pending(self, job: _Job, copy: _Copy, h: Header, source: Address) -> Send:
-        """Tell a retransmitting worker which ranks have arrived (its timeout error names the
-        missing ones). Rare by construction: only retransmissions of unfinished segments."""
-        self._cells[Counter.PENDING_SENT] += 1
-        world = job.spec.world_size
-        bitmap = copy.arrived.to_bytes((world + 7) // 8, "little")
+    def _waiting(self, job: _Job, copy: _Copy, h: Header, source: Address,
+                 out: list[Send]) -> None:
+        """A rank asks after an unfinished segment (it retransmitted, or queried): tell it which
+        ranks have arrived, and tell each missing rank that has sent data since the segment
+        began here (so it is in this round, and its contribution was lost) that it never came,
+        so that it resends now rather than at its own timer (its later segments may be waiting
+        on other holes, so it may not see this one for a while). A rank silent since then is
+        still computing: telling it would only add datagrams while it is late."""
+        spec = job.spec
+        bitmap = copy.arrived.to_bytes((spec.world_size + 7) // 8, "little")
         header = bytearray(HEADER_SIZE)
         pack_into(header, Header(
-            Kind.PENDING, copy.dtype, copy.op, 0, job.spec.job_id, h.rank, job.spec.cookie,
-            copy.round, h.slot, copy.offset, len(bitmap), copy.use, job.spec.epoch,
+            Kind.PENDING, copy.dtype, copy.op, 0, spec.job_id, h.rank, spec.cookie,
+            copy.round, h.slot, copy.offset, len(bitmap), copy.use, spec.epoch,
         ))
-        return Send(source, header, bitmap)
+        sends = [Send(source, header, bitmap)]
+        missing = job.all_ranks & ~copy.arrived
+        rank = 0
+        started = copy.started
+        while missing:
+            if (missing & 1 and job.last_data[rank] > started
+                    and (address := spec.endpoints[rank]) is not None):
+                sends.append(Send(address, header, bitmap))
+            missing >>= 1
+            rank += 1
+        self._cells[Counter.PENDING_SENT] += len(sends)
+        out.extend(sends)
 
     def _tell(self, job: _Job, kind: Kind, payload: bytes,
               counter: Counter = Counter.JOB_NOTICES) -> list[Send]:

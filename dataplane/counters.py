@@ -47,6 +47,7 @@ class Counter(IntEnum):
     DROP_WINDOW = 28  # a slot use beyond the next one: can never occupy a slot
     JOB_NOTICES = 29  # RESYNC and DIVERGED notices sent to workers
     HEARTBEATS = 30  # HEARTBEATs from bound ranks (each answered with LIVENESS)
+    QUERIES = 31  # QUERYs: a rank whose contribution is in asks for the result
 
 
 N_COUNTERS = len(Counter)

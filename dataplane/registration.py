@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from .errors import PeerError
+from .wire import VERSION
 
 __all__ = ["EndpointInfo", "JobDescription", "SchemaError"]
 
@@ -75,6 +76,9 @@ class JobDescription:
     epoch: int = 1  # the job's current epoch (rounds and slot uses count from its start)
     liveness_s: float = 5.0  # a rank or appliance silent this long is declared dead
     secret: str | None = None  # the join secret: only in the answer that created the job
+    # The datagram format the appliance's cores speak (an appliance from before the field
+    # spoke 2): a worker of another version would be dropped as malformed, so it refuses.
+    wire_version: int = VERSION
 
     def public(self) -> JobDescription:
         """The description without the cookie or the secret, for listings."""
@@ -90,6 +94,7 @@ class JobDescription:
             "multicast": (None if self.multicast is None
                           else {"group": self.multicast[0], "port": self.multicast[1]}),
             "epoch": self.epoch, "secret": self.secret, "liveness_s": self.liveness_s,
+            "wire_version": self.wire_version,
         }
 
     @classmethod
@@ -124,4 +129,5 @@ class JobDescription:
             deadline_s=_field(data, "deadline_s", float, where), endpoints=endpoints,
             multicast=multicast, epoch=_field(data, "epoch", int, where), secret=secret,
             liveness_s=_field(data, "liveness_s", float, where),
+            wire_version=_field(data, "wire_version", int, where) if "wire_version" in data else 2,
         )

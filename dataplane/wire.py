@@ -2,7 +2,7 @@
 
 Every datagram is a fixed 48-byte header followed by the payload (a segment of a tensor in the
 dtype named by the header, a rank bitmap for PENDING, a reason for DIVERGED, silent-rank records
-for LIVENESS). All fields are in network byte order::
+for LIVENESS; nothing for QUERY and the notices). All fields are in network byte order::
 
      0                   1                   2                   3
      0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 0 1
@@ -78,7 +78,7 @@ __all__ = [
 ]
 
 MAGIC = 0x5241
-VERSION = 2
+VERSION = 3  # 3: QUERY, and PENDING sent to the ranks a segment waits for
 
 HEADER = struct.Struct("!HBBBBBxIHHQIIQII")
 HEADER_SIZE = HEADER.size
@@ -91,12 +91,20 @@ class Kind(IntEnum):
 
     CONTRIBUTION = 1  # worker -> appliance: one rank's segment
     RESULT = 2  # appliance -> workers: the reduced segment
-    PENDING = 3  # appliance -> one worker: segment not finished; payload = arrived-rank bitmap
+    # appliance -> one worker: segment not finished; payload = arrived-rank bitmap. Sent to a
+    # worker that retransmitted or queried, and to each rank the segment still waits for (its
+    # bit clear: "yours never came", so it resends at once instead of at its timer).
+    PENDING = 3
     ABORTED = 4  # appliance -> one worker: the job was aborted (operator, shutdown); no payload
     RESYNC = 5  # appliance -> one worker: the job is at `epoch`; yours is stale; no payload
     DIVERGED = 6  # appliance -> workers: ranks disagree on a slot's use; payload = the reason
     HEARTBEAT = 7  # worker -> appliance core: this rank is alive; no payload
     LIVENESS = 8  # appliance -> one worker: the answer to HEARTBEAT; payload = silent ranks
+    # worker -> appliance core: a retransmission as a contribution's header without its
+    # payload (`length` names the segment's): "the result, or tell me what you lack". Answered
+    # with the result if finished, else PENDING; 48 bytes instead of a segment, since a lost
+    # result or a late peer is likelier than a lost contribution.
+    QUERY = 9
 
 
 class DType(IntEnum):

@@ -43,6 +43,9 @@ from .transport import Outgoing, UdpWorkerTransport, WorkerTransport
 __all__ = ["ApplianceClient", "dtype_of", "op_of"]
 
 
+_NO_PAYLOAD = memoryview(b"")
+
+
 def _by_endpoint(t: Transmit) -> tuple[int, int]:
     return (t.endpoint, t.segment)
 
@@ -259,7 +262,8 @@ class ApplianceClient:
         if due:
             self.transport.send([
                 Outgoing(addresses[t.endpoint], t.header,
-                         views[t.ticket][t.header.offset:t.header.offset + t.header.length])
+                         views[t.ticket][t.header.offset:t.header.offset + t.header.length]
+                         if t.header.kind is Kind.CONTRIBUTION else _NO_PAYLOAD)  # a QUERY
                 for t in due])
 
     def _on_datagram(self, h: Header, payload: memoryview, source: Address) -> None:
@@ -274,7 +278,7 @@ class ApplianceClient:
                 self._views[rnd.ticket][h.offset:h.offset + h.length] = payload
                 pipeline.stored(rnd, k, self._clock())
         elif h.kind is Kind.PENDING:
-            pipeline.on_pending(h, bytes(payload), source)
+            pipeline.on_pending(h, bytes(payload), self._clock(), source)
         elif h.kind is Kind.ABORTED:
             pipeline.on_aborted(h, source)
         elif h.kind is Kind.RESYNC:

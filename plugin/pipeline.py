@@ -271,10 +271,11 @@ class RoundPipeline:
         if rnd.done:
             self._finish(rnd, None)
 
-    def on_pending(self, h: Header, bitmap: bytes, source: Address | None = None) -> None:
+    def on_pending(self, h: Header, bitmap: bytes, now: float,
+                   source: Address | None = None) -> None:
         rnd = self._active.get(h.round)
         if rnd is not None and self._ours(h, source) and h.epoch == self.epoch:
-            rnd.on_pending(h, bitmap)
+            rnd.on_pending(h, bitmap, now, source)
 
     def on_aborted(self, h: Header, source: Address | None = None) -> None:
         """The job is gone: every round in flight fails at its next `due`, and so does every

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 
 from reduction_appliance.dataplane.errors import ReductionError
 from reduction_appliance.dataplane.registration import EndpointInfo, JobDescription, SchemaError
+from reduction_appliance.dataplane.wire import VERSION
 
 from .session import Address, Endpoint
 
@@ -96,9 +97,14 @@ def _call(appliance: str, method: str, path: str, body: dict[str, object] | None
             time.sleep(pause)  # backoff between attempts at an API that did not answer
             pause = min(pause * 2, _MOST_BETWEEN_S)
     try:
-        return JobDescription.from_json(reply)
+        job = JobDescription.from_json(reply)
     except SchemaError as exc:
         raise RendezvousError(f"appliance {appliance} sent a malformed job reply: {exc}") from exc
+    if job.wire_version != VERSION:
+        raise RendezvousError(
+            f"appliance {appliance} speaks datagram format v{job.wire_version}, this worker "
+            f"v{VERSION}: install the same reduction-appliance release on both")
+    return job
 
 
 class _Retryable(Exception):

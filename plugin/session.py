@@ -156,7 +156,9 @@ class AllreduceRound:
         self._deadline = now + rtt.timing.deadline
         self._started = now
         n = self.segments
-        self._sent_at = [0.0] * n
+        self._sent_at = [0.0] * n  # first transmission (RTT samples)
+        self._last_sent = [0.0] * n  # latest transmission
+        self._heard_at = [-1.0] * len(endpoints)  # latest answer from each endpoint
         self._rto = [0.0] * n
         self._timer = [0.0] * n  # retransmission time of an outstanding segment
         self._retransmitted = bytearray(n)
@@ -169,7 +171,14 @@ class AllreduceRound:
         self._acked_seq = [0] * len(endpoints)
         self._unanswered: list[deque[int]] = [deque() for _ in endpoints]
         self._fast = bytearray(n)
+        # Retransmissions are QUERYs (48 bytes: "the result, or say what you lack") until the
+        # appliance says our contribution never came; then, once, the payload.
+        self._payload_sent = [0.0] * n
+        self._lacks_ours = bytearray(n)
+        self._nudged: deque[int] = deque()  # a PENDING said ours never came: resend at once
         self.fast_retransmissions = 0
+        self.nudged_retransmissions = 0  # resent because a PENDING said ours never came
+        self.queries = 0  # retransmissions that were QUERYs (header only)
         self.remaining = n
         self._timers: list[tuple[float, int]] = []
         e = len(endpoints)
@@ -193,8 +202,9 @@ class AllreduceRound:
         slot = ep.slot_base + (k // len(self.endpoints)) % ep.slots
         if not retransmit:
             self._use[k] = self._uses.take(e, slot)
+        kind = Kind.QUERY if retransmit and not self._lacks_ours[k] else Kind.CONTRIBUTION
         return Header(
-            Kind.CONTRIBUTION, self.dtype, self.op,
+            kind, self.dtype, self.op,
             Flags.RETRANSMIT if retransmit else Flags.NONE, ep.job_id, self.rank, ep.cookie,
             self.round, slot, self.offset(k), self.length(k), self._use[k], self.epoch,
         )
@@ -215,6 +225,11 @@ class AllreduceRound:
         self.check(now)
         out: list[Transmit] = []
         n_ep = len(self.endpoints)
+        while self._nudged:
+            k = self._nudged.popleft()
+            if not self._done[k]:
+                self.nudged_retransmissions += 1
+                self._resend(k, now, out)
         for e, waiting in enumerate(self._unanswered):
             acked = self._acked_seq[e]
             for k in waiting:
@@ -230,7 +245,13 @@ class AllreduceRound:
             when, k = heapq.heappop(timers)
             if self._done[k] or when != self._timer[k]:
                 continue  # answered, or superseded by a later timer
-            self._rto[k] = min(max(self._rto[k] * 2, self._rtt.rto(k % n_ep)), rto_max)
+            e = k % n_ep
+            if self._heard_at[e] >= self._last_sent[k]:
+                # The core answered since and lacks something of ours: a random loss, not an
+                # overloaded or dead core, so waiting longer would only idle the slot.
+                self._rto[k] = self._rtt.rto(e)
+            else:  # a silent core, or one waiting for late ranks: ask less and less often
+                self._rto[k] = min(max(self._rto[k] * 2, self._rtt.rto(e)), rto_max)
             self._resend(k, now, out)
         while self._ready:
             k = self._ready.popleft()
@@ -241,6 +262,7 @@ class AllreduceRound:
             self._seq[k] = self._sent_seq[e]
             self._unanswered[e].append(k)
             self._arm(k, now)
+            self._payload_sent[k] = now
             out.append(Transmit(e, k, self._header(k, False), self.ticket))
         return out
 
@@ -248,18 +270,26 @@ class AllreduceRound:
         self._retransmitted[k] = 1
         self.retransmissions += 1
         self._arm(k, now)
-        out.append(Transmit(k % len(self.endpoints), k, self._header(k, True), self.ticket))
+        header = self._header(k, True)
+        if header.kind is Kind.QUERY:
+            self.queries += 1
+        else:
+            self._payload_sent[k] = now
+            self._lacks_ours[k] = 0
+        out.append(Transmit(k % len(self.endpoints), k, header, self.ticket))
 
     def _arm(self, k: int, now: float) -> None:
+        self._last_sent[k] = now
         self._timer[k] = when = now + self._rto[k]
         heapq.heappush(self._timers, (when, k))
 
     def wakeup(self) -> float:
         """The time `due` next has work, unless a result arrives first."""
-        if self._ready:
+        if self._ready or self._nudged:
             return 0.0
-        while self._timers and self._done[self._timers[0][1]]:
-            heapq.heappop(self._timers)
+        timers = self._timers
+        while timers and (self._done[timers[0][1]] or timers[0][0] != self._timer[timers[0][1]]):
+            heapq.heappop(timers)  # answered, or superseded by a later timer
         nxt = self._timers[0][0] if self._timers else self._deadline
         return min(nxt, self._deadline)
 
@@ -287,6 +317,7 @@ class AllreduceRound:
         self._done[k] = 1
         self.remaining -= 1
         e = k % len(self.endpoints)
+        self._heard_at[e] = now
         if not self._retransmitted[k]:
             self._rtt.sample(e, now - self._sent_at[k])
         if self._seq[k] > self._acked_seq[e]:
@@ -299,15 +330,34 @@ class AllreduceRound:
         if nxt < self.segments:
             self._ready.append(nxt)
 
-    def on_pending(self, h: Header, bitmap: bytes) -> None:
-        """The appliance says a segment still waits; remember which ranks it has, for errors."""
-        if h.kind is not Kind.PENDING or h.round != self.round:
+    def on_pending(self, h: Header, bitmap: bytes, now: float,
+                   source: Address | None = None) -> None:
+        """The appliance says a segment still waits, and which ranks it has (remembered for a
+        timeout's error message). Ours not among them: resend the payload now. When the PENDING
+        answers our own query, that is certain (the query left after the payload, on the same
+        path); when a peer's query caused it, ours may still be on its way, so only if it left
+        longer than a round trip ago."""
+        if h.kind is not Kind.PENDING or h.round != self.round or h.epoch != self.epoch:
             return
         k, rest = divmod(h.offset, self.segment_bytes)
         if rest or k >= self.segments:
             return
-        arrived = bin(int.from_bytes(bitmap, "little")).count("1")
-        self._pending[k % len(self.endpoints)] = (arrived, bytes(bitmap))
+        e = k % len(self.endpoints)
+        if source is not None and source != self.endpoints[e].address:
+            return
+        have = int.from_bytes(bitmap, "little")
+        self._heard_at[e] = now
+        self._pending[e] = (have.bit_count(), bytes(bitmap))
+        if self._done[k] or h.use != self._use[k]:
+            return
+        if have >> self.rank & 1 or self._lacks_ours[k]:
+            return
+        # A result's round trip includes the wait for the slowest rank: a generous bound on
+        # how long our payload may still be on its way.
+        in_flight = self._rtt.srtt(e) or self._rtt.timing.rto_initial
+        if h.rank == self.rank or now - self._payload_sent[k] >= in_flight:
+            self._lacks_ours[k] = 1
+            self._nudged.append(k)
 
     def on_aborted(self, h: Header) -> None:
         """The appliance says the job is gone (operator abort, eviction or shutdown)."""

@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import Any
 
 from pyroute2 import IPRoute, netns
+from pyroute2.ethtool.ethtool import Ethtool
 
 from reduction_appliance.deploy.testnet.shaping import (
     ShapingUnsupportedError,
@@ -43,6 +44,29 @@ _HOST_SYSCTLS = {
     "net.ipv4.conf.all.rp_filter": "0",
     "net.ipv4.conf.default.rp_filter": "0",
 }
+
+
+def _datagrams_as_frames(ns_name: str, ifname: str) -> None:
+    """Make a host's link segment UDP GSO sends before they leave it, as a NIC with UDP
+    segmentation offload puts each datagram on the wire as its own frame. veth would otherwise
+    carry a GSO super-packet (up to 64 datagrams) through the switch whole, and the switch's
+    loss rules would drop or pass all of its datagrams together: 20% loss of super-packets of 7
+    results is not 20% datagram loss. The sender keeps GSO's saving (one sendmsg, one pass
+    through the stack); the kernel segments in software just before the link."""
+    netns.pushns(ns_name)  # the ioctl acts on the namespace of the socket Ethtool opens
+    try:
+        ethtool = Ethtool()
+        try:
+            features = ethtool.get_features(ifname)
+            features.features["tx-udp-segmentation"].enable = False
+            ethtool.set_features(ifname, features)
+        finally:
+            ethtool.close()
+    except (OSError, KeyError) as exc:
+        raise LabError(f"{ns_name}: cannot turn UDP segmentation offload off on {ifname} "
+                       f"(needed for per-datagram loss): {exc}") from exc
+    finally:
+        netns.popns()
 
 
 class LabError(RuntimeError):
@@ -329,6 +353,7 @@ class Lab:
             except ShapingUnsupportedError as exc:
                 raise LabError(f"{name}: {exc}") from exc
             ipr.addr("add", index=index, address=host.address, prefixlen=topo.prefixlen)
+            _datagrams_as_frames(ns_name, host_if)
             ipr.link("set", index=index, state="up")
             # Multicast sends without IP_MULTICAST_IF follow the routing table; point the group
             # range at the data interface so senders need no per-socket setup.

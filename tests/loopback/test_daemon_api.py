@@ -112,15 +112,41 @@ def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def _accepted(pid: int, api_port: int, client_ports: set[int]) -> int:
+    """How many of the connections from `client_ports` to `api_port` the daemon `pid` has
+    accepted: an established IPv4 socket whose inode is one of its file descriptors. Counting
+    the daemon's descriptors instead races with the close of a connection a moment earlier."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(int(link[8:-1]))
+    accepted = 0
+    for row in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = row.split()
+        local_port = int(fields[1].rsplit(":", 1)[1], 16)
+        remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+        if local_port == api_port and remote_port in client_ports and int(fields[9]) in inodes:
+            accepted += 1
+    return accepted
+
+
 def _connections(daemon: Daemon, count: int) -> list[socket.socket]:
     """`count` idle TCP connections to the API, each accepted by the daemon."""
-    base = _fds(daemon.pid)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < count + 256:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, count + 1024)), hard))
     socks = [socket.create_connection(daemon.api, timeout=10) for _ in range(count)]
-    wait_until(lambda: _fds(daemon.pid) >= base + count, 30,
-               what=f"the daemon to accept {count} connections")
+    ports = {sock.getsockname()[1] for sock in socks}
+    try:
+        wait_until(lambda: _accepted(daemon.pid, daemon.api[1], ports) == count, 30,
+                   what=f"the daemon to accept {count} connections")
+    except TimeoutError as error:
+        raise AssertionError(
+            f"{error}: {_accepted(daemon.pid, daemon.api[1], ports)} accepted, daemon has "
+            f"{len(os.listdir(f'/proc/{daemon.pid}/fd'))} files open; its log:\n"
+            f"{daemon.stderr.text()}") from None
     return socks
 
 

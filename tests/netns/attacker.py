@@ -24,7 +24,7 @@ import json
 import socket
 import sys
 
-from reduction_appliance.dataplane.wire import HEADER, HEADER_SIZE, Kind, unpack
+from reduction_appliance.dataplane.wire import HEADER, HEADER_SIZE, MAGIC, VERSION, Kind, unpack
 from reduction_appliance.plugin.rendezvous import join, register
 
 FAR = 2**32 - 1
@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
             for rank, (sock, info) in enumerate(zip(socks, joined, strict=True), start=1):
                 for core in info.cores:
                     for slot in range(int(slots)):
-                        header = HEADER.pack(0x5241, 2, Kind.CONTRIBUTION, 1, 1, 0,
+                        header = HEADER.pack(MAGIC, VERSION, Kind.CONTRIBUTION, 1, 1, 0,
                                              info.job_id, rank, info.epoch, info.cookie or 0,
                                              1, slot, slot * 4096, 4096, 1)
                         sock.sendto(header + bytes(4096), (core.host, core.port))
@@ -114,7 +114,7 @@ def main(argv: list[str]) -> int:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.bind(("0.0.0.0", 0))
         for i in range(int(count)):
-            header = HEADER.pack(0x5241, 2, Kind.CONTRIBUTION, 1, 1, 0, int(job_id), int(rank),
+            header = HEADER.pack(MAGIC, VERSION, Kind.CONTRIBUTION, 1, 1, 0, int(job_id), int(rank),
                                  int(epoch), int(cookie), 1 + i % 4, i % 32, 0, 64, 1 + i % 4)
             sock.sendto(header + bytes(64), (host, int(port_text)))
         sock.settimeout(2.0)  # whatever the appliance would send here comes within this

@@ -126,7 +126,8 @@ class SimNet:
               view: Callable[[Transmit], NDArray[np.uint8]]) -> None:
         for t in due:
             pack_into(self._header, t.header)
-            payload = view(t)[t.header.offset:t.header.offset + t.header.length]
+            payload = view(t)[t.header.offset:t.header.offset + t.header.length] \
+                if t.header.kind is Kind.CONTRIBUTION else view(t)[:0]  # a QUERY
             self.worker_ends[rank].sendto(bytes(self._header) + payload.tobytes(),
                                           self.endpoints[t.endpoint].address)
 
@@ -159,7 +160,7 @@ class SimNet:
         def receive(rank: int, h: Header, payload: bytes, source: Address) -> None:
             rnd = rounds[rank]
             if h.kind is Kind.PENDING:
-                rnd.on_pending(h, payload)
+                rnd.on_pending(h, payload, self.now, source)
                 return
             if (h.kind is Kind.DIVERGED and source in self._cores
                     and (h.job_id, h.cookie) == (self.spec.job_id, self.spec.cookie)):
@@ -195,7 +196,7 @@ class SimNet:
         def receive(rank: int, h: Header, payload: bytes, source: Address) -> None:
             p = pipelines[rank]
             if h.kind is Kind.PENDING:
-                p.on_pending(h, payload, source)
+                p.on_pending(h, payload, self.now, source)
             elif h.kind is Kind.ABORTED:
                 p.on_aborted(h, source)
             elif (wanted := p.accept(h, source)) is not None:

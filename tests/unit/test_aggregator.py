@@ -73,7 +73,7 @@ def contribute(agg: Aggregator, rank: int, data: np.ndarray, *, round_no: int = 
                slot: int = 0, offset: int = 0, op: Op = Op.SUM, cookie: int = COOKIE,
                job: int = 5, flags: int = 0, dtype: DType | None = None,
                length: int | None = None, use: int = 1, epoch: int = 1,
-               source: tuple[str, int] | None = None) -> list[Send]:
+               source: tuple[str, int] | None = None, now: float = 0.0) -> list[Send]:
     payload = data.reshape(-1).view(np.uint8)
     found = by_numpy(data.dtype)
     dt = dtype or (found.dtype if found else DType.FLOAT32)
@@ -81,7 +81,7 @@ def contribute(agg: Aggregator, rank: int, data: np.ndarray, *, round_no: int = 
                len(payload) if length is None else length, use, epoch)
     header = bytearray(HEADER_SIZE)
     pack_into(header, h)
-    return feed(agg, [(bytes(header) + payload.tobytes(), source or where(rank))])
+    return feed(agg, [(bytes(header) + payload.tobytes(), source or where(rank))], now)
 
 
 def result_of(sends: list[Send], dtype: np.dtype) -> np.ndarray:
@@ -133,6 +133,71 @@ def test_retransmission_of_unfinished_segment_gets_pending_bitmap(arena: SlotAre
     stats = agg.stats(5, 0.0)
     assert stats is not None and sorted(stats.waiting) == [1, 3]
 
+
+def query(agg: Aggregator, rank: int, *, slot: int = 0, length: int = 32, use: int = 1,
+          payload: bytes = b"", now: float = 0.0) -> list[Send]:
+    """A QUERY: a contribution's header (segment length `length`) and no payload."""
+    header = bytearray(HEADER_SIZE)
+    pack_into(header, Header(Kind.QUERY, DType.FLOAT32, Op.SUM, Flags.RETRANSMIT, 5, rank, COOKIE,
+                             1, slot, 0, length, use, 1))
+    return feed(agg, [(bytes(header) + payload, where(rank))], now)
+
+
+def pending_of(send: Send) -> tuple[int, int]:
+    """(the rank the PENDING answers, the arrived-rank bitmap)."""
+    h = unpack(bytes(send.header))
+    assert h.kind is Kind.PENDING
+    return h.rank, int.from_bytes(bytes(send.payload), "little")
+
+
+def test_a_query_gets_pending_then_the_result_and_never_adds(arena: SlotArena) -> None:
+    agg = make(arena)
+    contribute(agg, 0, np.full(8, 1, np.float32))
+    contribute(agg, 1, np.full(8, 2, np.float32))
+    (reply,) = query(agg, 0)
+    assert reply.dest == where(0) and pending_of(reply) == (0, 0b011)
+    sends = contribute(agg, 2, np.full(8, 3, np.float32))
+    assert np.array_equal(result_of(sends, np.float32), np.full(8, 6, np.float32))
+    (resend,) = query(agg, 1)
+    assert resend.dest == where(1) and bytes(resend.payload) == bytes(sends[0].payload)
+    assert agg.counters[Counter.QUERIES] == 1 and agg.counters[Counter.RESULTS_RESENT] == 1
+    assert agg.counters[Counter.DUPLICATES] == 0
+
+
+def test_a_query_for_a_use_never_begun_says_nothing_came_and_starts_nothing(
+        arena: SlotArena) -> None:
+    agg = make(arena)
+    (reply,) = query(agg, 2)  # its contribution was lost: the slot's use never began here
+    assert reply.dest == where(2) and pending_of(reply) == (2, 0)
+    for r in range(2):
+        assert contribute(agg, r, np.ones(8, np.float32)) == []
+    sends = contribute(agg, 2, np.ones(8, np.float32))
+    assert np.array_equal(result_of(sends, np.float32), np.full(8, 3, np.float32))
+
+
+@pytest.mark.parametrize(("length", "payload"), [(32, b"\0" * 4), (30, b""), (0, b""),
+                                                   (4096, b"")])
+def test_a_query_with_a_payload_or_an_impossible_length_is_dropped(
+        arena: SlotArena, length: int, payload: bytes) -> None:
+    agg = make(arena)
+    contribute(agg, 0, np.ones(8, np.float32))
+    assert query(agg, 0, length=length, payload=payload) == []
+    assert agg.counters[Counter.DROP_BAD_LENGTH] == 1
+
+
+def test_pending_nudges_the_missing_ranks_that_sent_since_the_segment_began(
+        arena: SlotArena) -> None:
+    agg = Aggregator(arena, KERNELS, Counters())
+    agg.add_job(spec(world=4), 0.0)
+    contribute(agg, 0, np.ones(8, np.float32), slot=0)
+    contribute(agg, 2, np.ones(8, np.float32), slot=0)
+    # Rank 3 is in this round (its slot-1 segment came after slot 0 began) but its slot-0
+    # contribution was lost; rank 1 has sent nothing: still computing.
+    contribute(agg, 3, np.ones(8, np.float32), slot=1, offset=32, now=1.0)
+    replies = query(agg, 0, now=2.0)
+    assert sorted((s.dest, pending_of(s)) for s in replies) == [
+        (where(0), (0, 0b0101)), (where(3), (0, 0b0101))]
+    assert agg.counters[Counter.PENDING_SENT] == 2
 
 def test_lost_result_is_resent_unicast_from_the_stored_copy(arena: SlotArena) -> None:
     agg = make(arena)

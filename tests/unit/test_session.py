@@ -9,14 +9,20 @@ from hypothesis import strategies as st
 
 from reduction_appliance.dataplane.errors import AllreduceTimeout, JobAborted
 from reduction_appliance.dataplane.reduce import select_kernels
-from reduction_appliance.dataplane.wire import DType, Kind, Op
+from reduction_appliance.dataplane.wire import DType, Flags, Kind, Op
 from reduction_appliance.deploy.testnet.reference import (
     integer_valued,
     random_values,
     reference,
     same_bits,
 )
-from reduction_appliance.plugin.session import AllreduceRound, Endpoint, RttEstimator, Timing
+from reduction_appliance.plugin.session import (
+    AllreduceRound,
+    Endpoint,
+    RttEstimator,
+    Timing,
+    Transmit,
+)
 
 from .simnet import Faults, SimNet
 
@@ -57,6 +63,59 @@ def test_unanswered_segments_are_retransmitted_with_backoff() -> None:
     assert times == [0.1, 0.3, 0.7, 1.1]  # 0.1, 0.2, 0.4, then capped at 0.4
 
 
+def one_segment(timing: Timing, rtt: float | None = None) -> tuple[AllreduceRound, Transmit]:
+    """Rank 0 of 2, one segment, one core (with a round trip of `rtt` measured); sent at t=0."""
+    estimator = RttEstimator(timing)
+    if rtt is not None:
+        estimator.sample(0, rtt)
+    rnd = AllreduceRound(endpoints(1, 1), 0, 2, 1, DType.FLOAT32, Op.SUM, 64, 64, estimator, 0.0)
+    (sent,) = rnd.due(0.0)
+    assert sent.header.kind is Kind.CONTRIBUTION
+    return rnd, sent
+
+
+def test_retransmissions_are_queries_until_the_core_says_ours_never_came() -> None:
+    rnd, _ = one_segment(Timing(rto_initial=0.1, rto_min=0.01, rto_max=0.4, deadline=5.0))
+    (first,) = rnd.due(rnd.wakeup())
+    assert first.header.kind is Kind.QUERY and first.header.length == 64  # the segment's
+    # The core answers our query: nothing of ours came. Resent at once, with its payload.
+    rnd.on_pending(first.header._replace(kind=Kind.PENDING), bytes([0b10]), 0.105)
+    assert rnd.wakeup() == 0.0
+    (resent,) = rnd.due(0.105)
+    assert resent.header.kind is Kind.CONTRIBUTION and resent.header.flags & Flags.RETRANSMIT
+    (later,) = rnd.due(rnd.wakeup())
+    assert later.header.kind is Kind.QUERY  # the payload went once; ask again
+    assert (rnd.nudged_retransmissions, rnd.queries, rnd.retransmissions) == (1, 2, 3)
+
+
+def test_a_pending_for_a_peer_nudges_only_once_ours_had_time_to_arrive() -> None:
+    rnd, sent = one_segment(Timing(rto_initial=0.1, rto_min=0.01, rto_max=0.4, deadline=5.0),
+                            rtt=0.02)  # so the retransmission timer is 0.02 + 4 x 0.01
+    peers = sent.header._replace(kind=Kind.PENDING, rank=1)  # rank 1 queried
+    rnd.on_pending(peers, bytes([0b10]), 0.01)  # ours may still be on its way
+    assert rnd.due(0.01) == []
+    rnd.on_pending(peers._replace(use=sent.header.use + 1), bytes([0b10]), 0.03)  # not our use
+    assert rnd.due(0.03) == []
+    rnd.on_pending(peers, bytes([0b01]), 0.03)  # ours is in
+    assert rnd.due(0.03) == []
+    rnd.on_pending(peers, bytes([0b10]), 0.03)  # a round trip on, still not there: lost
+    (resent,) = rnd.due(0.03)
+    assert resent.header.kind is Kind.CONTRIBUTION and rnd.nudged_retransmissions == 1
+
+
+def test_no_backoff_while_the_core_answers_and_backoff_when_it_is_silent() -> None:
+    rnd, _ = one_segment(Timing(rto_initial=0.1, rto_min=0.01, rto_max=0.8, deadline=5.0))
+    times = []
+    for answered in (False, True, False, False, False):
+        now = rnd.wakeup()
+        (t,) = rnd.due(now)
+        times.append(round(now, 3))
+        if answered:  # ours is in; the segment waits for rank 1
+            rnd.on_pending(t.header._replace(kind=Kind.PENDING), bytes([0b01]), now + 0.01)
+    # Waits of 0.1, doubled to 0.2 and 0.4; the core answered the 0.3 query, so the wait after
+    # the next is the base 0.1 again; silence since: doubled.
+    assert times == [0.1, 0.3, 0.7, 0.8, 1.0]
+
 def test_deadline_raises_naming_silent_cores_and_missing_ranks() -> None:
     timing = Timing(rto_initial=0.1, rto_min=0.01, rto_max=0.4, deadline=2.0)
     rnd = AllreduceRound(endpoints(2, 1), 1, 4, 3, DType.FLOAT16, Op.AVG, 256, 64,
@@ -64,7 +123,7 @@ def test_deadline_raises_naming_silent_cores_and_missing_ranks() -> None:
     sent = rnd.due(0.0)
     rnd.stored(rnd.accept(sent[1].header._replace(kind=Kind.RESULT)) or 0, 0.01)
     pending = sent[0].header._replace(kind=Kind.PENDING)
-    rnd.on_pending(pending, bytes([0b0110]))
+    rnd.on_pending(pending, bytes([0b0110]), 0.02)
     with pytest.raises(AllreduceTimeout) as err:
         while True:
             rnd.due(rnd.wakeup())

@@ -44,7 +44,7 @@ TEST_PORT = 47000
 # value that differs from its neighbours' bytes, so a swapped, shifted or truncated field shows.
 
 CONTRIBUTION_HEX = """
-    5241 02 01     magic "RA", version 2, kind CONTRIBUTION
+    5241 03 01     magic "RA", version 3, kind CONTRIBUTION
     03 02 01 00    dtype BFLOAT16, op AVG, flags RETRANSMIT, zero
     0a0b0c0d       job id
     1234 5678      rank, epoch
@@ -65,7 +65,7 @@ CONTRIBUTION = Header(
 
 # A second golden with the top bit set in every wide field (catches signed packing).
 PENDING_HEX = """
-    5241 02 03     magic "RA", version 2, kind PENDING
+    5241 03 03     magic "RA", version 3, kind PENDING
     01 04 00 00    dtype FLOAT32, op MAX, no flags, zero
     fffffffe       job id
     ffff 8001      rank, epoch
@@ -85,6 +85,27 @@ PENDING = Header(
 )
 
 
+# A QUERY ("the result, or say what you lack"): a contribution's header with no payload behind
+# it, so `length` is the segment's length, not the datagram's.
+QUERY_HEX = """
+    5241 03 09     magic "RA", version 3, kind QUERY
+    02 01 00 00    dtype FLOAT16, op SUM, no flags, zero
+    00000021       job id
+    0003 0002      rank, epoch
+    00000000       cookie (high half)
+    0000abcd       cookie (low half)
+    00000005       round
+    00000011       slot
+    00000000       offset (high half)
+    00010000       offset (low half)
+    00002000       length 8192: the segment's
+    00000009       use
+"""
+QUERY = Header(
+    kind=Kind.QUERY, dtype=DType.FLOAT16, op=Op.SUM, flags=Flags.NONE, job_id=0x21, rank=3,
+    cookie=0xABCD, round=5, slot=0x11, offset=0x10000, length=8192, use=9, epoch=2,
+)
+
 def from_annotated_hex(text: str) -> bytes:
     """The hex digits of each line up to the first word that is not hex (the comment)."""
     out = []
@@ -99,6 +120,7 @@ def from_annotated_hex(text: str) -> bytes:
 GOLDEN = [
     pytest.param(from_annotated_hex(CONTRIBUTION_HEX), CONTRIBUTION, id="contribution"),
     pytest.param(from_annotated_hex(PENDING_HEX), PENDING, id="pending"),
+    pytest.param(from_annotated_hex(QUERY_HEX), QUERY, id="query"),
 ]
 
 
