@@ -2,7 +2,7 @@
 
     python -m reduction_appliance.bench.allreduce [--network loopback|rack] [--workers 4]
         [--rate 1gbit] [--sizes 64MiB] [--dtypes fp32] [--ops sum] [--iters 5] [--cores 2]
-        [--unicast] [--json out.json]
+        [--unicast] [--repeat 1] [--json out.json]
 
 A one-worker-count run of the sweep engine (bench.sweep: same network for both systems, one
 process set and one fresh job per case, the appliance stopped while Gloo runs, every result
@@ -15,7 +15,9 @@ orientation: it assumes a point-to-point algorithm, and a reduction server moves
 per direction per worker, so busbw would overstate it by up to 2x (bench/report.py's NOTE).
 
 The default run is the issue's target, "loopback allreduce, n = 4, 64 MiB, not slower than Gloo",
-and ends with a PASS/FAIL line for it.
+and ends with a PASS/FAIL line for it. `--repeat N` runs the whole comparison N times back to
+back (a fresh network each time) and ends with each case's speedup as the median and spread of
+the N runs, with every run's figure listed: one lucky run proves nothing on a shared machine.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -137,6 +140,12 @@ def _report_appliance(plan: SweepPlan, pairs: list[dict[str, Any]]) -> None:
                      f"{a['link_rx_per_byte']:.2f} / {a['link_tx_per_byte']:.2f}, gloo "
                      f"{g['link_rx_per_byte']:.2f} / {g['link_tx_per_byte']:.2f} (ideal 1 / 1 "
                      f"and {ideal:.2f} / {ideal:.2f})")
+        if a.get("ingress_gbps_per_core") is not None:
+            line += f"; ingress {a['ingress_gbps_per_core']:.2f} GB/s per busy appliance core"
+        if a.get("worker_cpu_s_per_gb") is not None:
+            line += f"; worker CPU {a['worker_cpu_s_per_gb']:.2f} s per GB allreduced"
+        if a.get("retx_share") is not None:
+            line += f"; retransmissions {a['retx_share']:.2%} of segments"
         if a.get("link_rx_util") is not None:
             line += (f"; w0 link utilisation: appliance rx {a['link_rx_util']:.0%} / tx "
                      f"{a['link_tx_util']:.0%}, gloo rx {g.get('link_rx_util') or 0:.0%} / tx "
@@ -175,8 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--cores", type=int, default=2, help="appliance data-plane cores")
     p.add_argument("--unicast", action="store_true", help="appliance results by unicast fan-out")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the comparison N times; print the median and spread of the ratio")
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
     bad = [d for d in args.dtypes if d not in DTYPE_CHOICES]
     if bad:
         p.error(f"unknown dtypes {bad}; choose from {', '.join(DTYPE_CHOICES)}")
@@ -186,24 +199,51 @@ def main(argv: list[str] | None = None) -> int:
                      modes=("multicast",), iters=args.iters, warmup=args.warmup, cores=args.cores)
     if args.unicast or not multicast_possible(plan):  # not root: the host's loopback, unicast
         plan = dataclasses.replace(plan, modes=("unicast",))
-    listener = _Quiet(plan.total_cases(multicast_possible(plan)))
-    try:
-        rows = run_sweep(plan, listener)
-    except HarnessError as exc:
-        listener.progress.close()
-        print(f"reduction_appliance.bench.allreduce failed: {exc}", file=sys.stderr)
-        return 1
-    pairs = pair(rows)
-    report(plan, pairs)
-    passed = verdict(plan, pairs)
+    runs: list[list[dict[str, Any]]] = []
+    verdicts: list[bool | None] = []
+    wrong: list[Row] = []
+    for run in range(args.repeat):
+        if args.repeat > 1:
+            print(f"\n=== run {run + 1} of {args.repeat}", flush=True)
+        listener = _Quiet(plan.total_cases(multicast_possible(plan)))
+        try:
+            rows = run_sweep(plan, listener)
+        except HarnessError as exc:
+            listener.progress.close()
+            print(f"reduction_appliance.bench.allreduce failed: {exc}", file=sys.stderr)
+            return 1
+        pairs = pair(rows)
+        report(plan, pairs)
+        verdicts.append(verdict(plan, pairs))
+        runs.append(pairs)
+        wrong += failed(rows)
+    if args.repeat > 1:
+        summarize_runs(runs)
+    passed = None if verdicts[0] is None else all(verdicts)
     if args.json is not None:
-        args.json.write_text(json.dumps({"plan": plan.as_dict(), "rows": pairs,
-                                         "target_pass": passed}, indent=2))
-    wrong = failed(rows)
+        args.json.write_text(json.dumps({"plan": plan.as_dict(), "runs": runs,
+                                         "rows": runs[-1], "target_pass": passed}, indent=2))
     if wrong:
         print(f"{len(wrong)} results wrong or failed", file=sys.stderr)
         return 1
     return 0
+
+
+def summarize_runs(runs: list[list[dict[str, Any]]]) -> None:
+    """Each case's speedup over the runs: median, spread, and every run's figure."""
+    print(f"\n=== {len(runs)} runs: speedup (gloo time / appliance time) per case")
+    for i, first in enumerate(runs[0]):
+        speedups = [r[i]["speedup"] for r in runs if r[i]["speedup"] is not None]
+        times = [r[i]["appliance"]["time_s"] for r in runs
+                 if r[i]["appliance"].get("time_s") is not None]
+        label = f"{format_size(first['size'])} {first['dtype']} {first['op']}"
+        if not speedups:
+            print(f"  {label}: no speedup measured")
+            continue
+        print(f"  {label}: median {statistics.median(speedups):.2f}x "
+              f"(min {min(speedups):.2f}x, max {max(speedups):.2f}x; runs "
+              f"{', '.join(f'{x:.2f}x' for x in speedups)}); appliance "
+              f"{_ms(statistics.median(times))} median")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ CSV_FIELDS = [
     "network", "rate", "workers", "system", "mode", "size", "dtype", "op", "iters", "time_s",
     "algbw_gbps", "busbw_gbps", "speedup", "link_rx_util", "link_tx_util", "link_rx_per_byte",
     "link_tx_per_byte", "appliance_cpu_cores", "appliance_out_per_byte", "retransmissions",
-    "window_s", "checked", "ok", "skipped", "error",
+    "retx_share", "ingress_gbps_per_core", "worker_cpu_s_per_gb", "window_s", "checked", "ok",
+    "skipped", "error",
 ]
 
 
@@ -105,18 +106,24 @@ def _check(row: Row) -> str:
 
 
 _HEAD = (f"{'system':<9} {'mode':<9} {'size':>9} {'dtype':>8} {'op':>3} | {'time':>9} "
-         f"{'algbw':>10} {'busbw':>10} | {'w0 rx':>5} {'w0 tx':>5} | {'appl CPU':>10} | "
-         f"{'retx':>4} | check")
+         f"{'algbw':>10} {'busbw':>10} | {'w0 rx':>5} {'w0 tx':>5} | {'appl CPU':>10} "
+         f"{'in/core':>10} {'wkr s/GB':>8} | {'retx':>11} | check")
 
 
 def format_row(row: Row) -> str:
-    cpu = row.get("appliance_cpu_cores")
+    cpu, ingress = row.get("appliance_cpu_cores"), row.get("ingress_gbps_per_core")
+    worker, share = row.get("worker_cpu_s_per_gb"), row.get("retx_share")
+    retx = row.get("retransmissions")
+    retx_text = "-" if retx is None else (
+        f"{retx}" if share is None else f"{retx} {share:.1%}")
     return (f"{row['system']:<9} {row['mode']:<9} {format_size(row['size']):>9} {row['dtype']:>8} "
             f"{row['op']:>3} | {_ms(row['time_s']):>9} {_bw(row['algbw_gbps']):>10} "
             f"{_bw(row['busbw_gbps']):>10} | {_pct(row.get('link_rx_util')):>5} "
             f"{_pct(row.get('link_tx_util')):>5} | "
-            f"{'-' if cpu is None else f'{cpu:.2f} cores':>10} | "
-            f"{row.get('retransmissions', '-'):>4} | {_check(row)}")
+            f"{'-' if cpu is None else f'{cpu:.2f} cores':>10} "
+            f"{'-' if ingress is None else f'{ingress:.2f}GB/s':>10} "
+            f"{'-' if worker is None else f'{worker:.2f}':>8} | "
+            f"{retx_text:>11} | {_check(row)}")
 
 
 def side_by_side(plan: SweepPlan, workers: int, rows: list[Row]) -> list[str]:
@@ -170,7 +177,10 @@ class ConsoleReport:
         self._print(f"\n== {workers} workers on {description}\n{p.iters} timed iterations per "
                     f"case (+{p.warmup} warmup), no barrier; time = median over iterations of "
                     f"the slowest rank; w0 rx/tx = worker 0's link utilisation during its timed "
-                    f"calls; appl CPU = appliance cores busy meanwhile\n")
+                    f"calls; appl CPU = appliance cores busy meanwhile; in/core = what the "
+                    f"appliance ingested per CPU-second; wkr s/GB = a worker's CPU seconds per "
+                    f"GB allreduced; retx = worker retransmissions and their share of "
+                    f"segments\n")
         self._print(_HEAD)
         self._print("-" * len(_HEAD))
 

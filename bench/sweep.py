@@ -133,6 +133,13 @@ def summarize(plan: SweepPlan, net: _Net, workers: int, outputs: list[list[Row]]
                        link_tx_util=link["tx"] * 8 / (probed * rate))
     if "appliance_cpu_s" in first:
         row["appliance_cpu_cores"] = first["appliance_cpu_s"] / probed
+        if first["appliance_cpu_s"] > 0:  # every rank's contributions per CPU-second
+            row["ingress_gbps_per_core"] = len(cases) * moved / first["appliance_cpu_s"] / 1e9
+    if "segments" in first and "retransmissions" in row:
+        row["retx_share"] = row["retransmissions"] / max(1, sum(c["segments"] for c in cases))
+    if "worker_cpu_s" in first:  # the median rank's CPU per GB it allreduced
+        row["worker_cpu_s_per_gb"] = statistics.median(
+            c["worker_cpu_s"] for c in cases) / (moved / 1e9)
     return row
 
 

@@ -46,25 +46,33 @@ _HOST_SYSCTLS = {
 }
 
 
-def _datagrams_as_frames(ns_name: str, ifname: str) -> None:
-    """Make a host's link segment UDP GSO sends before they leave it, as a NIC with UDP
-    segmentation offload puts each datagram on the wire as its own frame. veth would otherwise
-    carry a GSO super-packet (up to 64 datagrams) through the switch whole, and the switch's
-    loss rules would drop or pass all of its datagrams together: 20% loss of super-packets of 7
-    results is not 20% datagram loss. The sender keeps GSO's saving (one sendmsg, one pass
-    through the stack); the kernel segments in software just before the link."""
+#: A NIC's offloads, as the lab's veth pairs imitate them: the host's end segments UDP GSO sends
+#: before they leave (each datagram is its own frame on the wire) and coalesces what it
+#: receives (GRO through veth's NAPI path); the switch's end offers no TCP segmentation, which
+#: is what makes frames it forwards eligible for the host's GRO (veth_skb_is_eligible_for_gro).
+_HOST_END = {"tx-udp-segmentation": False, "rx-gro": True}
+_SWITCH_END = {"tx-tcp-segmentation": False, "tx-tcp6-segmentation": False,
+               "tx-tcp-ecn-segmentation": False, "tx-tcp-mangleid-segmentation": False}
+
+
+def _like_a_nic(ns_name: str, ifname: str, wanted: dict[str, bool]) -> None:
+    """Set `ifname`'s offload features in `ns_name` as `wanted`. Without it veth carries a GSO
+    super-packet (up to 64 datagrams) through the switch whole, and the switch's loss rules
+    drop or pass all of its datagrams together (20% loss of super-packets of 7 results is not
+    20% datagram loss), and a receiver never sees GRO's bursts."""
     netns.pushns(ns_name)  # the ioctl acts on the namespace of the socket Ethtool opens
     try:
         ethtool = Ethtool()
         try:
             features = ethtool.get_features(ifname)
-            features.features["tx-udp-segmentation"].enable = False
+            for name, enable in wanted.items():
+                features.features[name].enable = enable
             ethtool.set_features(ifname, features)
         finally:
             ethtool.close()
     except (OSError, KeyError) as exc:
-        raise LabError(f"{ns_name}: cannot turn UDP segmentation offload off on {ifname} "
-                       f"(needed for per-datagram loss): {exc}") from exc
+        raise LabError(f"{ns_name}: cannot set {ifname}'s offloads as a NIC's ({wanted}): "
+                       f"{exc}") from exc
     finally:
         netns.popns()
 
@@ -343,6 +351,7 @@ class Lab:
             apply_qdiscs(sw, port, link)
         except ShapingUnsupportedError as exc:
             raise LabError(f"{name}: {exc}") from exc
+        _like_a_nic(topo.switch_netns, port_if, _SWITCH_END)
         sw.link("set", index=port, state="up")
         with _ipr(ns_name) as ipr:
             ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
@@ -353,7 +362,7 @@ class Lab:
             except ShapingUnsupportedError as exc:
                 raise LabError(f"{name}: {exc}") from exc
             ipr.addr("add", index=index, address=host.address, prefixlen=topo.prefixlen)
-            _datagrams_as_frames(ns_name, host_if)
+            _like_a_nic(ns_name, host_if, _HOST_END)
             ipr.link("set", index=index, state="up")
             # Multicast sends without IP_MULTICAST_IF follow the routing table; point the group
             # range at the data interface so senders need no per-socket setup.

@@ -262,7 +262,7 @@ def loss_ruleset(ports: dict[str, float], table: str = "testnet") -> str:
     Only IPv4 is dropped, never ARP: a lost ARP exchange stalls a link for a whole second of
     neighbour retries, which turns "1% loss" into random multi-second outages and flaky tests.
     A TCP GSO super-packet is dropped whole; UDP datagrams are one frame each (the lab turns
-    UDP segmentation offload off on every host link: see lab._datagrams_as_frames).
+    UDP segmentation offload off on every host link: see lab._like_a_nic).
     """
     scale = 1_000_000
     rules = []

@@ -143,15 +143,18 @@ def _run_case(client: ApplianceClient, args: argparse.Namespace, case: int, dtyp
     bad = 0
     before = client.retransmissions
     probe = probe_of(args)
+    cpu_s = 0.0  # this process's CPU time in the timed calls (its heartbeat thread included)
     for i in range(args.warmup + args.iters):
         np.copyto(work, mine)
         timed = i >= args.warmup
         if timed:
             probe.before()
+        cpu_start = time.process_time()
         start = time.perf_counter()
         client.allreduce(work, op)
         elapsed = time.perf_counter() - start
         if timed:
+            cpu_s += time.process_time() - cpu_start
             probe.after(elapsed)
             times.append(elapsed)
         if want is not None and not same_bits(work, want):
@@ -161,6 +164,8 @@ def _run_case(client: ApplianceClient, args: argparse.Namespace, case: int, dtyp
         "op": op.name.lower(), "times": times, "checked": want is not None,
         "ok": bad == 0, "bad_iterations": bad,
         "retransmissions": client.retransmissions - before,
+        "segments": -(-(n * itemsize) // client.segment_bytes) * (args.warmup + args.iters),
+        "worker_cpu_s": cpu_s,
         "numpy_dtype": str(info(dtype).numpy), **probe.report(),
     }
 

@@ -252,6 +252,44 @@ def test_loss_is_per_datagram_even_for_gso_sends(lab: MakeLab, tmp_path: Path) -
     assert partial > 150, f"{partial} of {sends} GSO sends arrived in part"
 
 
+GRO_RECV = """
+import json, socket, sys
+port, ready, count = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)  # SO_RCVBUFFORCE: no drops at our socket
+s.setsockopt(socket.SOL_UDP, 104, 1)  # UDP_GRO
+s.bind(("", port))
+open(ready, "w").close()
+buf, calls, total = bytearray(65536), 0, 0
+s.settimeout(5.0)
+try:
+    while total < count:
+        nbytes, anc, _, _ = s.recvmsg_into([buf], socket.CMSG_SPACE(4))
+        size = int.from_bytes(anc[0][2], sys.byteorder) if anc else nbytes
+        calls += 1
+        total += -(-nbytes // size)
+except TimeoutError:
+    pass
+print(json.dumps({"calls": calls, "datagrams": total}))
+"""
+
+
+def test_received_datagrams_are_coalesced_as_by_a_nics_gro(lab: MakeLab, tmp_path: Path) -> None:
+    """Frames on the wire, bursts at a socket that asks for UDP_GRO: what a NIC with receive
+    offload gives, and what the appliance's and workers' receive paths are built for."""
+    rack = lab(Topology.rack(workers=1))
+    sends = 200
+    ready = tmp_path / "ready"
+    receiver = rack.popen("w0", [PY, "-c", GRO_RECV, "5004", str(ready), str(7 * sends)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_ready(receiver, ready, "GRO receiver on w0")
+    rack.run("a0", [PY, "-c", GSO_SEQ_SEND, rack.address_of("w0"), "5004", "1400", str(sends)])
+    out, err = receiver.communicate(timeout=30)
+    assert receiver.returncode == 0, err
+    got = json.loads(out)
+    assert got["datagrams"] == 7 * sends, got
+    assert got["calls"] < got["datagrams"] / 2, f"hardly coalesced: {got}"
+
 def _require_nft() -> None:
     if shutil.which("nft") is None:
         pytest.skip("loss/duplicate/reorder need nft (Debian: apt-get install nftables)")

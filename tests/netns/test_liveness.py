@@ -22,7 +22,8 @@ LIVENESS_S = 3.0
 MIB = 1 << 20
 
 
-def test_a_killed_worker_is_named_to_the_others_within_the_liveness_timeout() -> None:
+def test_a_killed_worker_is_named_to_the_others_within_the_liveness_timeout(
+        capsys: pytest.CaptureFixture[str]) -> None:
     with LabNetwork.rack(3) as net, start_appliance(net, liveness_s=LIVENESS_S) as appliance:
         job = Job(net, appliance, "mortal", 3)
         try:
@@ -40,6 +41,10 @@ def test_a_killed_worker_is_named_to_the_others_within_the_liveness_timeout() ->
                 first = report["failures"][0]
                 assert first.startswith("RankSilent") and "rank 2 (198.18.0.103:" in first, first
                 assert report["first_failure"] - killed_at <= LIVENESS_S + 1.0, report
+                with capsys.disabled():
+                    print(f"\nrank 2 killed: a survivor raised RankSilent after "
+                          f"{report['first_failure'] - killed_at:.2f} s "
+                          f"(liveness {LIVENESS_S:g} s)")
         finally:
             job.ranks = job.ranks[:2]
             job.close()
@@ -62,7 +67,8 @@ def test_a_slow_rank_is_never_declared_dead() -> None:
             job.close()
 
 
-def test_a_killed_appliance_is_named_to_the_workers_within_the_bound() -> None:
+def test_a_killed_appliance_is_named_to_the_workers_within_the_bound(
+        capsys: pytest.CaptureFixture[str]) -> None:
     with LabNetwork.rack(2) as net, start_appliance(net, liveness_s=LIVENESS_S) as appliance:
         job = Job(net, appliance, "orphans", 2)
         try:
@@ -79,20 +85,29 @@ def test_a_killed_appliance_is_named_to_the_workers_within_the_bound() -> None:
                 first = report["failures"][0]
                 assert first.startswith("ApplianceSilent") and "core 0" in first, first
                 assert report["first_failure"] - killed_at <= LIVENESS_S + 1.0, report
+                with capsys.disabled():
+                    print(f"\nreductiond killed: a worker raised ApplianceSilent after "
+                          f"{report['first_failure'] - killed_at:.2f} s "
+                          f"(liveness {LIVENESS_S:g} s)")
         finally:
             job.close()
 
 
-def test_a_stalled_core_is_restarted_and_the_daemon_lives_on() -> None:
+def test_a_stalled_core_is_restarted_and_the_daemon_lives_on(
+        capsys: pytest.CaptureFixture[str]) -> None:
     with LabNetwork.rack(2) as net, start_appliance(net) as appliance:
         stalled = appliance.status()["cores"][0]["pid"]
         os.kill(stalled, signal.SIGSTOP)
+        stopped_at = time.monotonic()
         try:
             core = wait_until(lambda: next(
                 (c for c in appliance.status()["cores"]
                  if c["index"] == 0 and c["restarts"] == 1 and c["state"] == "running"), None),
                 60, what="core 0 restarted after its stall")
             assert core["pid"] != stalled and "stalled" in core["last_exit"], core
+            with capsys.disabled():
+                print(f"\ncore 0 stopped: restarted and running after "
+                      f"{time.monotonic() - stopped_at:.1f} s ({core['last_exit']})")
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(stalled, signal.SIGCONT)  # gone already: it was killed as stalled

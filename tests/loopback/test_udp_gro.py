@@ -1,0 +1,127 @@
+"""UDP GRO on loopback (real sockets, no root): a GSO burst arrives as one receive call and is
+cut back into its datagrams, on the appliance core's transport and on the worker's."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from reduction_appliance.dataplane.slots import SlotArena
+from reduction_appliance.dataplane.transport import RxBatch
+from reduction_appliance.dataplane.udp import (
+    UDP_GRO,
+    DatagramBatcher,
+    UdpCoreTransport,
+    segment_size,
+)
+from reduction_appliance.dataplane.wire import HEADER_SIZE, DType, Flags, Header, Kind, Op
+from reduction_appliance.plugin.transport import UdpWorkerTransport
+from tests.waiting import wait_until
+
+SEGMENT = 1024  # payload bytes per datagram
+
+
+def header(k: int, kind: Kind = Kind.CONTRIBUTION, length: int = SEGMENT) -> Header:
+    return Header(kind, DType.FLOAT32, Op.SUM, Flags.NONE, 1, 0, 99, 1, k, k * SEGMENT, length,
+                  1, 1)
+
+
+def gso_burst(dest: tuple[str, int], count: int, last: int = SEGMENT,
+              kind: Kind = Kind.CONTRIBUTION) -> list[bytes]:
+    """Send `count` datagrams to `dest` in one GSO sendmsg (the last `last` bytes of payload);
+    the payloads each datagram carries."""
+    payloads = [bytes([k]) * (SEGMENT if k < count - 1 else last) for k in range(count)]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        batcher = DatagramBatcher(sock)
+        for k, payload in enumerate(payloads):
+            batcher.add_header(dest, header(k, kind, len(payload)), memoryview(payload))
+        batcher.flush()
+        assert batcher.take_counts()[2] == 0 and not batcher.gso_refused
+    return payloads
+
+
+@pytest.fixture
+def core() -> Iterator[UdpCoreTransport]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    transport = UdpCoreTransport(sock)
+    if transport.gro_refused:
+        sock.close()
+        pytest.skip(f"the kernel refuses UDP_GRO: {transport.gro_refused}")
+    try:
+        yield transport
+    finally:
+        transport.close()
+
+
+def received(core: UdpCoreTransport, arena: SlotArena, want: int) -> RxBatch:
+    batch, got = RxBatch(), RxBatch()
+
+    def more() -> bool:
+        core.receive(arena.rx, batch, 256)
+        for i in range(batch.count):
+            got.add(batch.index[i], batch.nbytes[i], batch.source[i])
+        return got.count >= want
+    wait_until(more, 10, what=f"{want} datagrams at the core")
+    return got
+
+
+def test_a_gso_burst_reaches_the_core_in_one_receive_and_is_cut_apart(
+        core: UdpCoreTransport) -> None:
+    with SlotArena(capacity=4, max_payload=SEGMENT, rx_buffers=128) as arena:
+        payloads = gso_burst(core.sock.getsockname(), 7, last=100)
+        got = received(core, arena, 7)
+        assert core.coalesced == 1  # one receive call brought all seven
+        for i, payload in enumerate(payloads):
+            view = arena.rx.views[got.index[i]]
+            assert got.nbytes[i] == HEADER_SIZE + len(payload)
+            assert bytes(view[HEADER_SIZE:got.nbytes[i]]) == payload
+        assert arena.rx.free == 128 - 7
+
+
+def test_the_core_leaves_a_burst_queued_while_its_buffers_could_not_hold_one(
+        core: UdpCoreTransport) -> None:
+    with SlotArena(capacity=4, max_payload=SEGMENT, rx_buffers=70) as arena:
+        taken = [arena.rx.take() for _ in range(10)]  # 60 free: fewer than a burst may need
+        gso_burst(core.sock.getsockname(), 7)
+        batch = RxBatch()
+        assert core.receive(arena.rx, batch, 256) == 0  # waits in the kernel, not dropped
+        for index in taken:
+            assert index is not None
+            arena.rx.release(index)
+        assert received(core, arena, 7).count == 7
+
+
+def test_the_worker_cuts_a_burst_of_results_apart() -> None:
+    with UdpWorkerTransport("127.0.0.1") as worker:
+        if worker.gro_refused:
+            pytest.skip(f"the kernel refuses UDP_GRO: {worker.gro_refused}")
+        payloads = gso_burst(worker.local, 5, last=8, kind=Kind.RESULT)
+        seen: list[tuple[int, bytes]] = []
+
+        def all_five() -> bool:
+            worker.receive(lambda h, payload, _: seen.append((h.slot, bytes(payload))))
+            return len(seen) >= 5
+        wait_until(all_five, 10, what="five results at the worker")
+        assert seen == list(enumerate(payloads)) and worker.coalesced == 1
+
+
+def test_without_gro_each_datagram_is_its_own_receive() -> None:
+    with UdpWorkerTransport("127.0.0.1", gro=False) as worker:
+        payloads = gso_burst(worker.local, 3, kind=Kind.RESULT)
+        seen: list[bytes] = []
+
+        def all_three() -> bool:
+            worker.receive(lambda h, payload, _: seen.append(bytes(payload)))
+            return len(seen) >= 3
+        wait_until(all_three, 10, what="three results")
+        assert seen == payloads and worker.coalesced == 0
+
+
+def test_segment_size_reads_the_kernels_control_message() -> None:
+    assert segment_size([], 5000) == 5000
+    four = (1072).to_bytes(4, "little" if socket.htons(1) != 1 else "big")
+    assert segment_size([(socket.SOL_UDP, UDP_GRO, four)], 7000) == 1072
+    assert segment_size([(socket.SOL_IP, 1, four)], 7000) == 7000  # not ours
