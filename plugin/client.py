@@ -9,6 +9,7 @@ the worker's own socket.
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
 import time
@@ -41,6 +42,9 @@ from .session import Endpoint, RttEstimator, Timing, Transmit
 from .transport import Outgoing, UdpWorkerTransport, WorkerTransport
 
 __all__ = ["ApplianceClient", "dtype_of", "op_of"]
+
+_log = logging.getLogger(__name__)
+_GRO_REFUSALS_LOGGED: set[str] = set()
 
 
 _NO_PAYLOAD = memoryview(b"")
@@ -109,8 +113,15 @@ class ApplianceClient:
         if not 0 <= rank < self.world_size:
             raise ReductionError(f"rank {rank} is outside world size {self.world_size}")
         self.rank = rank
-        self.transport: WorkerTransport = transport or UdpWorkerTransport(
-            local_address, [j.multicast for j in jobs if j.multicast is not None])
+        if transport is None:
+            udp = UdpWorkerTransport(local_address,
+                                     [j.multicast for j in jobs if j.multicast is not None])
+            if udp.gro_refused and udp.gro_refused not in _GRO_REFUSALS_LOGGED:
+                _GRO_REFUSALS_LOGGED.add(udp.gro_refused)  # once per process and reason
+                _log.info("fallback: UDP GRO refused by the kernel (%s): one receive call per "
+                          "result datagram", udp.gro_refused)
+            transport = udp
+        self.transport: WorkerTransport = transport
         try:
             self.jobs = [
                 j if j.cookie is not None else join(

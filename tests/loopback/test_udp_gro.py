@@ -125,3 +125,29 @@ def test_segment_size_reads_the_kernels_control_message() -> None:
     four = (1072).to_bytes(4, "little" if socket.htons(1) != 1 else "big")
     assert segment_size([(socket.SOL_UDP, UDP_GRO, four)], 7000) == 1072
     assert segment_size([(socket.SOL_IP, 1, four)], 7000) == 7000  # not ours
+
+
+def test_a_kernel_refusing_gro_leaves_one_receive_per_datagram(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("reduction_appliance.plugin.transport.enable_gro",
+                        lambda sock: "ENOPROTOOPT: Protocol not available")
+    with UdpWorkerTransport("127.0.0.1") as worker:
+        assert worker.gro_refused == "ENOPROTOOPT: Protocol not available"
+        payloads = gso_burst(worker.local, 2, kind=Kind.RESULT)
+        seen: list[bytes] = []
+
+        def both() -> bool:
+            worker.receive(lambda h, payload, _: seen.append(bytes(payload)))
+            return len(seen) >= 2
+        wait_until(both, 10, what="two results")
+        assert seen == payloads
+
+
+def test_the_core_names_a_refused_gro_as_a_fallback() -> None:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    transport = UdpCoreTransport(sock, gro=False)
+    try:
+        assert any("UDP GRO" in f for f in transport.fallbacks())
+    finally:
+        transport.close()
