@@ -178,10 +178,11 @@ class UdpCoreTransport:
     buffers, or where the kernel refuses GRO one `recvmsg_into` per datagram straight into a
     buffer; results sent in GSO batches."""
 
-    def __init__(self, sock: socket.socket, *, gro: bool = True) -> None:
+    def __init__(self, sock: socket.socket, *, gro: bool = True, why_not: str = "") -> None:
         self.sock = sock
         self.batcher = DatagramBatcher(sock)
-        self.gro_refused = enable_gro(sock) if gro else "turned off"
+        # Why receives are not coalesced ("" when they are): the kernel's refusal, or ours.
+        self.gro_refused = enable_gro(sock) if gro else (why_not or "turned off")
         self._staging = bytearray(GRO_BUFFER)
         self._staging_view = memoryview(self._staging)
         self.coalesced = 0  # receive calls that carried more than one datagram
@@ -203,6 +204,12 @@ class UdpCoreTransport:
         except BaseException:
             sock.close()
             raise
+        # A coalesced receive needs up to GRO_SEGMENTS free buffers at once, and only pools
+        # of 2 x GRO_SEGMENTS or more keep that many out of deterministic jobs' reach (see
+        # slots.receive_reserve): a smaller pool could wait for buffers that never come back.
+        if cfg.rx_buffers < 2 * GRO_SEGMENTS:
+            return cls(sock, gro=False, why_not=f"dataplane.rx_buffers {cfg.rx_buffers} is "
+                                                f"below {2 * GRO_SEGMENTS}")
         return cls(sock)
 
     def fileno(self) -> int:
@@ -278,8 +285,8 @@ class UdpCoreTransport:
             found.append(f"UDP GSO refused by the kernel ({refused}): one sendmsg per result "
                          "datagram")
         if self.gro_refused:
-            found.append(f"UDP GRO refused by the kernel ({self.gro_refused}): one receive "
-                         "call per contribution")
+            found.append(f"UDP GRO off ({self.gro_refused}): one receive call per "
+                         "contribution")
         return tuple(found)
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from reduction_appliance.dataplane.slots import SlotArena
+from reduction_appliance.dataplane.spec import CoreConfig
 from reduction_appliance.dataplane.transport import RxBatch
 from reduction_appliance.dataplane.udp import (
     UDP_GRO,
@@ -149,5 +150,23 @@ def test_the_core_names_a_refused_gro_as_a_fallback() -> None:
     transport = UdpCoreTransport(sock, gro=False)
     try:
         assert any("UDP GRO" in f for f in transport.fallbacks())
+    finally:
+        transport.close()
+
+
+def test_a_pool_too_small_to_spare_a_burst_receives_one_datagram_per_call() -> None:
+    cfg = CoreConfig(index=0, cpu=None, bind=("127.0.0.1", 0), max_payload=SEGMENT,
+                     slot_capacity=4, rx_buffers=64)
+    transport = UdpCoreTransport.open(cfg)
+    try:
+        assert transport.fallbacks() == (
+            "UDP GRO off (dataplane.rx_buffers 64 is below 128): one receive call per "
+            "contribution",)
+        with SlotArena(capacity=4, max_payload=SEGMENT, rx_buffers=64) as arena:
+            payloads = gso_burst(transport.sock.getsockname(), 3)
+            got = received(transport, arena, 3)
+            assert [bytes(arena.rx.views[got.index[i]][HEADER_SIZE:got.nbytes[i]])
+                    for i in range(3)] == payloads
+            assert transport.coalesced == 0
     finally:
         transport.close()
