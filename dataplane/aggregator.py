@@ -326,25 +326,10 @@ class Aggregator:
         """Handle one contribution (or a QUERY: its header alone) whose datagram sits in
         buffer `index`; True when a deterministic job keeps that buffer."""
         cells = self._cells
-        job = self._jobs.get(h.job_id)
+        job = self._member(h, source, out)
         if job is None:
-            tomb = self._aborted.get(h.job_id)
-            if tomb is not None and tomb[0] == h.cookie and source in tomb[1]:
-                cells[Counter.ABORT_NOTICES] += 1
-                out.append(self._notice(Kind.ABORTED, h, source))
-                return False
-            cells[Counter.DROP_UNKNOWN_JOB] += 1
             return False
         spec = job.spec
-        if h.cookie != spec.cookie:
-            cells[Counter.DROP_BAD_COOKIE] += 1
-            return False
-        if h.rank >= spec.world_size:
-            cells[Counter.DROP_BAD_RANK] += 1
-            return False
-        if spec.endpoints[h.rank] != source:
-            cells[Counter.DROP_BAD_SOURCE] += 1
-            return False
         job.last_seen[h.rank] = now
         if h.epoch != spec.epoch:
             cells[Counter.DROP_EPOCH] += 1
@@ -404,8 +389,10 @@ class Aggregator:
             return False
         return self._accumulate(job, copy, h.rank, index, out)
 
-    def _heartbeat(self, h: Header, source: Address, now: float, out: list[Send]) -> None:
-        """A worker is alive: answer with the job's silent ranks (or RESYNC, or ABORTED)."""
+    def _member(self, h: Header, source: Address, out: list[Send]) -> _Job | None:
+        """The job `h` is from, when it comes from a rank bound there (its cookie, its rank,
+        the endpoint that rank joined from); else None, counted by reason. A bound endpoint of
+        a job aborted meanwhile is told so."""
         cells = self._cells
         job = self._jobs.get(h.job_id)
         if job is None:
@@ -415,20 +402,27 @@ class Aggregator:
                 out.append(self._notice(Kind.ABORTED, h, source))
             else:
                 cells[Counter.DROP_UNKNOWN_JOB] += 1
-            return
+            return None
         spec = job.spec
         if h.cookie != spec.cookie:
             cells[Counter.DROP_BAD_COOKIE] += 1
-            return
-        if h.rank >= spec.world_size:
+        elif h.rank >= spec.world_size:
             cells[Counter.DROP_BAD_RANK] += 1
-            return
-        if spec.endpoints[h.rank] != source:
+        elif spec.endpoints[h.rank] != source:
             cells[Counter.DROP_BAD_SOURCE] += 1
+        else:
+            return job
+        return None
+
+    def _heartbeat(self, h: Header, source: Address, now: float, out: list[Send]) -> None:
+        """A worker is alive: answer with the job's silent ranks (or RESYNC, or ABORTED)."""
+        cells = self._cells
+        job = self._member(h, source, out)
+        if job is None:
             return
         job.last_seen[h.rank] = now
         cells[Counter.HEARTBEATS] += 1
-        if h.epoch != spec.epoch:
+        if h.epoch != job.spec.epoch:
             cells[Counter.JOB_NOTICES] += 1
             out.append(self._notice(Kind.RESYNC, h, source))
             return

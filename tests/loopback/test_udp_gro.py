@@ -69,6 +69,16 @@ def received(core: UdpCoreTransport, arena: SlotArena, want: int) -> RxBatch:
     return got
 
 
+def results(worker: UdpWorkerTransport, count: int) -> list[tuple[int, bytes]]:
+    """(slot, payload) of the first `count` datagrams `worker` receives, in order."""
+    seen: list[tuple[int, bytes]] = []
+
+    def enough() -> bool:
+        worker.receive(lambda h, payload, _: seen.append((h.slot, bytes(payload))))
+        return len(seen) >= count
+    wait_until(enough, 10, what=f"{count} results at the worker")
+    return seen
+
 def test_a_gso_burst_reaches_the_core_in_one_receive_and_is_cut_apart(
         core: UdpCoreTransport) -> None:
     with SlotArena(capacity=4, max_payload=SEGMENT, rx_buffers=128) as arena:
@@ -100,25 +110,13 @@ def test_the_worker_cuts_a_burst_of_results_apart() -> None:
         if worker.gro_refused:
             pytest.skip(f"the kernel refuses UDP_GRO: {worker.gro_refused}")
         payloads = gso_burst(worker.local, 5, last=8, kind=Kind.RESULT)
-        seen: list[tuple[int, bytes]] = []
-
-        def all_five() -> bool:
-            worker.receive(lambda h, payload, _: seen.append((h.slot, bytes(payload))))
-            return len(seen) >= 5
-        wait_until(all_five, 10, what="five results at the worker")
-        assert seen == list(enumerate(payloads)) and worker.coalesced == 1
+        assert results(worker, 5) == list(enumerate(payloads)) and worker.coalesced == 1
 
 
 def test_without_gro_each_datagram_is_its_own_receive() -> None:
     with UdpWorkerTransport("127.0.0.1", gro=False) as worker:
         payloads = gso_burst(worker.local, 3, kind=Kind.RESULT)
-        seen: list[bytes] = []
-
-        def all_three() -> bool:
-            worker.receive(lambda h, payload, _: seen.append(bytes(payload)))
-            return len(seen) >= 3
-        wait_until(all_three, 10, what="three results")
-        assert seen == payloads and worker.coalesced == 0
+        assert results(worker, 3) == list(enumerate(payloads)) and worker.coalesced == 0
 
 
 def test_segment_size_reads_the_kernels_control_message() -> None:
@@ -135,13 +133,7 @@ def test_a_kernel_refusing_gro_leaves_one_receive_per_datagram(
     with UdpWorkerTransport("127.0.0.1") as worker:
         assert worker.gro_refused == "ENOPROTOOPT: Protocol not available"
         payloads = gso_burst(worker.local, 2, kind=Kind.RESULT)
-        seen: list[bytes] = []
-
-        def both() -> bool:
-            worker.receive(lambda h, payload, _: seen.append(bytes(payload)))
-            return len(seen) >= 2
-        wait_until(both, 10, what="two results")
-        assert seen == payloads
+        assert results(worker, 2) == list(enumerate(payloads))
 
 
 def test_the_core_names_a_refused_gro_as_a_fallback() -> None:
