@@ -14,15 +14,6 @@ segment's own timer backs off: one loss never slows the rest. A gap is repaired 
 waiting for a timer when it shows: once results came back for `FAST_RETRANSMIT` segments sent
 to the same core after one that is still unanswered, that one goes again at once (fast
 retransmit). A lost segment holds only its own slot: the other slots keep the pipe full.
-A timer that expires is read by what the core said since: a later segment answered means a
-loss (resent at the measured timeout); answers about earlier segments only mean a queue (the
-timer restarts, as TCP's does on an acknowledgement); silence means a late peer or a dead core
-(one probe asks, backing off, the other timers wait for its answer). On a clean but busy
-network that keeps retransmissions near zero instead of a window of queries per stall.
-
-Congestion control: a window per core (`RttEstimator.window`, AIMD, carried across rounds)
-caps the segments in flight below the slot count after a loss, so an incast settles instead
-of overflowing a queue every round trip.
 
 The transport asks `due(now)` what to send, offers each received RESULT header to `accept`, and
 reports `stored` once the payload sits in the output array. Nothing here touches a socket or a
@@ -33,17 +24,13 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from reduction_appliance.dataplane.errors import AllreduceTimeout, JobAborted, ReductionError
 from reduction_appliance.dataplane.wire import DType, Flags, Header, Kind, Op
 
-from .path import MIN_WINDOW, RttEstimator, Timing
-
-__all__ = [
-    "MIN_WINDOW", "AllreduceRound", "Endpoint", "RttEstimator", "SlotUses", "Timing", "Transmit",
-]
+__all__ = ["AllreduceRound", "Endpoint", "RttEstimator", "SlotUses", "Timing", "Transmit"]
 
 Address = tuple[str, int]
 
@@ -62,6 +49,73 @@ class Endpoint:
 
 
 FAST_RETRANSMIT = 3  # later segments answered before an unanswered one is presumed lost
+
+
+@dataclass(frozen=True)
+class Timing:
+    rto_initial: float = 0.05  # before the first sample of a core
+    rto_min: float = 0.01  # the floor: a rack's round trips are well under it
+    rto_max: float = 1.0  # one segment's backed-off timer never waits longer
+    deadline: float = 60.0
+
+
+MIN_WINDOW = 2  # segments in flight per core: below it every loss would idle the core
+
+
+@dataclass
+class RttEstimator:
+    """What a rank knows of the path to each destination (an endpoint index, an appliance core),
+    carried from round to round: the smoothed round-trip time (RFC 6298) and the congestion
+    window, the segments it may have in flight to that core (AIMD: one more per window of
+    results, half on a loss, at most one cut per round trip; never above the core's slots,
+    never below `MIN_WINDOW`). Until a loss is seen the window is the whole slot count, so a
+    clean network runs exactly as without it; an incast that overflows a queue or a socket
+    buffer shrinks it to what the path holds instead of losing a window's worth every time."""
+
+    timing: Timing = field(default_factory=Timing)
+    _srtt: dict[int, float] = field(default_factory=dict)
+    _rttvar: dict[int, float] = field(default_factory=dict)
+    _cwnd: dict[int, float] = field(default_factory=dict)
+    _cut_at: dict[int, float] = field(default_factory=dict)
+    window_cuts: int = 0
+
+    def sample(self, dest: int, rtt: float) -> None:
+        srtt = self._srtt.get(dest)
+        if srtt is None:
+            self._srtt[dest], self._rttvar[dest] = rtt, rtt / 2
+        else:
+            self._rttvar[dest] = 0.75 * self._rttvar[dest] + 0.25 * abs(srtt - rtt)
+            self._srtt[dest] = 0.875 * srtt + 0.125 * rtt
+
+    def srtt(self, dest: int) -> float | None:
+        return self._srtt.get(dest)
+
+    def rto(self, dest: int) -> float:
+        t = self.timing
+        srtt = self._srtt.get(dest)
+        base = t.rto_initial if srtt is None else srtt + 4 * self._rttvar[dest]
+        return min(t.rto_max, max(t.rto_min, base))
+
+    def window(self, dest: int, slots: int) -> int:
+        """Segments that may be in flight to `dest` now (of its `slots`)."""
+        cwnd = self._cwnd.get(dest)
+        return slots if cwnd is None else max(min(slots, MIN_WINDOW), min(slots, int(cwnd)))
+
+    def on_result(self, dest: int, slots: int) -> None:
+        """A segment's result came back: the window grows by one per window of results."""
+        cwnd = self._cwnd.get(dest)
+        if cwnd is not None and cwnd < slots:
+            self._cwnd[dest] = min(float(slots), cwnd + 1 / cwnd)
+
+    def on_loss(self, dest: int, slots: int, now: float) -> None:
+        """A segment to `dest` was lost (not merely late): halve the window, once per round
+        trip (the losses of one overflowing burst are one congestion event)."""
+        if now - self._cut_at.get(dest, -1.0) < (self._srtt.get(dest) or self.timing.rto_min):
+            return
+        cwnd = self._cwnd.get(dest, float(slots))
+        self._cwnd[dest] = max(float(MIN_WINDOW), cwnd / 2)
+        self._cut_at[dest] = now
+        self.window_cuts += 1
 
 
 class Transmit(NamedTuple):
@@ -137,7 +191,6 @@ class AllreduceRound:
         self._sent_at = [0.0] * n  # first transmission (RTT samples)
         self._last_sent = [0.0] * n  # latest transmission
         self._heard_at = [-1.0] * len(endpoints)  # latest answer from each endpoint
-        self._progress_at = [-1.0] * len(endpoints)  # latest result from each endpoint
         self._rto = [0.0] * n
         self._timer = [0.0] * n  # retransmission time of an outstanding segment
         self._armed_at = [0.0] * n  # when that timer was set (at a send, or restarted)
@@ -245,30 +298,24 @@ class AllreduceRound:
                 # lost at random; the core is alive, so waiting longer would only idle the slot.
                 self._rto[k] = self._rtt.rto(e)
                 self._rtt.on_loss(e, self.endpoints[e].slots, now)
-            elif self._progress_at[e] > self._armed_at[k]:
-                # Results came since, but only of earlier segments: the core is working
-                # through a queue, nothing says this one is lost. Restart its timer, as TCP
-                # does on an acknowledgement (RFC 6298, 5.3). Only results count: PENDINGs
-                # answering other segments' queries are no progress (two stuck segments would
-                # keep restarting each other's timers, and neither would ever ask).
+            elif self._heard_at[e] > self._armed_at[k]:
+                # The core answered since, but only about earlier segments: it is working
+                # through a queue (or waiting for a slower rank), nothing says this one is
+                # lost. Restart its timer, as TCP does on an acknowledgement (RFC 6298, 5.3).
                 self.deferred += 1
                 self._rearm(k, now, self._rtt.rto(e))
                 continue
             else:  # a silent core, or one waiting for late ranks: ask less and less often
                 self._rto[k] = min(max(self._rto[k] * 2, self._rtt.rto(e)), rto_max)
                 probe = self._probe[e]
-                live_probe = probe >= 0 and not self._done[probe]
-                answered = self._heard_at[e] > self._probe_sent[e]
-                if live_probe and probe != k and not answered:
+                if probe != k and probe >= 0 and not self._done[probe] \
+                        and self._heard_at[e] < self._probe_sent[e]:
                     # A probe to this core is unanswered: its answer will say what this
-                    # one's would (a dead core: no answer to any). Wait as long again.
+                    # one's would. Wait as long again.
                     self.deferred += 1
                     self._rearm(k, now, self._rto[k])
                     continue
-                if not live_probe or (probe == k and not answered):
-                    self._probe[e], self._probe_sent[e] = k, now
-                # else the core answered the probe: it lives, and every segment asks for
-                # itself (its PENDING may be what nudges the rank that lost its part).
+                self._probe[e], self._probe_sent[e] = k, now
             self._resend(k, now, out)
         for e, ready in enumerate(self._ready):
             if not ready:
@@ -350,7 +397,7 @@ class AllreduceRound:
         self.remaining -= 1
         e = k % len(self.endpoints)
         ep = self.endpoints[e]
-        self._heard_at[e] = self._progress_at[e] = now
+        self._heard_at[e] = now
         self._in_flight[e] -= 1
         if not self._retransmitted[k]:
             self._rtt.sample(e, now - self._sent_at[k])

@@ -103,23 +103,19 @@ def test_a_pending_for_a_peer_nudges_only_once_ours_had_time_to_arrive() -> None
     assert resent.header.kind is Kind.CONTRIBUTION and rnd.nudged_retransmissions == 1
 
 
-def test_a_timer_restarts_while_results_come_and_backs_off_while_the_core_is_silent() -> None:
-    timing = Timing(rto_initial=0.1, rto_min=0.01, rto_max=0.8, deadline=5.0)
-    rnd = AllreduceRound(endpoints(1, 2), 0, 2, 1, DType.FLOAT32, Op.SUM, 2 * 64, 64,
-                         RttEstimator(timing), 0.0)
-    sent = rnd.due(0.0)
+def test_a_timer_restarts_while_the_core_answers_and_backs_off_while_it_is_silent() -> None:
+    rnd, _ = one_segment(Timing(rto_initial=0.1, rto_min=0.01, rto_max=0.8, deadline=5.0))
     events = []
-    for result_at in (0.15, None, None, None):
+    for answered_at in (None, 0.31, None, None):
         now = rnd.wakeup()
-        out = rnd.due(now)
-        events.append((round(now, 3), [t.segment for t in out]))
-        if result_at is not None:  # segment 0's result (an earlier segment than 1)
-            rnd.stored(rnd.accept(sent[0].header._replace(kind=Kind.RESULT)) or 0, result_at)
-    # Silent at 0.1: one probe (0) asks, 1 waits for its answer (its wait doubled to 0.2).
-    # 0's result at 0.15 is progress: at 0.3 nothing says 1 is lost, its timer restarts (the
-    # base 0.1, no sample: 0 was retransmitted). Silent since: 1 asks, backing off (0.4).
-    assert events == [(0.1, [0]), (0.3, []), (0.4, [1]), (0.8, [1])]
-    assert rnd.deferred == 2
+        sent = rnd.due(now)
+        events.append((round(now, 3), [t.header.kind.name for t in sent]))
+        if answered_at is not None:  # ours is in; the segment waits for rank 1
+            rnd.on_pending(sent[0].header._replace(kind=Kind.PENDING), bytes([0b01]), answered_at)
+    # Silent: asked at 0.1, then after 0.2. The core answered at 0.31, so at 0.7 nothing says
+    # ours is lost: the timer restarts (0.1, the base) without asking. Silent since: backed off.
+    assert events == [(0.1, ["QUERY"]), (0.3, ["QUERY"]), (0.7, []), (0.8, ["QUERY"])]
+    assert rnd.deferred == 1
 
 
 def test_a_later_answer_makes_a_timeout_a_loss_resent_without_backoff() -> None:
