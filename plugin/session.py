@@ -193,7 +193,6 @@ class AllreduceRound:
         self._heard_at = [-1.0] * len(endpoints)  # latest answer from each endpoint
         self._rto = [0.0] * n
         self._timer = [0.0] * n  # retransmission time of an outstanding segment
-        self._armed_at = [0.0] * n  # when that timer was set (at a send, or restarted)
         self._retransmitted = bytearray(n)
         self._done = bytearray(n)
         self._use = [0] * n  # slot use number given at the first transmission
@@ -213,7 +212,7 @@ class AllreduceRound:
         # its answer instead of a window of queries all asking the same thing.
         self._probe = [-1] * len(endpoints)
         self._probe_sent = [0.0] * len(endpoints)
-        self.deferred = 0  # timeouts that restarted instead of asking: no sign of a loss
+        self.deferred = 0  # timeouts that waited on a probe instead of asking themselves
         self.fast_retransmissions = 0
         self.nudged_retransmissions = 0  # resent because a PENDING said ours never came
         self.queries = 0  # retransmissions that were QUERYs (header only)
@@ -293,27 +292,21 @@ class AllreduceRound:
             if self._done[k] or when != self._timer[k]:
                 continue  # answered, or superseded by a later timer
             e = k % n_ep
-            if self._acked_seq[e] > self._seq[k]:
-                # A segment sent after this one was answered: this one (or its result) was
-                # lost at random; the core is alive, so waiting longer would only idle the slot.
+            if self._heard_at[e] >= self._last_sent[k]:
+                # The core answered since and lacks something of ours: a random loss, not an
+                # overloaded or dead core, so waiting longer would only idle the slot.
                 self._rto[k] = self._rtt.rto(e)
                 self._rtt.on_loss(e, self.endpoints[e].slots, now)
-            elif self._heard_at[e] > self._armed_at[k]:
-                # The core answered since, but only about earlier segments: it is working
-                # through a queue (or waiting for a slower rank), nothing says this one is
-                # lost. Restart its timer, as TCP does on an acknowledgement (RFC 6298, 5.3).
-                self.deferred += 1
-                self._rearm(k, now, self._rtt.rto(e))
-                continue
             else:  # a silent core, or one waiting for late ranks: ask less and less often
                 self._rto[k] = min(max(self._rto[k] * 2, self._rtt.rto(e)), rto_max)
                 probe = self._probe[e]
                 if probe != k and probe >= 0 and not self._done[probe] \
                         and self._heard_at[e] < self._probe_sent[e]:
                     # A probe to this core is unanswered: its answer will say what this
-                    # one's would. Wait as long again.
+                    # one's would. Wait as long again (nothing is sent, so no backoff).
                     self.deferred += 1
-                    self._rearm(k, now, self._rto[k])
+                    self._timer[k] = when = now + self._rto[k]
+                    heapq.heappush(timers, (when, k))
                     continue
                 self._probe[e], self._probe_sent[e] = k, now
             self._resend(k, now, out)
@@ -355,11 +348,7 @@ class AllreduceRound:
 
     def _arm(self, k: int, now: float) -> None:
         self._last_sent[k] = now
-        self._rearm(k, now, self._rto[k])
-
-    def _rearm(self, k: int, now: float, wait: float) -> None:
-        self._armed_at[k] = now
-        self._timer[k] = when = now + wait
+        self._timer[k] = when = now + self._rto[k]
         heapq.heappush(self._timers, (when, k))
 
     def wakeup(self) -> float:
@@ -428,10 +417,8 @@ class AllreduceRound:
         if rest or k >= self.segments:
             return
         e = k % len(self.endpoints)
-        ep = self.endpoints[e]
-        if (h.job_id != ep.job_id or h.cookie != ep.cookie
-                or (source is not None and source != ep.address)):
-            return  # not from the core the segment went to: it must not restart our timers
+        if source is not None and source != self.endpoints[e].address:
+            return
         have = int.from_bytes(bitmap, "little")
         self._heard_at[e] = now
         self._pending[e] = (have.bit_count(), bytes(bitmap))
