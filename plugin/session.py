@@ -59,25 +59,14 @@ class Timing:
     deadline: float = 60.0
 
 
-MIN_WINDOW = 2  # segments in flight per core: below it every loss would idle the core
-
-
 @dataclass
 class RttEstimator:
-    """What a rank knows of the path to each destination (an endpoint index, an appliance core),
-    carried from round to round: the smoothed round-trip time (RFC 6298) and the congestion
-    window, the segments it may have in flight to that core (AIMD: one more per window of
-    results, half on a loss, at most one cut per round trip; never above the core's slots,
-    never below `MIN_WINDOW`). Until a loss is seen the window is the whole slot count, so a
-    clean network runs exactly as without it; an incast that overflows a queue or a socket
-    buffer shrinks it to what the path holds instead of losing a window's worth every time."""
+    """Smoothed round-trip time per destination (RFC 6298), carried from round to round.
+    Destinations are endpoint indices (appliance cores); each has its own estimate."""
 
     timing: Timing = field(default_factory=Timing)
     _srtt: dict[int, float] = field(default_factory=dict)
     _rttvar: dict[int, float] = field(default_factory=dict)
-    _cwnd: dict[int, float] = field(default_factory=dict)
-    _cut_at: dict[int, float] = field(default_factory=dict)
-    window_cuts: int = 0
 
     def sample(self, dest: int, rtt: float) -> None:
         srtt = self._srtt.get(dest)
@@ -95,27 +84,6 @@ class RttEstimator:
         srtt = self._srtt.get(dest)
         base = t.rto_initial if srtt is None else srtt + 4 * self._rttvar[dest]
         return min(t.rto_max, max(t.rto_min, base))
-
-    def window(self, dest: int, slots: int) -> int:
-        """Segments that may be in flight to `dest` now (of its `slots`)."""
-        cwnd = self._cwnd.get(dest)
-        return slots if cwnd is None else max(min(slots, MIN_WINDOW), min(slots, int(cwnd)))
-
-    def on_result(self, dest: int, slots: int) -> None:
-        """A segment's result came back: the window grows by one per window of results."""
-        cwnd = self._cwnd.get(dest)
-        if cwnd is not None and cwnd < slots:
-            self._cwnd[dest] = min(float(slots), cwnd + 1 / cwnd)
-
-    def on_loss(self, dest: int, slots: int, now: float) -> None:
-        """A segment to `dest` was lost (not merely late): halve the window, once per round
-        trip (the losses of one overflowing burst are one congestion event)."""
-        if now - self._cut_at.get(dest, -1.0) < (self._srtt.get(dest) or self.timing.rto_min):
-            return
-        cwnd = self._cwnd.get(dest, float(slots))
-        self._cwnd[dest] = max(float(MIN_WINDOW), cwnd / 2)
-        self._cut_at[dest] = now
-        self.window_cuts += 1
 
 
 class Transmit(NamedTuple):
@@ -208,26 +176,15 @@ class AllreduceRound:
         self._payload_sent = [0.0] * n
         self._lacks_ours = bytearray(n)
         self._nudged: deque[int] = deque()  # a PENDING said ours never came: resend at once
-        # Timeouts while a core is silent: one segment (the probe) asks; the others wait for
-        # its answer instead of a window of queries all asking the same thing.
-        self._probe = [-1] * len(endpoints)
-        self._probe_sent = [0.0] * len(endpoints)
-        self.deferred = 0  # timeouts that waited on a probe instead of asking themselves
         self.fast_retransmissions = 0
         self.nudged_retransmissions = 0  # resent because a PENDING said ours never came
         self.queries = 0  # retransmissions that were QUERYs (header only)
         self.remaining = n
         self._timers: list[tuple[float, int]] = []
         e = len(endpoints)
-        # Per core: segments whose slot is free (a heap: lowest first); those within the
-        # congestion window leave (`_in_flight`: first transmissions not yet answered). A core's
-        # lowest unanswered segment always may: were it held back, ranks whose windows hold
-        # different later segments could each wait for another's (deadlock); this way every
-        # rank always sends what the appliance's oldest unfinished segment waits for.
-        self._ready: list[list[int]] = [
-            list(range(i, min(n, ep.slots * e), e)) for i, ep in enumerate(endpoints)]
-        self._in_flight = [0] * e
-        self._lowest_open = list(range(e))  # per core: its lowest segment without a result
+        self._ready: deque[int] = deque(
+            k for k in range(n) if k // e < endpoints[k % e].slots
+        )
         self._pending: dict[int, tuple[int, bytes]] = {}  # endpoint -> (arrived count, bitmap)
         self._aborted_by: str | None = None
         self.retransmissions = 0
@@ -272,8 +229,6 @@ class AllreduceRound:
             k = self._nudged.popleft()
             if not self._done[k]:
                 self.nudged_retransmissions += 1
-                e = k % n_ep
-                self._rtt.on_loss(e, self.endpoints[e].slots, now)
                 self._resend(k, now, out)
         for e, waiting in enumerate(self._unanswered):
             acked = self._acked_seq[e]
@@ -283,7 +238,6 @@ class AllreduceRound:
                 if not self._done[k] and not self._fast[k]:
                     self._fast[k] = 1
                     self.fast_retransmissions += 1
-                    self._rtt.on_loss(e, self.endpoints[e].slots, now)
                     self._resend(k, now, out)
         timers = self._timers
         rto_max = self._rtt.timing.rto_max
@@ -296,43 +250,21 @@ class AllreduceRound:
                 # The core answered since and lacks something of ours: a random loss, not an
                 # overloaded or dead core, so waiting longer would only idle the slot.
                 self._rto[k] = self._rtt.rto(e)
-                self._rtt.on_loss(e, self.endpoints[e].slots, now)
             else:  # a silent core, or one waiting for late ranks: ask less and less often
                 self._rto[k] = min(max(self._rto[k] * 2, self._rtt.rto(e)), rto_max)
-                probe = self._probe[e]
-                if probe != k and probe >= 0 and not self._done[probe] \
-                        and self._heard_at[e] < self._probe_sent[e]:
-                    # A probe to this core is unanswered: its answer will say what this
-                    # one's would. Wait as long again (nothing is sent, so no backoff).
-                    self.deferred += 1
-                    self._timer[k] = when = now + self._rto[k]
-                    heapq.heappush(timers, (when, k))
-                    continue
-                self._probe[e], self._probe_sent[e] = k, now
             self._resend(k, now, out)
-        for e, ready in enumerate(self._ready):
-            if not ready:
-                continue
-            room = self._rtt.window(e, self.endpoints[e].slots) - self._in_flight[e]
-            while ready and (room > 0 or ready[0] == self._lowest_open[e]):
-                k = heapq.heappop(ready)
-                room -= 1
-                self._in_flight[e] += 1
-                self._sent_at[k] = now
-                self._rto[k] = self._rtt.rto(e)
-                self._sent_seq[e] += 1
-                self._seq[k] = self._sent_seq[e]
-                self._unanswered[e].append(k)
-                self._arm(k, now)
-                self._payload_sent[k] = now
-                out.append(Transmit(e, k, self._header(k, False), self.ticket))
+        while self._ready:
+            k = self._ready.popleft()
+            e = k % n_ep
+            self._sent_at[k] = now
+            self._rto[k] = self._rtt.rto(e)
+            self._sent_seq[e] += 1
+            self._seq[k] = self._sent_seq[e]
+            self._unanswered[e].append(k)
+            self._arm(k, now)
+            self._payload_sent[k] = now
+            out.append(Transmit(e, k, self._header(k, False), self.ticket))
         return out
-
-    def _sendable(self) -> bool:
-        """Is a released segment within its core's congestion window?"""
-        return any(ready and (ready[0] == self._lowest_open[e] or self._in_flight[e]
-                              < self._rtt.window(e, self.endpoints[e].slots))
-                   for e, ready in enumerate(self._ready))
 
     def _resend(self, k: int, now: float, out: list[Transmit]) -> None:
         self._retransmitted[k] = 1
@@ -353,7 +285,7 @@ class AllreduceRound:
 
     def wakeup(self) -> float:
         """The time `due` next has work, unless a result arrives first."""
-        if self._nudged or self._sendable():
+        if self._ready or self._nudged:
             return 0.0
         timers = self._timers
         while timers and (self._done[timers[0][1]] or timers[0][0] != self._timer[timers[0][1]]):
@@ -385,24 +317,18 @@ class AllreduceRound:
         self._done[k] = 1
         self.remaining -= 1
         e = k % len(self.endpoints)
-        ep = self.endpoints[e]
         self._heard_at[e] = now
-        self._in_flight[e] -= 1
         if not self._retransmitted[k]:
             self._rtt.sample(e, now - self._sent_at[k])
-            self._rtt.on_result(e, ep.slots)
         if self._seq[k] > self._acked_seq[e]:
             self._acked_seq[e] = self._seq[k]
         waiting = self._unanswered[e]
         while waiting and self._done[waiting[0]]:
             waiting.popleft()
-        low, n_ep = self._lowest_open[e], len(self.endpoints)
-        while low < self.segments and self._done[low]:
-            low += n_ep
-        self._lowest_open[e] = low
+        ep = self.endpoints[e]
         nxt = k + ep.slots * len(self.endpoints)
         if nxt < self.segments:
-            heapq.heappush(self._ready[e], nxt)
+            self._ready.append(nxt)
 
     def on_pending(self, h: Header, bitmap: bytes, now: float,
                    source: Address | None = None) -> None:

@@ -56,9 +56,6 @@ class Faults:
     duplicate: float = 0.0
     max_delay: float = 0.001  # uniform extra delay: reorders datagrams
     seed: int = 0
-    # An incast bottleneck in front of every appliance core: (seconds to serve one datagram,
-    # datagrams its queue holds); a datagram arriving at a full queue is dropped.
-    bottleneck: tuple[float, int] | None = None
 
 
 @dataclass
@@ -80,11 +77,8 @@ class SimNet:
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.faults.seed)
-        self._busy_until: dict[Address, float] = {}  # bottleneck queues, by appliance core
-        self.queue_drops = 0
         self.net = MemoryNetwork(self._fault, self.tap)
-        self.arenas = [SlotArena(max(8, self.slots), self.max_payload, 64)
-                       for _ in range(self.cores)]
+        self.arenas = [SlotArena(8, self.max_payload, 64) for _ in range(self.cores)]
         self.aggregators = [Aggregator(a, self.kernels, Counters()) for a in self.arenas]
         self.spec = JobSpec(7, 0xC0FFEE, self.world, self.slots, self.deterministic,
                             MULTICAST if self.multicast else None,
@@ -123,20 +117,10 @@ class SimNet:
 
     def _fault(self, source: Address, dest: Address, datagram: bytes) -> Sequence[float]:
         f = self.faults
-        queued = 0.0
-        if f.bottleneck is not None and dest[0] == "appliance":
-            service, capacity = f.bottleneck
-            now = self.net.now
-            busy = max(now, self._busy_until.get(dest, now))
-            if (busy - now) / service >= capacity:
-                self.queue_drops += 1
-                return []
-            self._busy_until[dest] = busy + service
-            queued = busy + service - now
         copies = 0 if self.rng.random() < f.drop else 1
         if copies and self.rng.random() < f.duplicate:
             copies = 2
-        return [queued + 1e-5 + self.rng.random() * f.max_delay for _ in range(copies)]
+        return [1e-5 + self.rng.random() * f.max_delay for _ in range(copies)]
 
     def _send(self, rank: int, due: list[Transmit],
               view: Callable[[Transmit], NDArray[np.uint8]]) -> None:

@@ -37,10 +37,10 @@ def test_window_releases_a_slot_only_after_its_result() -> None:
     rnd = AllreduceRound(endpoints(2, 2), 0, 2, 1, DType.FLOAT32, Op.SUM, 10 * 64, 64,
                          RttEstimator(), 0.0)
     first = rnd.due(0.0)
-    assert [t.segment for t in first] == [0, 2, 1, 3]  # 2 endpoints x 2 slots, by endpoint
-    assert [(t.endpoint, t.header.slot) for t in first] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [t.segment for t in first] == [0, 1, 2, 3]  # 2 endpoints x 2 slots
+    assert [(t.endpoint, t.header.slot) for t in first] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     assert rnd.due(0.001) == []
-    h = first[1].header._replace(kind=Kind.RESULT)
+    h = first[2].header._replace(kind=Kind.RESULT)
     assert rnd.accept(h) == 2
     rnd.stored(2, 0.002)
     (nxt,) = rnd.due(0.002)
