@@ -8,10 +8,15 @@ import contextlib
 import os
 import signal
 import time
+from typing import Any
 
 import pytest
 
-from reduction_appliance.deploy.testnet.harness import LabNetwork, start_appliance
+from reduction_appliance.deploy.testnet.harness import (
+    ApplianceProcess,
+    LabNetwork,
+    start_appliance,
+)
 from tests.waiting import wait_until
 
 from .steered import Job, all_exact
@@ -22,29 +27,42 @@ LIVENESS_S = 3.0
 MIB = 1 << 20
 
 
+def start_a_long_run(job: Job, appliance: ApplianceProcess) -> None:
+    """Every rank starts a run long enough to be cut in the middle; returns once it is under
+    way (the appliance is reducing)."""
+    for rank in job.ranks:
+        rank.send(f"run 1000 {MIB}")
+    reduced = appliance.counters()["segments_reduced"]
+    wait_until(lambda: appliance.counters()["segments_reduced"] > reduced + 100, 30,
+               what="the long run under way")
+
+
+def assert_named_within_the_bound(reports: list[dict[str, Any]], error: str, names: str,
+                                  since: float, capsys: pytest.CaptureFixture[str],
+                                  event: str) -> None:
+    """Each report's first failure is `error` naming `names`, within the liveness bound."""
+    for report in reports:
+        first = report["failures"][0]
+        assert first.startswith(error) and names in first, first
+        assert report["first_failure"] - since <= LIVENESS_S + 1.0, report
+        with capsys.disabled():
+            print(f"\n{event}: {error} after {report['first_failure'] - since:.2f} s "
+                  f"(liveness {LIVENESS_S:g} s)")
+
+
 def test_a_killed_worker_is_named_to_the_others_within_the_liveness_timeout(
         capsys: pytest.CaptureFixture[str]) -> None:
     with LabNetwork.rack(3) as net, start_appliance(net, liveness_s=LIVENESS_S) as appliance:
         job = Job(net, appliance, "mortal", 3)
         try:
             assert all_exact(job.run(2, MIB))
-            for rank in job.ranks:
-                rank.send(f"run 1000 {MIB}")  # long enough to be killed in the middle
-            reduced = appliance.counters()["segments_reduced"]
-            wait_until(lambda: appliance.counters()["segments_reduced"] > reduced + 100, 30,
-                       what="the long run under way")
+            start_a_long_run(job, appliance)
             killed_at = time.monotonic()
             job.ranks[2].kill()
-            for survivor in job.ranks[:2]:
-                report = survivor.next(timeout=60)
-                assert report["errors"] > 0, report
-                first = report["failures"][0]
-                assert first.startswith("RankSilent") and "rank 2 (198.18.0.103:" in first, first
-                assert report["first_failure"] - killed_at <= LIVENESS_S + 1.0, report
-                with capsys.disabled():
-                    print(f"\nrank 2 killed: a survivor raised RankSilent after "
-                          f"{report['first_failure'] - killed_at:.2f} s "
-                          f"(liveness {LIVENESS_S:g} s)")
+            reports = [survivor.next(timeout=60) for survivor in job.ranks[:2]]
+            assert all(report["errors"] > 0 for report in reports), reports
+            assert_named_within_the_bound(reports, "RankSilent", "rank 2 (198.18.0.103:",
+                                          killed_at, capsys, "rank 2 killed, a survivor")
         finally:
             job.ranks = job.ranks[:2]
             job.close()
@@ -73,22 +91,12 @@ def test_a_killed_appliance_is_named_to_the_workers_within_the_bound(
         job = Job(net, appliance, "orphans", 2)
         try:
             assert all_exact(job.run(2, MIB))
-            for rank in job.ranks:
-                rank.send(f"run 1000 {MIB}")
-            reduced = appliance.counters()["segments_reduced"]
-            wait_until(lambda: appliance.counters()["segments_reduced"] > reduced + 100, 30,
-                       what="the long run under way")
+            start_a_long_run(job, appliance)
             killed_at = time.monotonic()
             os.killpg(appliance.process.pid, signal.SIGKILL)  # reductiond and its cores
-            for rank in job.ranks:
-                report = rank.next(timeout=60)
-                first = report["failures"][0]
-                assert first.startswith("ApplianceSilent") and "core 0" in first, first
-                assert report["first_failure"] - killed_at <= LIVENESS_S + 1.0, report
-                with capsys.disabled():
-                    print(f"\nreductiond killed: a worker raised ApplianceSilent after "
-                          f"{report['first_failure'] - killed_at:.2f} s "
-                          f"(liveness {LIVENESS_S:g} s)")
+            reports = [rank.next(timeout=60) for rank in job.ranks]
+            assert_named_within_the_bound(reports, "ApplianceSilent", "core 0", killed_at,
+                                          capsys, "reductiond killed, a worker")
         finally:
             job.close()
 
