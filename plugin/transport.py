@@ -169,6 +169,9 @@ class UdpWorkerTransport:
                 except BlockingIOError:
                     break
                 size = segment_size(ancdata, nbytes) if ancdata else nbytes
+                if not size:  # an empty datagram: not ours
+                    taken += 1
+                    continue
                 if size < nbytes:
                     self.coalesced += 1
                 for start in range(0, nbytes, size):

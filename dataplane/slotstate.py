@@ -1,0 +1,128 @@
+"""The state of a core's slots: one table of copy states, and the objects the aggregator moves.
+
+The states of one slot copy and what moves them (`_COPY_TRANSITIONS`; anything else raises)::
+
+    EMPTY    --first contribution of the next use-->  FILLING
+    FILLING  --contribution, count < world-------->   FILLING
+    FILLING  --last contribution------------------>   COMPLETE   (send the result once)
+    COMPLETE --retransmission of the same use----->   COMPLETE   (resend it to that worker)
+    FILLING/COMPLETE --the slot's next use-------->   FILLING    (a FILLING one was abandoned)
+    any      --new epoch-------------------------->   EMPTY
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .reduce import SegmentKernel
+from .spec import Address, JobSpec
+from .wire import HEADER_SIZE, DType, Op
+
+__all__ = ["COPY_TRANSITIONS", "CopyState", "Event", "JobState", "Slot", "SlotCopy", "move"]
+
+
+class CopyState(Enum):
+    EMPTY = "empty"
+    FILLING = "filling"
+    COMPLETE = "complete"
+
+
+class Event(Enum):
+    START = "start"  # first contribution of the slot's next use
+    ADD = "add"  # one more contribution, not the last
+    LAST = "last"  # the contribution that makes it whole
+    RESET = "reset"  # a new epoch
+
+
+COPY_TRANSITIONS: dict[tuple[CopyState, Event], CopyState] = {
+    (CopyState.EMPTY, Event.START): CopyState.FILLING,
+    (CopyState.FILLING, Event.START): CopyState.FILLING,  # an abandoned use recycled
+    (CopyState.COMPLETE, Event.START): CopyState.FILLING,
+    (CopyState.FILLING, Event.ADD): CopyState.FILLING,
+    (CopyState.FILLING, Event.LAST): CopyState.COMPLETE,
+    **{(state, Event.RESET): CopyState.EMPTY for state in CopyState},
+}
+
+
+def move(state: CopyState, event: Event) -> CopyState:
+    target = COPY_TRANSITIONS.get((state, event))
+    if target is None:  # our bug: the datagram path checks the state before it moves it
+        raise AssertionError(f"slot copy {state.value}: {event.value} is not a transition")
+    return target
+
+
+class SlotCopy:
+    """One of a slot's two copies."""
+
+    __slots__ = (
+        "acc", "acc_n", "arena_slot", "arrived", "count", "dtype", "header", "held", "index",
+        "kernel", "length", "next_rank", "offset", "op", "out", "result", "round", "slot",
+        "started", "state", "use",
+    )
+
+    def __init__(self, slot: int, acc: NDArray[np.float32], out: NDArray[np.uint8],
+                 arena_slot: int = 0, index: int = 0) -> None:
+        self.slot = slot  # job-relative index, echoed in the result header
+        # Where acc lies in the arena (SlotArena.accumulator(arena_slot, index)): copies of
+        # consecutive arena slots with the same index are rows of one strided array, which the
+        # burst path reduces with one kernel call.
+        self.arena_slot = arena_slot
+        self.index = index
+        self.acc = acc
+        self.acc_n = acc  # acc[:elements of the current segment], sliced once per segment
+        self.out = out
+        self.header = bytearray(HEADER_SIZE)
+        self.use = 0  # which use of the slot this copy holds (0: none yet)
+        self.round = -1
+        self.offset = -1
+        self.dtype = DType.FLOAT32
+        self.op = Op.SUM
+        self.kernel: SegmentKernel | None = None
+        self.length = 0
+        self.arrived = 0  # rank bitmap
+        self.count = 0
+        self.next_rank = 0  # deterministic mode: ranks [0, next_rank) are summed into acc
+        self.held: dict[int, int] = {}  # deterministic mode: rank -> receive buffer index
+        self.state = CopyState.EMPTY
+        self.started = 0.0  # `now` when the current segment's first contribution came
+        self.result: memoryview = memoryview(b"")
+
+    def describe(self) -> str:
+        return (f"round {self.round} offset {self.offset} length {self.length} "
+                f"{self.dtype.name} {self.op.name}")
+
+
+class Slot:
+    __slots__ = ("copies", "latest")
+
+    def __init__(self, copies: tuple[SlotCopy, SlotCopy]) -> None:
+        self.copies = copies
+        self.latest = 0
+
+
+class JobState:
+    __slots__ = ("all_ranks", "arena_slots", "bytes_reduced", "diverged", "held",
+                 "last_activity", "last_data", "last_seen", "rounds", "segments_reduced", "slots",
+                 "spec")
+
+    def __init__(self, spec: JobSpec, arena_slots: list[int], slots: list[Slot],
+                 now: float) -> None:
+        self.spec = spec
+        self.last_seen = [now] * spec.world_size  # when each rank last said anything
+        self.last_data = [-1.0] * spec.world_size  # ... sent a contribution or a query
+        self.arena_slots = arena_slots
+        self.slots = slots
+        self.all_ranks = (1 << spec.world_size) - 1
+        self.rounds = 0  # highest round with a finished segment on this core, this epoch
+        self.bytes_reduced = 0
+        self.segments_reduced = 0
+        self.last_activity: float | None = None
+        self.held = 0  # receive buffers its out-of-turn contributions hold (<= hold_buffers)
+        self.diverged: str | None = None  # why the ranks disagree, until the next epoch
+
+    @property
+    def bound(self) -> list[Address]:
+        return [a for a in self.spec.endpoints if a is not None]
