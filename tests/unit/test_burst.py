@@ -249,7 +249,7 @@ def test_runs_cover_the_batch_and_describe_every_datagram(
     headers = np.zeros((len(data), HEADER_SIZE), np.uint8)
     for i, d in enumerate(data):
         headers[i, :min(len(d), HEADER_SIZE)] = np.frombuffer(d[:HEADER_SIZE], np.uint8)
-    runs = decode_runs(headers, np.array([len(d) for d in data]))
+    runs = decode_runs(headers, np.array([len(d) for d in data], np.uint64))
     assert runs.start[0] == 0 and sum(runs.size) == len(data)
     assert all(a + n == b for a, n, b in zip(runs.start, runs.size, runs.start[1:],
                                              strict=False))
