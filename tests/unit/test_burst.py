@@ -36,7 +36,8 @@ KERNELS = select_kernels()
 GROUP = ("239.255.0.9", 7100)
 COOKIE = 0x0BAD_CAFE_0000_0001
 SEGMENT = 64  # payload bytes
-SLOTS = 8
+SLOTS = 16  # a clean batch of one rank (one run) is as long as BURST_MIN
+assert SLOTS >= BURST_MIN
 
 Datagram = tuple[bytes, tuple[str, int]]
 
