@@ -95,15 +95,6 @@ class RxPool:
     def release(self, index: int) -> None:
         self._free.append(index)
 
-    def take_many(self, count: int) -> list[int]:
-        """`count` buffers at once (the caller checked `free`), in the order `take` would
-        give them: after a batch is released in order, that is a run of consecutive buffers,
-        which the burst path reduces as one strided array."""
-        taken = self._free[-count:]
-        del self._free[-count:]
-        taken.reverse()
-        return taken
-
 
 class SlotArena:
     """`capacity` slot pairs of `max_payload` bytes plus a receive pool, in one mapping."""

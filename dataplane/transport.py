@@ -84,15 +84,6 @@ class RxBatch:
         self.count += 1
         self.bytes += nbytes
 
-    def extend(self, indices: list[int], nbytes: list[int], source: Address,
-               total: int) -> None:
-        """Datagrams of one source (a coalesced receive); `total` is the sum of `nbytes`."""
-        self.index.extend(indices)
-        self.nbytes.extend(nbytes)
-        self.source.extend([source] * len(indices))
-        self.count += len(indices)
-        self.bytes += total
-
 
 class CoreTransport(Protocol):
     """What a data-plane core's loop needs from its network."""

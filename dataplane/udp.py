@@ -22,8 +22,6 @@ import struct
 import sys
 from collections.abc import Sequence
 
-import numpy as np
-
 from .slots import RxPool
 from .spec import CoreConfig
 from .transport import RxBatch, Send, TransportCounts
@@ -244,35 +242,22 @@ class UdpCoreTransport:
     def _split(self, pool: RxPool, batch: RxBatch, nbytes: int, size: int,
                source: tuple[str, int]) -> None:
         """Cut a coalesced receive of `nbytes` (datagrams of `size`, the last maybe shorter)
-        into receive buffers: one numpy copy for the whole-size datagrams, not one per
-        datagram."""
+        into receive buffers. One slice assignment per datagram: measured cheaper than one
+        numpy scatter per receive, since a receive carries only ~7 datagrams at MTU 9000."""
         if nbytes == 0:  # an empty datagram: the aggregator counts it as malformed
-            batch.extend(pool.take_many(1), [0], source, 0)
-            return
-        capacity = pool.buffers.shape[1]
-        whole, tail = divmod(nbytes, size)
-        staging = np.frombuffer(self._staging, np.uint8, nbytes)
-        lengths = [size] * whole
-        if size > capacity:  # longer than a buffer: dropped, counted
-            batch.truncated += whole
-            batch.bytes += whole * size
-            nbytes -= whole * size
-            staging = staging[whole * size:]
-            whole, lengths = 0, []
-        if tail > capacity:
-            batch.truncated += 1
-            batch.bytes += tail
-            nbytes -= tail
-            tail = 0
-        if tail:
-            lengths.append(tail)
-        taken = pool.take_many(len(lengths))
-        if whole:
-            pool.buffers[taken[:whole], :size] = staging[:whole * size].reshape(whole, size)
-        if tail:
-            pool.buffers[taken[whole], :tail] = staging[whole * size:]
-        if taken:
-            batch.extend(taken, lengths, source, nbytes)
+            size = 1
+        staging, views = self._staging_view, pool.views
+        for start in range(0, max(nbytes, 1), size):
+            end = min(start + size, nbytes)
+            index = pool.take()
+            if index is None or end - start > len(views[index]):
+                if index is not None:
+                    pool.release(index)
+                batch.truncated += 1
+                batch.bytes += end - start
+                continue
+            views[index][:end - start] = staging[start:end]
+            batch.add(index, end - start, source)
 
     def _receive_one_by_one(self, pool: RxPool, batch: RxBatch, limit: int) -> int:
         recv = self.sock.recvmsg_into
