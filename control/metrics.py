@@ -104,11 +104,6 @@ CORE_COUNTERS: dict[str, tuple[str, str]] = {
         "QUERYs: a rank whose contribution already arrived asks for the result (48 bytes instead "
         "of resending the segment); answered with the result or PENDING.",
     ),
-    "burst_contributions": (
-        "core_burst_contributions",
-        "Contributions taken by the burst path: decoded with their whole receive batch and "
-        "reduced in runs, one kernel call per run; the rest of packets_in went one by one.",
-    ),
     "duplicates": (
         "core_duplicates",
         "Contributions received again from a rank already counted for that segment (never added "

@@ -40,7 +40,6 @@ from collections import OrderedDict
 import numpy as np
 from numpy.typing import NDArray
 
-from .burst import BurstPath, decode_runs
 from .counters import Counter, Counters
 from .errors import AdmissionError, PeerError
 from .reduce import KernelTable, SegmentKernel
@@ -66,11 +65,7 @@ from .wire import (
     unpack,
 )
 
-__all__ = ["BURST_MIN", "Aggregator", "CopyState"]
-
-# Below this many datagrams, decoding a batch at once costs more than it saves: ~20 numpy
-# calls, 12-17 us whatever the batch size, against ~1.5 us of Python saved per datagram.
-BURST_MIN = 16
+__all__ = ["Aggregator", "CopyState"]
 
 
 _TOMBSTONES = 1024  # aborted jobs remembered, so their workers hear why instead of timing out
@@ -79,8 +74,7 @@ _TOMBSTONES = 1024  # aborted jobs remembered, so their workers hear why instead
 class Aggregator:
     """All jobs of one core. Single-threaded: the core's poll loop is the only caller."""
 
-    def __init__(self, arena: SlotArena, kernels: KernelTable, counters: Counters,
-                 burst_min: int = BURST_MIN) -> None:
+    def __init__(self, arena: SlotArena, kernels: KernelTable, counters: Counters) -> None:
         self._arena = arena
         self._pool = arena.rx
         self._kernels = kernels
@@ -90,8 +84,6 @@ class Aggregator:
         self._aborted: OrderedDict[int, tuple[int, frozenset[Address]]] = OrderedDict()
         self._cells = counters.cells
         self._reserve = receive_reserve(len(self._pool))
-        self._burst_min = burst_min  # smaller batches go one by one (tests: the reference)
-        self._burst = BurstPath(self._jobs, kernels, arena, counters, self._one, self._finish)
 
     # ---- job table (driven by the control plane through the mailbox) ----
     def add_job(self, spec: JobSpec, now: float) -> list[Send]:
@@ -109,8 +101,8 @@ class Aggregator:
         arena_slots = self._arena.allocate(spec.slots)
         slots = [
             Slot((
-                SlotCopy(i, self._arena.accumulator(s, 0), self._arena.result_buffer(s, 0), s, 0),
-                SlotCopy(i, self._arena.accumulator(s, 1), self._arena.result_buffer(s, 1), s, 1),
+                SlotCopy(i, self._arena.accumulator(s, 0), self._arena.result_buffer(s, 0)),
+                SlotCopy(i, self._arena.accumulator(s, 1), self._arena.result_buffer(s, 1)),
             ))
             for i, s in enumerate(arena_slots)
         ]
@@ -206,25 +198,10 @@ class Aggregator:
     # ---- datagram path ----
     def on_batch(self, batch: RxBatch, now: float) -> list[Send]:
         """Take in the datagrams of `batch` (their buffers are ours now: each goes back to the
-        pool unless a deterministic job holds it) and return what to send.
-
-        A batch of `BURST_MIN` or more is decoded at once and cut into runs (`burst`): a run
-        of contributions that extend their slots exactly as expected is reduced by the burst
-        path; every other datagram goes one by one through `_one`, which checks everything.
-        Both leave the same state, sends and counters (the unit tests hold them to it)."""
+        pool unless a deterministic job holds it) and return what to send."""
         out: list[Send] = []
-        if batch.count < self._burst_min:
-            for index, nbytes, source in zip(batch.index, batch.nbytes, batch.source,
-                                             strict=True):
-                self._one(index, nbytes, source, now, out)
-            return out
-        indices = batch.index
-        runs = decode_runs(self._pool.headers[indices], np.asarray(batch.nbytes, np.uint64))
-        for r, start in enumerate(runs.start):
-            if runs.fast[r]:
-                self._burst.take(runs, r, batch, now, out)
-            else:
-                self._one(indices[start], batch.nbytes[start], batch.source[start], now, out)
+        for index, nbytes, source in zip(batch.index, batch.nbytes, batch.source, strict=True):
+            self._one(index, nbytes, source, now, out)
         return out
 
     def _one(self, index: int, nbytes: int, source: Address, now: float,

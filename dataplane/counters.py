@@ -48,7 +48,6 @@ class Counter(IntEnum):
     JOB_NOTICES = 29  # RESYNC and DIVERGED notices sent to workers
     HEARTBEATS = 30  # HEARTBEATs from bound ranks (each answered with LIVENESS)
     QUERIES = 31  # QUERYs: a rank whose contribution is in asks for the result
-    BURST_CONTRIBUTIONS = 32  # contributions taken by the burst path (runs, one kernel call)
 
 
 N_COUNTERS = len(Counter)

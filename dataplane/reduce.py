@@ -117,14 +117,6 @@ class SegmentKernel(Protocol):
         """acc = op(acc, widened payload) in place (sum/avg: add, min: minimum, max: maximum)."""
         ...
 
-    def first_rows(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
-        """`first` for each row of two equal-shape 2-D arrays (a burst of segments)."""
-        ...
-
-    def add_rows(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
-        """`add` for each row of two equal-shape 2-D arrays (a burst of segments)."""
-        ...
-
     def finish(
         self, acc: NDArray[np.float32], count: int, out: NDArray[np.uint8]
     ) -> NDArray[np.uint8]:
@@ -267,27 +259,6 @@ class _Kernel:
             raise ValueError(f"payload holds {len(payload)} elements, accumulator {n}")
         return payload
 
-    def _check_rows(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
-        if acc.shape != payload.shape:
-            raise ValueError(f"payload rows {payload.shape}, accumulator rows {acc.shape}")
-
-    # Row by row by default; fp32 folds a whole burst in one ufunc call.
-    def first_rows(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
-        self._check_rows(acc, payload)
-        for a, x in zip(acc, payload, strict=True):
-            self.first(a, x)
-
-    def add_rows(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
-        self._check_rows(acc, payload)
-        for a, x in zip(acc, payload, strict=True):
-            self.add(a, x)
-
-    def first(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
-        raise NotImplementedError
-
-    def add(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
-        raise NotImplementedError
-
     def _finalise(self, acc: NDArray[np.float32], count: int) -> None:
         if self._avg:
             if count < 1:
@@ -308,14 +279,6 @@ class _Float32Kernel(_Kernel):
         if len(payload) != len(acc):
             raise ValueError(f"payload holds {len(payload)} elements, accumulator {len(acc)}")
         self._fold(acc, payload, acc)
-
-    def first_rows(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
-        self._check_rows(acc, payload)
-        np.copyto(acc, payload)
-
-    def add_rows(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
-        self._check_rows(acc, payload)
-        self._fold(acc, payload, out=acc)
 
     def finish(
         self, acc: NDArray[np.float32], count: int, out: NDArray[np.uint8]

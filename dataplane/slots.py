@@ -58,27 +58,15 @@ class RxPool:
     it hands it to (the aggregator), which gives it back with `release` or keeps it (a
     contribution held back for rank-ordered summation)."""
 
-    __slots__ = ("_free", "buffers", "elements", "headers", "rows", "views")
+    __slots__ = ("_free", "elements", "views")
 
     def __init__(self, buffers: NDArray[np.uint8]) -> None:
         # Made once, not per datagram: transports receive into `views`, and the kernels take
         # each payload as elements of 4 or 2 bytes (see reduce.element_view).
-        self.buffers = buffers  # (count, header + max_payload) bytes, one row per buffer
         self.views = [memoryview(b) for b in buffers]
-        storage = ((DType.FLOAT32, 4), (DType.FLOAT16, 2))
         self.elements: dict[int, list[NDArray[Any]]] = {
-            size: [b[HEADER_SIZE:].view(STORAGE[d]) for b in buffers] for d, size in storage
-        }
-        # The same memory as 2-D arrays, for the burst path: every buffer's header (a batch's
-        # headers are decoded in one gather), and every payload as a row of elements, so a
-        # run of buffers is one strided array for one kernel call.
-        self.headers: NDArray[np.uint8] = buffers[:, :HEADER_SIZE]
-        self.rows: dict[int, NDArray[Any]] = {
-            size: np.lib.stride_tricks.as_strided(
-                self.elements[size][0], (len(buffers), len(self.elements[size][0])),
-                (buffers.strides[0], size))  # rows never overlap: safe to leave writeable
-                                              # (torch refuses read-only arrays)
-            for _, size in storage
+            size: [b[HEADER_SIZE:].view(STORAGE[d]) for b in buffers]
+            for d, size in ((DType.FLOAT32, 4), (DType.FLOAT16, 2))
         }
         self._free = list(range(len(buffers) - 1, -1, -1))
 
@@ -145,12 +133,6 @@ class SlotArena:
     def accumulator(self, slot: int, copy: int) -> NDArray[np.float32]:
         acc: NDArray[np.float32] = self._acc[slot, copy]
         return acc
-
-    def accumulator_rows(self, first_slot: int, count: int, copy: int) -> NDArray[np.float32]:
-        """The accumulators of `count` consecutive slots' copy `copy`, as the rows of one
-        strided array (the same memory as `accumulator`)."""
-        rows: NDArray[np.float32] = self._acc[first_slot:first_slot + count, copy]
-        return rows
 
     def result_buffer(self, slot: int, copy: int) -> NDArray[np.uint8]:
         out: NDArray[np.uint8] = self._out[slot, copy][: self.max_payload]

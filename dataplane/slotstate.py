@@ -58,19 +58,13 @@ class SlotCopy:
     """One of a slot's two copies."""
 
     __slots__ = (
-        "acc", "acc_n", "arena_slot", "arrived", "count", "dtype", "header", "held", "index",
-        "kernel", "length", "next_rank", "offset", "op", "out", "result", "round", "slot",
-        "started", "state", "use",
+        "acc", "acc_n", "arrived", "count", "dtype", "header", "held", "kernel", "length",
+        "next_rank", "offset", "op", "out", "result", "round", "slot", "started", "state",
+        "use",
     )
 
-    def __init__(self, slot: int, acc: NDArray[np.float32], out: NDArray[np.uint8],
-                 arena_slot: int = 0, index: int = 0) -> None:
+    def __init__(self, slot: int, acc: NDArray[np.float32], out: NDArray[np.uint8]) -> None:
         self.slot = slot  # job-relative index, echoed in the result header
-        # Where acc lies in the arena (SlotArena.accumulator(arena_slot, index)): copies of
-        # consecutive arena slots with the same index are rows of one strided array, which the
-        # burst path reduces with one kernel call.
-        self.arena_slot = arena_slot
-        self.index = index
         self.acc = acc
         self.acc_n = acc  # acc[:elements of the current segment], sliced once per segment
         self.out = out

@@ -162,3 +162,24 @@ def test_a_pool_too_small_to_spare_a_burst_receives_one_datagram_per_call() -> N
             assert transport.coalesced == 0
     finally:
         transport.close()
+
+
+def test_an_empty_datagram_reaches_the_core_as_one_and_stops_nothing(
+        core: UdpCoreTransport) -> None:
+    """An empty datagram (anyone may send one) used to stop the core's receive with a zero
+    segment size; it is one datagram of 0 bytes, which the aggregator counts as malformed."""
+    with SlotArena(capacity=4, max_payload=SEGMENT, rx_buffers=128) as arena, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+        sender.sendto(b"", core.sock.getsockname())
+        got = received(core, arena, 1)
+        assert (got.count, got.nbytes) == (1, [0])
+        gso_burst(core.sock.getsockname(), 3)
+        assert received(core, arena, 3).count == 3  # and the core goes on receiving
+
+
+def test_an_empty_datagram_stops_no_worker() -> None:
+    with UdpWorkerTransport("127.0.0.1") as worker, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+        sender.sendto(b"", worker.local)
+        payloads = gso_burst(worker.local, 2, kind=Kind.RESULT)
+        assert results(worker, 2) == list(enumerate(payloads))

@@ -345,3 +345,17 @@ def test_abort_tells_bound_workers_and_answers_their_later_datagrams(arena: Slot
     assert contribute(agg, 1, np.ones(4, np.float32), source=("198.18.0.99", 9001)) == []
     assert agg.counters[Counter.ABORT_NOTICES] == 4
     assert arena.free_slots == arena.capacity  # the job's slots are free again
+
+
+def test_a_short_datagram_is_malformed_whatever_its_buffer_held_before(
+        arena: SlotArena) -> None:
+    agg = make(arena, world=2)
+    heartbeat = bytearray(HEADER_SIZE)
+    pack_into(heartbeat, Header(Kind.HEARTBEAT, DType.FLOAT32, Op.SUM, 0, 5, 0, COOKIE, 1, 0,
+                                0, 0, 0, 1))
+    assert feed(agg, [(bytes(heartbeat), where(0))])  # answered: LIVENESS
+    # The same receive buffer comes back for the next datagram: its 10 bytes (or none) must
+    # not borrow the heartbeat's header that still sits there.
+    assert feed(agg, [(bytes(heartbeat[:10]), where(0)), (b"", where(0))]) == []
+    assert agg.counters[Counter.DROP_MALFORMED] == 2
+    assert agg.counters[Counter.HEARTBEATS] == 1
