@@ -1,6 +1,6 @@
 """The state of a core's slots: one table of copy states, and the objects the aggregator moves.
 
-The states of one slot copy and what moves them (`_COPY_TRANSITIONS`; anything else raises)::
+The states of one slot copy and what moves them (`COPY_TRANSITIONS`; anything else raises)::
 
     EMPTY    --first contribution of the next use-->  FILLING
     FILLING  --contribution, count < world-------->   FILLING
