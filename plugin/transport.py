@@ -27,6 +27,7 @@ from reduction_appliance.dataplane.udp import (
     GRO_BUFFER,
     GRO_CMSG_SPACE,
     DatagramBatcher,
+    datagram_starts,
     enable_gro,
     enlarge_buffers,
     segment_size,
@@ -169,12 +170,9 @@ class UdpWorkerTransport:
                 except BlockingIOError:
                     break
                 size = segment_size(ancdata, nbytes) if ancdata else nbytes
-                if not size:  # an empty datagram: not ours
-                    taken += 1
-                    continue
                 if size < nbytes:
                     self.coalesced += 1
-                for start in range(0, nbytes, size):
+                for start in datagram_starts(nbytes, size):
                     taken += 1
                     end = min(start + size, nbytes)
                     if end - start < HEADER_SIZE:
