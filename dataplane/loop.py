@@ -51,12 +51,14 @@ class CoreLoop:
     `serve` directly, with an in-memory transport and their own clock."""
 
     def __init__(self, cfg: CoreConfig, mailbox: Connection, counters: Counters,
-                 transport: CoreTransport, clock: Callable[[], float] = time.monotonic) -> None:
+                 transport: CoreTransport, clock: Callable[[], float] = time.monotonic,
+                 arena: SlotArena | None = None) -> None:
         self.cfg = cfg
         self.mailbox = mailbox
         self.counters = counters
         self.clock = clock
-        self.arena = SlotArena(cfg.slot_capacity, cfg.max_payload, cfg.rx_buffers)
+        # Given when the transport was built over it (RDMA registers the arena's memory).
+        self.arena = arena or SlotArena(cfg.slot_capacity, cfg.max_payload, cfg.rx_buffers)
         self.kernels = select_kernels(cfg.kernels)
         self.aggregator = Aggregator(self.arena, self.kernels, counters)
         self.transport = transport
@@ -148,7 +150,11 @@ class CoreLoop:
         loops = 0
         idle_since = time.perf_counter()
         mailbox_fd = self.mailbox.fileno()
-        waitables = [self.transport.fileno(), mailbox_fd]
+        # A transport without a descriptor (RDMA completions: see dataplane.verbs) is polled
+        # again after a short block instead of waking the select.
+        transport_fd = self.transport.fileno()
+        waitables = [transport_fd, mailbox_fd] if transport_fd >= 0 else [mailbox_fd]
+        block_s = min(_IDLE_BLOCK_S, self.transport.idle_block_s)
         while self._running:
             loops += 1
             cells[Counter.POLL_LOOPS] += 1
@@ -167,7 +173,7 @@ class CoreLoop:
                 idle_since = now
             if now - idle_since < spin_s:
                 continue
-            readable, _, _ = select.select(waitables, [], [], _IDLE_BLOCK_S)
+            readable, _, _ = select.select(waitables, [], [], block_s)
             if mailbox_fd in readable:
                 self.drain_mailbox()
 

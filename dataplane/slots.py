@@ -58,12 +58,15 @@ class RxPool:
     it hands it to (the aggregator), which gives it back with `release` or keeps it (a
     contribution held back for rank-ordered summation)."""
 
-    __slots__ = ("_free", "elements", "views")
+    __slots__ = ("_free", "addresses", "buffer_bytes", "elements", "views")
 
     def __init__(self, buffers: NDArray[np.uint8]) -> None:
-        # Made once, not per datagram: transports receive into `views`, and the kernels take
-        # each payload as elements of 4 or 2 bytes (see reduce.element_view).
+        # Made once, not per datagram: transports receive into `views` (or, with RDMA, into
+        # `addresses`: where the NIC places a message), and the kernels take each payload as
+        # elements of 4 or 2 bytes (see reduce.element_view).
         self.views = [memoryview(b) for b in buffers]
+        self.addresses = [int(b.ctypes.data) for b in buffers]
+        self.buffer_bytes = int(buffers.shape[1])
         self.elements: dict[int, list[NDArray[Any]]] = {
             size: [b[HEADER_SIZE:].view(STORAGE[d]) for b in buffers]
             for d, size in ((DType.FLOAT32, 4), (DType.FLOAT16, 2))
@@ -103,6 +106,7 @@ class SlotArena:
         self.nbytes = acc_bytes + out_bytes + rx_bytes
         self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         whole = np.frombuffer(self._map, dtype=np.uint8)
+        self.address = int(whole.ctypes.data)  # what an RDMA transport registers, nbytes long
         self._acc = whole[:acc_bytes].view(np.float32)[: capacity * 2 * (stride // 2)].reshape(
             capacity, 2, stride // 2
         )

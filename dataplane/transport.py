@@ -88,8 +88,12 @@ class RxBatch:
 class CoreTransport(Protocol):
     """What a data-plane core's loop needs from its network."""
 
+    #: the longest an idle loop may block before receiving again (a transport whose fileno()
+    #: is -1 has no descriptor that wakes it)
+    idle_block_s: float
+
     def fileno(self) -> int:
-        """A descriptor that select() reports readable when datagrams wait."""
+        """A descriptor that select() reports readable when datagrams wait (-1: none)."""
         ...
 
     def receive(self, pool: RxPool, batch: RxBatch, limit: int) -> int:
@@ -224,6 +228,8 @@ class MemoryEndpoint:
 
 class MemoryCoreTransport:
     """`CoreTransport` over a `MemoryEndpoint`."""
+
+    idle_block_s = 0.05
 
     def __init__(self, endpoint: MemoryEndpoint) -> None:
         self.endpoint = endpoint

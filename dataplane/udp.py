@@ -186,6 +186,8 @@ class UdpCoreTransport:
     buffers, or where the kernel refuses GRO one `recvmsg_into` per datagram straight into a
     buffer; results sent in GSO batches."""
 
+    idle_block_s = 0.05  # the socket wakes the loop's select: this only bounds mailbox latency
+
     def __init__(self, sock: socket.socket, *, gro: bool = True, why_not: str = "") -> None:
         self.sock = sock
         self.batcher = DatagramBatcher(sock)

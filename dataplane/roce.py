@@ -1,0 +1,306 @@
+"""The RoCE transport of a data-plane core: RC queue pairs behind the same seam as UDP.
+
+Every wire message (header and payload, `dataplane.wire`) travels as one RC SEND. The NIC
+places a worker's contribution straight into a receive-pool buffer of the core's slot arena,
+which is registered once as a memory region; the buffers are posted as prebuilt receive work
+requests on one shared receive queue that every worker's queue pair uses, and every queue pair
+completes into one completion queue. A completion names its queue pair, and the queue pair the
+worker's endpoint address, so the aggregator sees what it sees over UDP: a buffer, a length, a
+source. Results leave as SENDs gathered from a header staging entry and the result's place in
+the arena (no copy); notices and other small messages are copied whole into a staging entry.
+
+The control plane connects a worker by handing `accept` the worker's `QpEndpoint` and the
+address the worker joined from (`(its IP, its QP number)`); the core's end goes back to the
+worker. A queue pair whose peer is gone (any error completion: retries exhausted, flushed,
+remote error) is moved to ERR and forgotten: its rank falls silent and the job's liveness
+timeout names it to the others, as over UDP.
+
+RC never drops: a send queue that is full (the worker stopped taking results) counts as a send
+error and the message is dropped, which the worker's retransmission repairs like a loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import ReductionError
+from .slots import SlotArena, receive_reserve
+from .transport import Address, RxBatch, Send, TransportCounts
+from .verbs import QpEndpoint, RegisteredRing, RingWR, RoceDevice, _verbs
+
+__all__ = ["RoceCoreTransport", "RoceCounts"]
+
+SMALL_MESSAGE = 4096  # messages up to this size are copied whole into a staging entry
+SIGNAL_EVERY = 8  # one signalled send per this many: its completion retires them all
+_SEND_TAG = 1 << 62  # wr_id of a send: tag | peer << 20 | sends it retires (receives: buffer)
+
+
+@dataclass
+class RoceCounts:
+    """Verbs work of one core since start (the benchmark prints calls per MiB)."""
+
+    post_recv: int = 0
+    post_send: int = 0
+    polls: int = 0
+    completions: int = 0
+    send_queue_full: int = 0
+    peers_lost: int = 0
+    strangers: int = 0  # completions from queue pairs no longer (or never) ours
+
+
+@dataclass
+class _Peer:
+    index: int
+    address: Address
+    qp: Any
+    local: QpEndpoint
+    remote: QpEndpoint
+    ring: list[RingWR]
+    staging: int  # first staging entry of this peer
+    seq: int = 0
+    outstanding: int = 0  # sends posted and not yet retired by a signalled completion
+    unsignalled: int = 0
+    lost: str = ""  # why the peer is gone ("" while connected)
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class RoceCoreTransport:
+    """`CoreTransport` over RC queue pairs on one device (see the module docstring)."""
+
+    #: no descriptor turns readable on a completion: the loop blocks at most this long
+    idle_block_s = 0.0005
+
+    def __init__(self, device: RoceDevice, arena: SlotArena, *, peers: int = 64,
+                 send_depth: int = 64, completion_depth: int = 8192) -> None:
+        if send_depth <= SIGNAL_EVERY:
+            raise ValueError(f"send_depth must exceed {SIGNAL_EVERY}")
+        self.device = device
+        self.arena = arena
+        self.counts = RoceCounts()
+        self._transport_counts = TransportCounts()
+        self._send_depth = send_depth
+        self._max_peers = peers
+        pool = arena.rx
+        self._mr = device.register(arena.address, arena.nbytes)
+        self._lkey = int(self._mr.lkey)
+        self._cq = device.completion_queue(completion_depth)
+        # A pool buffer posted for receive belongs to the transport until its completion; at
+        # most the buffers never held for deterministic jobs are posted at once, so holds
+        # (slots.holdable_buffers) and posted receives never compete for the same buffers.
+        self._recv_depth = receive_reserve(len(pool))
+        self._srq = device.shared_receive_queue(self._recv_depth)
+        from pyverbs.wr import SGE, RecvWR
+
+        self._recv_wrs = [RecvWR(wr_id=i, num_sge=1,
+                                 sg=[SGE(pool.addresses[i], pool.buffer_bytes, self._lkey)])
+                          for i in range(len(pool))]
+        self._posted = 0
+        self._staging = RegisteredRing(device, peers * send_depth, SMALL_MESSAGE)
+        self._peers: dict[int, _Peer] = {}  # by local QP number
+        self._by_address: dict[Address, _Peer] = {}
+        self._by_index: dict[int, _Peer] = {}
+        self._free_index = list(range(peers - 1, -1, -1))
+        self._arena_end = arena.address + arena.nbytes
+        self._e = _verbs()
+        from pyverbs.wr import SGE as _SGE
+
+        self._head_sge = _SGE(0, 0, self._staging.lkey)
+        self._body_sge = _SGE(0, 0, self._lkey)
+
+    # ---- connections (the control plane, through the core's mailbox) ----
+    def accept(self, remote: QpEndpoint, address: Address) -> QpEndpoint:
+        """Connect a queue pair to a worker's end; its messages arrive from `address`."""
+        if address in self._by_address:
+            self.disconnect(address)
+        if not self._free_index:
+            raise ReductionError(f"this core serves {self._max_peers} queue pairs already")
+        index = self._free_index.pop()
+        qp = self.device.rc_queue_pair(self._cq, self._srq, self._send_depth)
+        try:
+            local = self.device.endpoint(qp)
+            self.device.connect(qp, local, remote)
+        except BaseException:
+            qp.close()
+            self._free_index.append(index)
+            raise
+        first = index * self._send_depth
+        ring = [RingWR(self._staging.address(first + i), 0, self._staging.lkey)
+                for i in range(self._send_depth)]
+        peer = _Peer(index, address, qp, local, remote, ring, first)
+        self._peers[int(qp.qp_num)] = peer
+        self._by_address[address] = peer
+        self._by_index[index] = peer
+        return local
+
+    def disconnect(self, address: Address) -> None:
+        peer = self._by_address.pop(address, None)
+        if peer is None:
+            return
+        self._peers.pop(int(peer.qp.qp_num), None)
+        self._by_index.pop(peer.index, None)
+        peer.qp.close()
+        for wr in peer.ring:
+            wr.close()
+        self._free_index.append(peer.index)
+
+    def queue_pairs(self) -> list[dict[str, object]]:
+        """What status shows per connection (as `rdma res show qp` would, plus our counts)."""
+        return [{"address": list(p.address), "local": p.local.as_json(),
+                 "remote": p.remote.as_json(), "state": "ERR" if p.lost else "RTS",
+                 "lost": p.lost, "outstanding": p.outstanding}
+                for p in self._by_address.values()]
+
+    def _lose(self, peer: _Peer, why: str) -> None:
+        if not peer.lost:
+            peer.lost = why
+            self.counts.peers_lost += 1
+            self.device.fail(peer.qp)
+
+    # ---- the seam ----
+    def fileno(self) -> int:
+        return -1
+
+    def _restock(self, pool: Any) -> None:
+        srq, wrs = self._srq, self._recv_wrs
+        while self._posted < self._recv_depth:
+            index = pool.take()
+            if index is None:
+                break
+            srq.post_recv(wrs[index])
+            self._posted += 1
+            self.counts.post_recv += 1
+
+    def receive(self, pool: Any, batch: RxBatch, limit: int) -> int:
+        batch.clear()
+        self._restock(pool)
+        npolled, wcs = self._cq.poll(limit)
+        counts = self.counts
+        counts.polls += 1
+        if not npolled:
+            return 0
+        counts.completions += npolled
+        success = self._e.IBV_WC_SUCCESS
+        for wc in wcs:
+            wr_id = wc.wr_id
+            if wr_id < _SEND_TAG:  # a receive: wr_id is the pool buffer
+                self._posted -= 1
+                peer = self._peers.get(wc.qp_num)
+                if wc.status != success or peer is None or peer.lost:
+                    pool.release(wr_id)
+                    if peer is None:
+                        counts.strangers += 1
+                    elif wc.status != success:
+                        self._lose(peer, self._status(wc))
+                    continue
+                batch.add(wr_id, wc.byte_len, peer.address)
+                continue
+            sender = self._by_index.get((wr_id >> 20) & 0xFFFF)
+            if sender is None or int(sender.qp.qp_num) != wc.qp_num:
+                counts.strangers += 1
+                continue
+            sender.outstanding -= wr_id & 0xFFFFF
+            if wc.status != success:
+                self._lose(sender, self._status(wc))
+        self._restock(pool)
+        return batch.count
+
+    def _status(self, wc: Any) -> str:
+        from pyverbs.cq import WC
+
+        try:
+            text = WC.status_to_str(wc.status)  # rdma-core >= 46
+        except AttributeError:
+            text = f"status {wc.status}"
+        return f"completion error ({text}, vendor error {wc.vendor_err})"
+
+    def send(self, sends: Sequence[Send]) -> None:
+        counts = self._transport_counts
+        for s in sends:
+            peer = self._by_address.get(s.dest)
+            if peer is None or peer.lost:
+                counts.send_errors += 1
+                continue
+            if peer.outstanding >= self._send_depth:
+                counts.send_errors += 1
+                self.counts.send_queue_full += 1
+                continue
+            header, payload = s.header, s.payload
+            nhead, nbody = len(header), len(payload)
+            entry = peer.seq % self._send_depth
+            peer.seq += 1
+            peer.outstanding += 1
+            peer.unsignalled += 1
+            signalled = peer.unsignalled >= SIGNAL_EVERY
+            wr_id = _SEND_TAG | peer.index << 20 | peer.unsignalled
+            if signalled:
+                peer.unsignalled = 0
+            flags = self._e.IBV_SEND_SIGNALED if signalled else 0
+            view = self._staging.views[peer.staging + entry]
+            view[:nhead] = header
+            try:
+                if nhead + nbody <= SMALL_MESSAGE:
+                    view[nhead:nhead + nbody] = payload
+                    ring = peer.ring[entry]
+                    ring.sge.length = nhead + nbody
+                    ring.wr.wr_id = wr_id
+                    ring.wr.send_flags = flags
+                    peer.qp.post_send(ring.wr)
+                else:
+                    self._post_gathered(peer, entry, nhead, payload, wr_id, flags)
+            except Exception as exc:  # the QP is in error: its peer is gone
+                self._lose(peer, f"post_send failed: {exc}")
+                counts.send_errors += 1
+                continue
+            self.counts.post_send += 1
+            counts.datagrams_sent += 1
+            counts.bytes_sent += nhead + nbody
+
+    def _post_gathered(self, peer: _Peer, entry: int, nhead: int, payload: memoryview | bytes,
+                       wr_id: int, flags: int) -> None:
+        """A result too big to copy: header from staging, payload from where it lies in the
+        arena. Two scatter entries need a WR of their own (pyverbs cannot repoint one at two);
+        it is released right after the post, which copies it into the send queue."""
+        from pyverbs.wr import SendWR
+
+        body = np.frombuffer(payload, dtype=np.uint8)
+        address = int(body.ctypes.data)
+        if not self.arena.address <= address < self._arena_end:
+            raise RuntimeError("a large message outside the registered arena")  # our bug
+        head, tail = self._head_sge, self._body_sge
+        head.addr = self._staging.address(peer.staging + entry)
+        head.length = nhead
+        tail.addr = address
+        tail.length = body.nbytes
+        wr = SendWR(wr_id=wr_id, opcode=self._e.IBV_WR_SEND, num_sge=2, sg=[head, tail],
+                    send_flags=flags)
+        try:
+            peer.qp.post_send(wr)
+        finally:
+            wr.close()
+
+    def take_counts(self) -> TransportCounts:
+        counts, self._transport_counts = self._transport_counts, TransportCounts()
+        return counts
+
+    def fallbacks(self) -> tuple[str, ...]:
+        return ()
+
+    def close_peers(self) -> None:
+        """Destroy every queue pair (the core stops serving RoCE; peers see errors)."""
+        for address in list(self._by_address):
+            self.disconnect(address)
+
+    def close(self) -> None:
+        self.close_peers()
+        self._head_sge.close()
+        self._body_sge.close()
+        for wr in self._recv_wrs:
+            wr.close()
+        self._srq.close()
+        self._cq.close()
+        self._staging.close()
+        self._mr.close()

@@ -1,0 +1,263 @@
+"""The verbs plumbing both RoCE transports share: a device, registered memory, RC queue pairs
+and the data the control plane exchanges to connect them. pyverbs is imported here only.
+
+Built for Debian 12's pyverbs (rdma-core 44) and tested on soft-RoCE (rxe, deploy/roce). What
+that binding costs, and how this module pays for it (docs/roce.md has the measurements):
+
+* Work requests and scatter entries leak 64 bytes each when garbage-collected (their destructor
+  is misspelled), and building one costs microseconds: every WR a transport posts is built once
+  and reused. `SendWR.sg_list` can be pointed at a persistent `SGE`, whose address and length
+  then change per send without a new object (`RingWR`).
+* There is no completion-channel descriptor to select on (rdma-core 57 added it): receivers
+  poll, backing off between empty polls (see `Backoff`).
+* rxe treats an RC `retry_cnt` of 7 as "retry forever": a send to a dead peer would never
+  complete. We use 6, and any error completion means the peer is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import random
+import select
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError
+
+__all__ = [
+    "Backoff",
+    "QpEndpoint",
+    "RegisteredRing",
+    "RingWR",
+    "RoceDevice",
+    "roce_unavailable",
+]
+
+RETRY_COUNT = 6  # 7 is "forever" on rxe: a dead peer must surface as an error completion
+ACK_TIMEOUT = 14  # 4.096 us * 2**14 = 67 ms per retry: 6 retries ~ 0.4 s to declare a peer lost
+_MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}  # enum ibv_mtu -> bytes
+
+
+def _verbs() -> Any:
+    import pyverbs.enums as enums
+
+    return enums
+
+
+def roce_unavailable(device: str | None = None) -> str | None:
+    """Why RoCE cannot run on this machine (None: it can), in words for a log line."""
+    try:
+        from pyverbs.device import get_device_list
+    except ImportError as exc:
+        return (f"pyverbs is not importable ({exc}): install python3-pyverbs and link it into "
+                "the venv (bash deploy/roce/guest.sh link-pyverbs .venv)")
+    names = [d.name.decode() for d in get_device_list()]
+    if not names:
+        return "no RDMA device on this machine (`rdma link` lists none)"
+    if device is not None and device not in names:
+        return f"no RDMA device {device!r} here (devices: {', '.join(names)})"
+    return None
+
+
+@dataclass(frozen=True)
+class QpEndpoint:
+    """One end of an RC connection as the control plane hands it to the other end: plain data
+    (what `rdma res show qp` would show of it), never a verbs object."""
+
+    device: str
+    gid: str
+    qpn: int
+    psn: int
+    mtu: int  # the port's active MTU in bytes; a connection uses the smaller of two ends'
+
+    def as_json(self) -> dict[str, object]:
+        return {"device": self.device, "gid": self.gid, "qpn": self.qpn, "psn": self.psn,
+                "mtu": self.mtu}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> QpEndpoint:
+        try:
+            return cls(str(d["device"]), str(d["gid"]), int(d["qpn"]), int(d["psn"]),
+                       int(d["mtu"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a queue-pair endpoint: {d!r} ({exc})") from exc
+
+
+class RoceDevice:
+    """An opened RDMA device, its protection domain and one port's addressing."""
+
+    def __init__(self, name: str | None = None, *, port: int = 1, gid_index: int = 1) -> None:
+        from pyverbs.device import Context, get_device_list
+        from pyverbs.pd import PD
+
+        e = _verbs()
+        if name is None:
+            devices = get_device_list()
+            if not devices:
+                raise ConfigError("no RDMA device on this machine")
+            name = devices[0].name.decode()
+        self.name = name
+        self.port = port
+        self.gid_index = gid_index
+        self.context = Context(name=name)
+        try:
+            attr = self.context.query_port(port)
+            if attr.state != e.IBV_PORT_ACTIVE:
+                raise ConfigError(f"RDMA device {name} port {port} is not ACTIVE")
+            self.mtu = _MTU_BYTES.get(int(attr.active_mtu), 1024)
+            self.gid = str(self.context.query_gid(port, gid_index))
+            self.pd = PD(self.context)
+        except BaseException:
+            self.context.close()
+            raise
+
+    def register(self, address: int, length: int) -> Any:
+        """A memory region over memory we own (it must outlive the region)."""
+        from pyverbs.mr import MR
+
+        e = _verbs()
+        return MR(self.pd, length, e.IBV_ACCESS_LOCAL_WRITE, address=address)
+
+    def completion_queue(self, depth: int) -> Any:
+        from pyverbs.cq import CQ
+
+        return CQ(self.context, depth, None, None, 0)
+
+    def shared_receive_queue(self, depth: int) -> Any:
+        from pyverbs.srq import SRQ, SrqAttr, SrqInitAttr
+
+        return SRQ(self.pd, SrqInitAttr(SrqAttr(max_wr=depth, max_sge=1)))
+
+    def rc_queue_pair(self, cq: Any, srq: Any, send_depth: int) -> Any:
+        from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
+
+        e = _verbs()
+        cap = QPCap(max_send_wr=send_depth, max_recv_wr=0, max_send_sge=2, max_recv_sge=1)
+        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq, srq=srq, cap=cap, sq_sig_all=0)
+        attr = QPAttr(port_num=self.port)
+        attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE
+        return QP(self.pd, init, attr)
+
+    def endpoint(self, qp: Any) -> QpEndpoint:
+        return QpEndpoint(self.name, self.gid, int(qp.qp_num), random.getrandbits(24), self.mtu)
+
+    def connect(self, qp: Any, local: QpEndpoint, remote: QpEndpoint) -> None:
+        """INIT -> RTR -> RTS towards `remote`."""
+        from pyverbs.addr import GID, AHAttr, GlobalRoute
+        from pyverbs.qp import QPAttr
+
+        e = _verbs()
+        mtu = min(local.mtu, remote.mtu)
+        attr = QPAttr(port_num=self.port)
+        attr.path_mtu = {v: k for k, v in _MTU_BYTES.items()}.get(mtu, e.IBV_MTU_1024)
+        attr.dest_qp_num = remote.qpn
+        attr.rq_psn = remote.psn
+        attr.sq_psn = local.psn
+        attr.max_dest_rd_atomic = 1
+        attr.max_rd_atomic = 1
+        attr.min_rnr_timer = 1  # 0.01 ms: a receiver out of posted buffers is retried quickly
+        attr.timeout = ACK_TIMEOUT
+        attr.retry_cnt = RETRY_COUNT
+        attr.rnr_retry = 7  # receiver not ready: retry for as long as it takes (flow control)
+        attr.ah_attr = AHAttr(port_num=self.port, is_global=1,
+                              gr=GlobalRoute(dgid=GID(remote.gid), sgid_index=self.gid_index))
+        qp.to_rts(attr)
+
+    @staticmethod
+    def fail(qp: Any) -> None:
+        """Move a queue pair to ERR: its outstanding work completes flushed, nothing new goes."""
+        from pyverbs.qp import QPAttr
+
+        e = _verbs()
+        attr = QPAttr()
+        attr.qp_state = e.IBV_QPS_ERR
+        with contextlib.suppress(Exception):  # already gone with its peer: nothing to stop
+            qp.modify(attr, e.IBV_QP_STATE)
+
+    def close(self) -> None:
+        self.pd.close()
+        self.context.close()
+
+    def __enter__(self) -> RoceDevice:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RegisteredRing:
+    """`entries` buffers of `entry_bytes` in one page-aligned mapping of our own, registered
+    once: send staging (headers, copied small messages) and landing buffers."""
+
+    def __init__(self, device: RoceDevice, entries: int, entry_bytes: int) -> None:
+        self.entries = entries
+        self.entry_bytes = (entry_bytes + 63) // 64 * 64
+        nbytes = (entries * self.entry_bytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        whole = np.frombuffer(self._map, dtype=np.uint8)
+        self.base = int(whole.ctypes.data)
+        self.views = [memoryview(self._map)[i * self.entry_bytes:(i + 1) * self.entry_bytes]
+                      for i in range(entries)]
+        self.mr = device.register(self.base, nbytes)
+        self.lkey = int(self.mr.lkey)
+
+    def address(self, entry: int) -> int:
+        return self.base + entry * self.entry_bytes
+
+    def close(self) -> None:
+        self.mr.close()
+        for v in self.views:
+            v.release()
+        self.views.clear()
+        with contextlib.suppress(BufferError):  # a caller's view lives on: it goes with that
+            self._map.close()
+
+
+class RingWR:
+    """A reusable send work request over one persistent scatter entry: address, length, id and
+    signalling change per post, no verbs object is created (see the module note)."""
+
+    __slots__ = ("sge", "wr")
+
+    def __init__(self, address: int, length: int, lkey: int) -> None:
+        from pyverbs.wr import SGE, SendWR
+
+        e = _verbs()
+        self.sge = SGE(address, length, lkey)
+        self.wr = SendWR(opcode=e.IBV_WR_SEND, num_sge=1, sg=[self.sge], send_flags=0)
+        self.wr.sg_list = self.sge  # the WR now reads this SGE's memory at every post
+
+    def close(self) -> None:
+        self.sge.close()
+
+
+class Backoff:
+    """Polling without a completion descriptor: empty polls sleep in `select` on `wake` (or
+    nothing) for 20 us doubling to 1 ms, so an idle receiver costs little CPU and a busy one
+    notices a completion within about the last sleep."""
+
+    FIRST_S = 20e-6
+    LONGEST_S = 1e-3
+
+    def __init__(self) -> None:
+        self.sleep_s = self.FIRST_S
+
+    def reset(self) -> None:
+        self.sleep_s = self.FIRST_S
+
+    def pause(self, deadline: float | None, wake: Any = None) -> bool:
+        """Sleep one step (never past `deadline`); False when the deadline has passed or
+        `wake` became readable."""
+        now = time.monotonic()
+        step = self.sleep_s
+        if deadline is not None:
+            if now >= deadline:
+                return False
+            step = min(step, deadline - now)
+        self.sleep_s = min(self.LONGEST_S, self.sleep_s * 2)
+        readable, _, _ = select.select([wake] if wake is not None else [], [], [], step)
+        return not readable

@@ -1,0 +1,252 @@
+"""The RoCE transport of a worker: one RC queue pair per appliance core, behind the same seam as
+UDP (`plugin.transport.WorkerTransport`).
+
+A contribution is packed into a registered staging entry (header, then the tensor's segment:
+one memcpy) and sent with a prebuilt work request; results land in registered landing buffers
+posted on a shared receive queue, and each is handed to the client (which copies the payload
+into the caller's array) before its buffer is posted again. The address a core sees this
+worker at is `(its IP, its queue pair's number)`: what it joins with (`source_for`).
+
+There is no descriptor to select on (pyverbs 44), so `wait` polls the completion queue with a
+short backoff. A send queue that is full counts as a loss (the client's retransmission repairs
+it); any error completion means the appliance is lost and the next call raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from reduction_appliance.dataplane.errors import PeerError, ReductionError
+from reduction_appliance.dataplane.transport import Address
+from reduction_appliance.dataplane.verbs import (
+    Backoff,
+    QpEndpoint,
+    RegisteredRing,
+    RingWR,
+    RoceDevice,
+    _verbs,
+)
+from reduction_appliance.dataplane.wire import HEADER_SIZE, pack_into, unpack
+
+from .transport import Handler, Outgoing
+
+__all__ = ["RoceWorkerTransport"]
+
+SIGNAL_EVERY = 8
+_SEND_TAG = 1 << 62
+
+
+@dataclass
+class _Core:
+    index: int
+    address: Address  # the core's (UDP) address: where the client sends
+    qp: Any
+    local: QpEndpoint
+    ring: list[RingWR]
+    first: int  # its first staging entry
+    seq: int = 0
+    outstanding: int = 0
+    unsignalled: int = 0
+    connected: bool = False
+
+
+class RoceWorkerTransport:
+    """`WorkerTransport` over RC queue pairs (see the module docstring). `max_message` is the
+    largest message: a header and the job's largest segment."""
+
+    def __init__(self, device: RoceDevice, local_ip: str, max_message: int, *,
+                 cores: int = 8, depth: int = 64) -> None:
+        if depth <= SIGNAL_EVERY:
+            raise ValueError(f"depth must exceed {SIGNAL_EVERY}")
+        from pyverbs.wr import SGE, RecvWR
+
+        self.device = device
+        self.local_ip = local_ip
+        self.max_message = max_message
+        self._depth = depth
+        self._max_cores = cores
+        self._e = _verbs()
+        self._cq = device.completion_queue(4 * depth * cores + depth)
+        self._srq = device.shared_receive_queue(depth)
+        self._landing = RegisteredRing(device, depth, max_message)
+        self._recv_wrs = [RecvWR(wr_id=i, num_sge=1, sg=[SGE(self._landing.address(i),
+                                                             self._landing.entry_bytes,
+                                                             self._landing.lkey)])
+                          for i in range(depth)]
+        for wr in self._recv_wrs:
+            self._srq.post_recv(wr)
+        self._staging = RegisteredRing(device, cores * depth, max_message)
+        self._cores: dict[Address, _Core] = {}
+        self._by_qpn: dict[int, _Core] = {}
+        self._by_index: dict[int, _Core] = {}
+        self._lock = threading.Lock()  # the heartbeat lease sends from its own thread
+        self._pending: list[Any] = []  # completions `wait` polled, for `receive`
+        self._lost = ""
+        self._backoff = Backoff()
+        self.verbs_calls = depth  # post_recv/post_send/poll calls (the benchmark's count)
+
+    # ---- connections ----
+    def open(self, core: Address) -> QpEndpoint:
+        """A queue pair for `core`; its end goes to the control plane, which answers with the
+        core's (`connect`)."""
+        if core in self._cores:
+            return self._cores[core].local
+        if len(self._cores) >= self._max_cores:
+            raise ReductionError(f"this transport connects at most {self._max_cores} cores")
+        index = len(self._cores)
+        qp = self.device.rc_queue_pair(self._cq, self._srq, self._depth)
+        local = self.device.endpoint(qp)
+        first = index * self._depth
+        ring = [RingWR(self._staging.address(first + i), 0, self._staging.lkey)
+                for i in range(self._depth)]
+        c = _Core(index, core, qp, local, ring, first)
+        self._cores[core] = c
+        self._by_qpn[local.qpn] = c
+        self._by_index[index] = c
+        return local
+
+    def connect(self, core: Address, remote: QpEndpoint) -> None:
+        c = self._cores[core]
+        self.device.connect(c.qp, c.local, remote)
+        c.connected = True
+
+    def source_for(self, dest: Address) -> Address:
+        c = self._cores.get(dest)
+        if c is None:
+            raise ReductionError(f"no RoCE connection to {dest[0]}:{dest[1]}")
+        return self.local_ip, c.local.qpn
+
+    # ---- the seam ----
+    def _post(self, c: _Core, write: Any, nbytes: int) -> bool:
+        """Stage a message (write(view) fills it) and post it; False when the queue is full."""
+        if not c.connected or c.outstanding >= self._depth:
+            return False
+        entry = c.seq % self._depth
+        write(self._staging.views[c.first + entry])
+        c.seq += 1
+        c.outstanding += 1
+        c.unsignalled += 1
+        wr_id = _SEND_TAG | c.index << 20 | c.unsignalled
+        signalled = c.unsignalled >= SIGNAL_EVERY
+        if signalled:
+            c.unsignalled = 0
+        ring = c.ring[entry]
+        ring.sge.length = nbytes
+        ring.wr.wr_id = wr_id
+        ring.wr.send_flags = self._e.IBV_SEND_SIGNALED if signalled else 0
+        c.qp.post_send(ring.wr)
+        self.verbs_calls += 1
+        return True
+
+    def send(self, datagrams: Sequence[Outgoing]) -> None:
+        if self._lost:
+            raise ReductionError(self._lost)
+        with self._lock:
+            for d in datagrams:
+                c = self._cores.get(d.dest)
+                if c is None:
+                    raise ReductionError(f"no RoCE connection to {d.dest[0]}:{d.dest[1]}")
+                n = len(d.payload)
+                if HEADER_SIZE + n > self.max_message:
+                    raise ReductionError(f"a {n}-byte segment exceeds this transport's "
+                                         f"{self.max_message}-byte messages")
+
+                def write(view: memoryview, d: Outgoing = d, n: int = n) -> None:
+                    pack_into(view, d.header)
+                    view[HEADER_SIZE:HEADER_SIZE + n] = d.payload
+
+                self._post(c, write, HEADER_SIZE + n)  # a full queue: like a loss
+
+    def send_raw(self, datagram: bytes, dest: Address) -> None:
+        with self._lock:
+            c = self._cores.get(dest)
+            if c is None or self._lost or len(datagram) > self.max_message:
+                return
+
+            def write(view: memoryview) -> None:
+                view[:len(datagram)] = datagram
+
+            with contextlib.suppress(Exception):  # a lost heartbeat, never raised (the seam)
+                self._post(c, write, len(datagram))
+
+    def _poll(self) -> int:
+        npolled, wcs = self._cq.poll(64)
+        self.verbs_calls += 1
+        if npolled:
+            self._pending.extend(wcs)
+        return int(npolled)
+
+    def receive(self, handle: Handler) -> int:
+        if not self._pending:
+            self._poll()
+        taken = 0
+        success = self._e.IBV_WC_SUCCESS
+        while self._pending:
+            wcs, self._pending = self._pending, []
+            for wc in wcs:
+                wr_id = wc.wr_id
+                if wr_id >= _SEND_TAG:
+                    c = self._by_index.get((wr_id >> 20) & 0xFFFF)
+                    if c is not None:
+                        with self._lock:
+                            c.outstanding -= wr_id & 0xFFFFF
+                    if wc.status != success:
+                        self._fail(wc)
+                    continue
+                if wc.status != success:
+                    self._fail(wc)
+                    continue
+                taken += 1
+                c = self._by_qpn.get(wc.qp_num)
+                view = self._landing.views[wr_id]
+                try:
+                    if c is not None and wc.byte_len >= HEADER_SIZE:
+                        h = unpack(view)
+                        if wc.byte_len == HEADER_SIZE + h.length:
+                            handle(h, view[HEADER_SIZE:wc.byte_len], c.address)
+                except PeerError:
+                    pass
+                finally:
+                    self._srq.post_recv(self._recv_wrs[wr_id])
+                    self.verbs_calls += 1
+            if self._lost:
+                raise ReductionError(self._lost)
+            self._poll()
+        return taken
+
+    def _fail(self, wc: Any) -> None:
+        c = self._by_qpn.get(wc.qp_num)
+        where = f"{c.address[0]}:{c.address[1]}" if c else f"queue pair {wc.qp_num}"
+        self._lost = self._lost or (f"lost the RoCE connection to the appliance at {where} "
+                                    f"(completion status {wc.status})")
+
+    def wait(self, timeout: float | None, wake: socket.socket | None = None) -> None:
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        backoff = self._backoff
+        backoff.reset()
+        while not self._pending:
+            if self._poll():
+                backoff.reset()
+                return
+            if not backoff.pause(deadline, wake):
+                return
+
+    def close(self) -> None:
+        for c in self._cores.values():
+            c.qp.close()
+            for wr in c.ring:
+                wr.close()
+        self._cores.clear()
+        for wr in self._recv_wrs:
+            wr.close()
+        self._srq.close()
+        self._cq.close()
+        self._landing.close()
+        self._staging.close()

@@ -1,0 +1,36 @@
+"""RoCE tests need real RDMA devices: rxe1..rxe4 on 10.77.0.1..4, as deploy/roce/guest.sh builds
+them inside its guest (scripts/test runs this folder there). Anywhere else every test here
+skips, naming what is missing."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from reduction_appliance.dataplane.verbs import roce_unavailable
+
+DEVICES = ("rxe1", "rxe2", "rxe3", "rxe4")
+
+
+def _why_not() -> str | None:
+    # scripts/test says why its guest could not run (e.g. no QEMU), so the skip names the cause.
+    lab = os.environ.get("ROCE_LAB_UNAVAILABLE")
+    if lab:
+        return f"no soft-RoCE lab on this machine: {lab}"
+    for device in DEVICES:
+        why = roce_unavailable(device)
+        if why is not None:
+            return f"{why}; run inside the soft-RoCE guest: bash deploy/roce/guest.sh run " \
+                   "--rxe 4 -- .venv/bin/python -m pytest tests/roce"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    why = _why_not()
+    if why is None:
+        return
+    mark = pytest.mark.skip(reason=why)
+    for item in items:
+        if "tests/roce/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(mark)
