@@ -1,7 +1,7 @@
 """The appliance's JSON API over HTTP: workers register jobs, tools read status.
 
     POST   /v1/jobs                 {"name", "world_size", "deterministic"?, "multicast"?,
-                                     "slots"?, "secret"?}           -> the job (idempotent;
+                                     "slots"?, "secret"?, "transport"?} -> the job (idempotent;
                                      its creator gets the made-up secret when it gave none)
     GET    /v1/jobs                 -> every job (never a cookie or a secret)
     GET    /v1/jobs/ID              -> one job
@@ -9,6 +9,8 @@
                                                                     -> the job, with its cookie
     POST   /v1/jobs/ID/resync       {"secret", "epoch"}             -> the job in a new epoch
     POST   /v1/jobs/ID/leave        {"rank", "secret"}              -> the job
+    POST   /v1/jobs/ID/connect      {"rank", "secret", "address", "queue_pairs"}
+                                    -> {"address", "queue_pairs"}: a RoCE job's queue pairs
     POST   /v1/jobs/ID/abort        -> the job, now aborted (its workers are told)
     DELETE /v1/jobs/ID              -> same as abort
     GET    /v1/status               -> the whole appliance (control.snapshot)
@@ -55,7 +57,7 @@ from .service import Appliance
 __all__ = ["MAX_JSON_DEPTH", "ApiApp", "MetricsApp", "build_server"]
 
 _log = logging.getLogger("reductiond.api")
-_JOB_ACTION = re.compile(r"^/v1/jobs/(\d+)(?:/(join|leave|resync|abort))?$")
+_JOB_ACTION = re.compile(r"^/v1/jobs/(\d+)(?:/(join|leave|resync|abort|connect))?$")
 #: Deepest JSON nesting a body may have: our bodies are flat objects; json's recursion on a
 #: deeper one would cost a stack per level (and a RecursionError at ~1000).
 MAX_JSON_DEPTH = 32
@@ -93,6 +95,9 @@ def _route(method: str, path: str) -> _Route | Response:
                 json_object(r.body)).to_json()), needs_body=True)
         if action == "abort":
             return _Route(lambda app, _: Response.json(200, app.abort(job_id).to_json()))
+        if action == "connect":
+            return _Route(lambda app, r: Response.json(200, app.connect(
+                job_id, json_object(r.body))), needs_body=True)
         if action in ("join", "leave", "resync"):
             def act(app: Appliance, r: Request) -> Response:
                 handler = {"join": app.join, "leave": app.leave, "resync": app.resync}[action]

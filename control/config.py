@@ -80,6 +80,10 @@ class DataplaneConfig:
     kernels: str = "auto"  # one of KERNEL_CHOICES
     interface: str = ""  # data interface: checked and steered when set (see steering.py)
     dscp: int = 26  # DSCP class marked on data-plane datagrams (AF31)
+    # How long a core may take to start (it imports numpy, maybe torch) and to answer a
+    # request before it counts as failed or stalled: raise both on an emulated machine.
+    core_start_timeout_s: float = 30.0
+    core_reply_timeout_s: float = 10.0
 
     @property
     def max_payload(self) -> int:
@@ -145,16 +149,48 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class RoceConfig:
+    """RC queue pairs beside UDP (docs/roce.md). A job asks for RoCE when it is created."""
+
+    device: str = ""  # RDMA device the cores use (`rdma link`); "" = no RoCE
+    port: int = 1
+    gid_index: int = 1  # the RoCE v2 GID of the data address (rxe: 1)
+    segment_bytes: int = 262144  # per RoCE message: the NIC cuts it into MTU packets
+    send_depth: int = 64  # send work requests in flight per queue pair
+    queue_pairs: int = 64  # connections per core (a worker of a RoCE job holds one per core)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.device)
+
+
+@dataclass(frozen=True)
 class ApplianceConfig:
     dataplane: DataplaneConfig = field(default_factory=DataplaneConfig)
     multicast: MulticastConfig = field(default_factory=MulticastConfig)
     jobs: JobDefaults = field(default_factory=JobDefaults)
     api: ApiConfig = field(default_factory=ApiConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    roce: RoceConfig = field(default_factory=RoceConfig)
     source: str = "<defaults>"
 
+    @property
+    def arena_payload(self) -> int:
+        """The largest segment of any job: what every slot of a core's arena holds."""
+        roce = self.roce.segment_bytes if self.roce.enabled else 0
+        return max(self.dataplane.max_payload, roce)
 
-_SECTIONS = ("dataplane", "multicast", "jobs", "api", "metrics")
+    @property
+    def slot_pair_bytes(self) -> int:
+        return 2 * 3 * self.arena_payload
+
+    @property
+    def slot_capacity(self) -> int:
+        """Slot pairs per core that fit the slot memory budget."""
+        return self.dataplane.slot_memory_mb * 2**20 // self.slot_pair_bytes
+
+
+_SECTIONS = ("dataplane", "multicast", "jobs", "api", "metrics", "roce")
 
 
 def load(path: str | Path) -> ApplianceConfig:
@@ -239,6 +275,8 @@ def parse(raw: dict[str, Any], source: str = "<memory>") -> ApplianceConfig:
     fits = min(dataplane.mtu - _IP_UDP_HEADERS, _MAX_UDP_PAYLOAD) - HEADER_SIZE
     _check(64 <= payload <= fits and payload % 64 == 0, "dataplane.segment_bytes",
            f"must be a multiple of 64 between 64 and {fits} (what MTU {dataplane.mtu} carries)")
+    for key in ("core_start_timeout_s", "core_reply_timeout_s"):
+        _check(0 < getattr(dataplane, key) <= 3600, f"dataplane.{key}", "must be > 0 and <= 3600")
     _check(dataplane.slot_capacity >= 1, "dataplane.slot_memory_mb",
            f"holds no slot pair of {dataplane.slot_pair_bytes} bytes")
 
@@ -250,9 +288,21 @@ def parse(raw: dict[str, Any], source: str = "<memory>") -> ApplianceConfig:
     if mc.interface_address:
         _ip(mc.interface_address, "multicast.interface_address")
 
+    roce = RoceConfig(**_section(raw, "roce", RoceConfig))
+    _check(1 <= roce.port <= 255, "roce.port", "must be 1..255")
+    _check(0 <= roce.gid_index <= 255, "roce.gid_index", "must be 0..255")
+    _check(4096 <= roce.segment_bytes <= 16 << 20 and roce.segment_bytes % 64 == 0,
+           "roce.segment_bytes", "must be a multiple of 64 between 4 KiB and 16 MiB")
+    _check(16 <= roce.send_depth <= 4096, "roce.send_depth", "must be 16..4096")
+    _check(1 <= roce.queue_pairs <= 1023, "roce.queue_pairs", "must be 1..1023")
+    payload = max(dataplane.max_payload, roce.segment_bytes if roce.enabled else 0)
+    capacity = dataplane.slot_memory_mb * 2**20 // (6 * payload)
+    _check(capacity >= 1, "dataplane.slot_memory_mb",
+           f"holds no slot pair of {6 * payload} bytes (roce.segment_bytes {roce.segment_bytes})")
+
     jobs = JobDefaults(**_section(raw, "jobs", JobDefaults))
-    _check(1 <= jobs.slots <= dataplane.slot_capacity, "jobs.slots",
-           f"must be between 1 and dataplane.slot_capacity ({dataplane.slot_capacity})")
+    _check(1 <= jobs.slots <= capacity, "jobs.slots",
+           f"must be between 1 and the {capacity} slot pairs dataplane.slot_memory_mb holds")
     _check(jobs.idle_timeout_s > 0, "jobs.idle_timeout_s", "must be > 0")
     _check(jobs.deadline_s > 0, "jobs.deadline_s", "must be > 0")
     _check(0.5 <= jobs.liveness_timeout_s <= 3600, "jobs.liveness_timeout_s", "must be 0.5..3600")
@@ -271,7 +321,7 @@ def parse(raw: dict[str, Any], source: str = "<memory>") -> ApplianceConfig:
     if api.token_file:
         _check(api.listen is not None, "api.token_file", "protects the TCP API; set api.listen")
     metrics = MetricsConfig(**_section(raw, "metrics", MetricsConfig))
-    return ApplianceConfig(dataplane, mc, jobs, api, metrics, source)
+    return ApplianceConfig(dataplane, mc, jobs, api, metrics, roce, source)
 
 
 def _toml_value(value: object) -> str:

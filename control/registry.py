@@ -123,6 +123,7 @@ class JobRequest:
     deterministic: bool = False
     multicast: bool = True
     slots: int = 0  # slot pairs per core; 0 = the appliance's default (jobs.slots)
+    transport: str = "udp"  # or "roce": every rank connects queue pairs (config [roce])
 
 
 @dataclass(frozen=True)
@@ -144,12 +145,13 @@ class JobPlan:
             name=self.name, job_id=self.spec.job_id,
             cookie=self.spec.cookie if member else None,
             world_size=self.spec.world_size, deterministic=self.spec.deterministic,
-            segment_bytes=dp.max_payload, state=self.state.value,
+            segment_bytes=(cfg.roce.segment_bytes if self.request.transport == "roce"
+                           else dp.max_payload), state=self.state.value,
             joined=tuple(sorted(self.joined)), deadline_s=cfg.jobs.deadline_s,
             endpoints=tuple(EndpointInfo(i, dp.address, dp.base_port + i, self.spec.slots)
                             for i in range(dp.cores)),
             multicast=self.spec.multicast, epoch=self.spec.epoch,
-            liveness_s=self.spec.liveness_timeout,
+            liveness_s=self.spec.liveness_timeout, transport=self.request.transport,
         )
 
 
@@ -221,12 +223,18 @@ class Registry:
         slots = request.slots or self.cfg.jobs.slots
         if slots < 1:
             raise BadRequest(f"slots must be >= 1 per core, got {slots}")
-        free = dp.slot_capacity - self.slots_in_use()
+        if request.transport not in ("udp", "roce"):
+            raise BadRequest(f"transport must be udp or roce, got {request.transport!r}")
+        if request.transport == "roce" and not self.cfg.roce.enabled:
+            raise BadRequest("this appliance has no RDMA device (config [roce] device): "
+                             "create the job with transport udp")
+        capacity = self.cfg.slot_capacity
+        free = capacity - self.slots_in_use()
         if slots > free:
-            need_mib = slots * dp.slot_pair_bytes / 2**20
+            need_mib = slots * self.cfg.slot_pair_bytes / 2**20
             raise AdmissionError(
                 f"job {request.name!r} needs {slots} slot pairs per core ({need_mib:.1f} MiB), "
-                f"but only {free} of {dp.slot_capacity} are free (slot memory budget "
+                f"but only {free} of {capacity} are free (slot memory budget "
                 f"{dp.slot_memory_mb} MiB per core, {len(self._by_id)} jobs admitted)"
             )
         hold = self.cfg.jobs.hold_buffers if request.deterministic else 0
@@ -239,7 +247,7 @@ class Registry:
                 f"{holdable} are unreserved (dataplane.rx_buffers = {dp.rx_buffers})")
         job_id = self._next_id
         multicast = None
-        if request.multicast and self.multicast:
+        if request.multicast and self.multicast and request.transport == "udp":
             group = self._groups[(job_id - 1) % len(self._groups)]
             multicast = (group, self.cfg.multicast.port)
         spec = JobSpec(job_id, cookie, request.world_size, slots, request.deterministic,
@@ -251,6 +259,15 @@ class Registry:
         """Record a plan the data plane accepted."""
         self._by_id[plan.spec.job_id] = plan
         self._next_id = max(self._next_id, plan.spec.job_id + 1)
+
+    def check_secret(self, job_id: int, secret: str) -> JobPlan:
+        """The job, when `secret` is its join secret (else `Forbidden`) and it is not gone."""
+        plan = self.get(job_id)
+        if not _same_secret(secret, plan.secret):
+            raise Forbidden(f"that is not the join secret of job {job_id}")
+        if plan.state in GONE:
+            raise IllegalTransition(f"job {job_id} is {plan.state.value}")
+        return plan
 
     def _move(self, job_id: int, event: JobEvent, secret: str | None = None) -> JobPlan:
         plan = self.get(job_id)

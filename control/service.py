@@ -13,8 +13,15 @@ from dataclasses import replace
 from typing import Any
 
 from reduction_appliance.dataplane.counters import Counter
-from reduction_appliance.dataplane.errors import BadRequest, ReductionError, Unavailable
+from reduction_appliance.dataplane.errors import (
+    AdmissionError,
+    BadRequest,
+    Conflict,
+    ReductionError,
+    Unavailable,
+)
 from reduction_appliance.dataplane.registration import JobDescription
+from reduction_appliance.dataplane.roce import ROCE_PORTS
 
 from .registry import JobPlan, JobRequest, JobState, Registry
 from .snapshot import ApplianceSnapshot, CoreSnapshot, InterfaceSnapshot, JobSnapshot
@@ -51,6 +58,7 @@ class Appliance:
         self._rates: dict[int, tuple[float, float]] = {}
         # interfaces, steering rules, steering notes, RDMA devices: read by the daemon's caller
         self._network_view = network_view
+        self._roce_ports: dict[tuple[int, int], tuple[str, int]] = {}  # (job, rank) -> address
 
     @property
     def cfg(self) -> Any:
@@ -87,6 +95,52 @@ class Appliance:
             self.supervisor.update_job(plan.spec)
         return plan.describe(self.cfg, member=True)
 
+    def connect(self, job_id: int, body: dict[str, Any]) -> dict[str, object]:
+        """A rank's RDMA queue pairs (one per core) for a RoCE job: the cores connect theirs
+        and answer with their ends, and the address the rank then joins with (its IP and a
+        port from `ROCE_PORTS` that names its queue pairs on every core)."""
+        rank = _integer(body, "rank")
+        secret = _string(body, "secret")
+        ip = _address(body, "address")
+        remotes = body.get("queue_pairs")
+        if not isinstance(remotes, list) or not all(isinstance(r, dict) for r in remotes):
+            raise BadRequest("queue_pairs must be a list of queue-pair endpoints, one per core")
+        with self._lock:
+            plan = self.registry.get(job_id)
+            if plan.request.transport != "roce":
+                raise Conflict(f"job {job_id} runs over {plan.request.transport}, not roce")
+            self.registry.check_secret(job_id, secret)
+            if not 0 <= rank < plan.spec.world_size:
+                raise BadRequest(f"rank {rank} is outside world size {plan.spec.world_size}")
+            address = self._roce_address(job_id, rank, ip)
+            try:
+                cores = self.supervisor.accept_queue_pairs(remotes, address)
+            except ValueError as exc:  # a malformed endpoint: the caller's
+                raise BadRequest(str(exc)) from exc
+        return {"address": list(address), "queue_pairs": cores}
+
+    def _roce_address(self, job_id: int, rank: int, ip: str) -> tuple[str, int]:
+        """The rank's address on every core: the same port again for a rank that reconnects
+        (its old queue pairs are replaced), else the lowest free one."""
+        old = self._roce_ports.get((job_id, rank))
+        if old is not None and old[0] == ip:
+            return old
+        used = {port for _, port in self._roce_ports.values()}
+        port = next((p for p in ROCE_PORTS if p not in used), None)
+        if port is None:
+            raise AdmissionError(f"every one of the {len(ROCE_PORTS)} RoCE addresses is in use")
+        if old is not None:
+            self.supervisor.release_queue_pairs((old,))
+        self._roce_ports[(job_id, rank)] = (ip, port)
+        return ip, port
+
+    def _release_roce(self, job_id: int) -> None:
+        """The job has gone: its ranks' queue pairs go too (lock held)."""
+        gone = tuple(a for (j, _), a in self._roce_ports.items() if j == job_id)
+        if gone:
+            self._roce_ports = {k: a for k, a in self._roce_ports.items() if k[0] != job_id}
+            self.supervisor.release_queue_pairs(gone)
+
     def resync(self, job_id: int, body: dict[str, Any]) -> JobDescription:
         """A new epoch for ranks that diverged (once, however many ask from `epoch`)."""
         secret = _string(body, "secret")
@@ -103,6 +157,7 @@ class Appliance:
             plan = self.registry.leave(job_id, rank, secret)
             if plan.state is JobState.DONE:
                 self.supervisor.remove_job(job_id)
+                self._release_roce(job_id)
         return plan.describe(self.cfg)
 
     def core_restarted(self, core: int) -> None:
@@ -119,6 +174,7 @@ class Appliance:
         with self._lock:
             plan = self.registry.abort(job_id)
             self.supervisor.remove_job(job_id, abort=True)
+            self._release_roce(job_id)
         return plan.describe(self.cfg)
 
     def job(self, job_id: int) -> JobDescription:
@@ -137,6 +193,7 @@ class Appliance:
             evicted = self.registry.idle(activity, time.monotonic())
             for plan in evicted:
                 self.supervisor.remove_job(plan.spec.job_id, abort=True)
+                self._release_roce(plan.spec.job_id)
         return evicted
 
     def shutdown(self, grace_s: float) -> None:
@@ -228,6 +285,7 @@ class Appliance:
                     for d in self.supervisor.disruptions.get(act.job_id, [])),
             ))
         cores = []
+        queue_pairs = self.supervisor.queue_pairs() if self.cfg.roce.enabled else []
         for core in self.supervisor.cores:
             counters = core.counters.snapshot()
             loops = counters.get("poll_loops", 0)
@@ -240,6 +298,7 @@ class Appliance:
                 busy_fraction=core.counters[Counter.POLL_BUSY_LOOPS] / loops if loops else 0.0,
                 packets_per_s=self._rates.get(core.config.index, (0.0, 0.0))[0],
                 bytes_per_s=self._rates.get(core.config.index, (0.0, 0.0))[1],
+                queue_pairs=tuple(queue_pairs[core.config.index]) if queue_pairs else (),
             ))
         interfaces: tuple[InterfaceSnapshot, ...] = ()
         rules: tuple[str, ...] = ()
@@ -311,7 +370,8 @@ def _address(body: dict[str, Any], key: str) -> str:
 
 def parse_request(body: dict[str, Any]) -> JobRequest:
     """A job request from its JSON body; `BadRequest` says what is wrong."""
-    known = {"name", "world_size", "deterministic", "multicast", "slots", "secret"}
+    known = {"name", "world_size", "deterministic", "multicast", "slots", "secret",
+             "transport"}
     unknown = sorted(set(body) - known)
     if unknown:
         raise BadRequest(f"unknown fields {unknown}; known: {sorted(known)}")
@@ -326,5 +386,8 @@ def parse_request(body: dict[str, Any]) -> JobRequest:
     for key in ("deterministic", "multicast"):
         if not isinstance(body.get(key, False), bool):
             raise BadRequest(f"{key} must be true or false")
+    transport = body.get("transport", "udp")
+    if transport not in ("udp", "roce"):
+        raise BadRequest(f"transport must be \"udp\" or \"roce\", got {transport!r}")
     return JobRequest(name, world, bool(body.get("deterministic", False)),
-                      bool(body.get("multicast", True)), slots)
+                      bool(body.get("multicast", True)), slots, transport)

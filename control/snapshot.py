@@ -27,6 +27,8 @@ class CoreSnapshot:
     bytes_per_s: float = 0.0  # received, over the last sampling second
     kernels: str = ""  # the reduce-kernel backend the core chose
     last_exit: str = ""  # why it last died or was killed (stalled), when it ever did
+    # RDMA connections (config [roce]): address, local and remote ends, state, sends in flight
+    queue_pairs: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)

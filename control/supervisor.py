@@ -3,8 +3,9 @@
 Each core gets a pipe (its mailbox) and a small shared-memory array (its counters, which only it
 writes). Requests carry an id and the reply must carry it back (`dataplane.spec`): a reply that
 arrives after its request gave up is recognised and dropped, so replies can never slip out of
-step with requests. A core that does not answer within `_REPLY_TIMEOUT_S` is stalled (stopped,
-wedged): it is killed, which the monitor sees as a death and restarts. A monitor thread waits
+step with requests. A core that does not answer within `dataplane.core_reply_timeout_s` is
+stalled (stopped, wedged): it is killed, which the monitor sees as a death and restarts. A
+monitor thread waits
 on the processes: a core that dies is restarted with exponential backoff, gets every current
 job again, and the event is recorded for the jobs that had traffic on it (status shows it);
 `on_restart` then moves its jobs to a new epoch, since the new process starts with empty
@@ -40,10 +41,16 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from reduction_appliance.dataplane.counters import N_COUNTERS, Counters
-from reduction_appliance.dataplane.errors import CoreFailure, ReductionError, Unavailable
+from reduction_appliance.dataplane.errors import (
+    BadRequest,
+    CoreFailure,
+    ReductionError,
+    Unavailable,
+)
 from reduction_appliance.dataplane.loop import run_core
 from reduction_appliance.dataplane.spec import (
     AbortJob,
+    AcceptQueuePair,
     AddJob,
     Command,
     CoreConfig,
@@ -52,10 +59,13 @@ from reduction_appliance.dataplane.spec import (
     ErrorReport,
     JobSpec,
     QueryStats,
+    QueuePairs,
     Ready,
+    ReleaseQueuePairs,
     RemoveJob,
     Reply,
     Request,
+    RoceSettings,
     Stop,
     UpdateJob,
 )
@@ -68,8 +78,6 @@ __all__ = ["CoreHandle", "CoreUnavailable", "Disruption", "Supervisor"]
 R = TypeVar("R")
 _log = logging.getLogger("reductiond.supervisor")
 
-_READY_TIMEOUT_S = 30.0  # a spawned core imports numpy (and torch) before it answers
-_REPLY_TIMEOUT_S = 10.0  # a running core answers between bursts: milliseconds normally
 _BACKOFF_FIRST_S = 0.2
 _BACKOFF_MAX_S = 10.0
 _STABLE_S = 30.0  # running this long resets the backoff
@@ -147,14 +155,17 @@ class Supervisor:
     def core_configs(self) -> list[CoreConfig]:
         dp = self.cfg.dataplane
         mc = self.cfg.multicast
+        roce = self.cfg.roce
         return [
             CoreConfig(
                 index=i, cpu=dp.cpus[i] if dp.cpus else None,
-                bind=(dp.address, dp.base_port + i), max_payload=dp.max_payload,
-                slot_capacity=dp.slot_capacity, rx_buffers=dp.rx_buffers, poll=dp.poll,
+                bind=(dp.address, dp.base_port + i), max_payload=self.cfg.arena_payload,
+                slot_capacity=self.cfg.slot_capacity, rx_buffers=dp.rx_buffers, poll=dp.poll,
                 spin_us=dp.spin_us, multicast_interface=mc.interface_address or dp.address,
                 multicast_loop=mc.loop, tos=dp.dscp << 2,
                 kernels=None if dp.kernels == "auto" else dp.kernels,
+                roce=RoceSettings(roce.device, roce.port, roce.gid_index, roce.send_depth,
+                                  roce.queue_pairs) if roce.enabled else None,
             )
             for i in range(dp.cores)
         ]
@@ -187,9 +198,11 @@ class Supervisor:
         the operator's `ConfigError`), or that it never answered."""
         assert core.mailbox is not None
         index = core.config.index
-        if not core.mailbox.poll(_READY_TIMEOUT_S):
-            raise CoreFailure(f"data-plane core {index} did not start within "
-                              f"{_READY_TIMEOUT_S:g} s")
+        # A spawned core imports numpy (and maybe torch) before it answers.
+        start_s = self.cfg.dataplane.core_start_timeout_s
+        if not core.mailbox.poll(start_s):
+            raise CoreFailure(f"data-plane core {index} did not start within {start_s:g} s "
+                              "(dataplane.core_start_timeout_s)")
         try:
             first = core.mailbox.recv()
         except (EOFError, OSError) as exc:
@@ -319,10 +332,12 @@ class Supervisor:
             mailbox.send(request)
         except OSError as exc:
             raise CoreUnavailable(f"data-plane core {index} died") from exc
-        deadline = time.monotonic() + _REPLY_TIMEOUT_S
+        # A running core answers between bursts: milliseconds normally.
+        reply_s = self.cfg.dataplane.core_reply_timeout_s
+        deadline = time.monotonic() + reply_s
         while True:
             if not mailbox.poll(max(0.0, deadline - time.monotonic())):
-                what = f"no answer to {type(command).__name__} within {_REPLY_TIMEOUT_S:g} s"
+                what = f"no answer to {type(command).__name__} within {reply_s:g} s"
                 self._stalled(core, what)
                 raise CoreUnavailable(f"data-plane core {index} stalled ({what}); it is being "
                                       "restarted")
@@ -387,6 +402,38 @@ class Supervisor:
                 failures.append(exc)
         if failures:
             raise failures[0]
+
+    # ---- RDMA connections (config [roce]) ----
+    def accept_queue_pairs(self, remotes: list[dict[str, Any]],
+                           address: tuple[str, int]) -> list[dict[str, Any]]:
+        """Connect one queue pair per core (remotes[i] to core i); the cores' ends, in order.
+        A refusal from any core releases those already made."""
+        if len(remotes) != len(self.cores):
+            raise BadRequest(f"queue_pairs: one per data-plane core ({len(self.cores)}), "
+                             f"got {len(remotes)}")
+        made: list[dict[str, Any]] = []
+        try:
+            for core, remote in zip(self.cores, remotes, strict=True):
+                made.append(self.ask(core, AcceptQueuePair(remote, address)))
+        except ReductionError:
+            self.release_queue_pairs((address,))
+            raise
+        return made
+
+    def release_queue_pairs(self, addresses: tuple[tuple[str, int], ...]) -> None:
+        for core in self.cores:
+            with contextlib.suppress(CoreUnavailable):  # a restarted core has none left
+                self.ask(core, ReleaseQueuePairs(addresses))
+
+    def queue_pairs(self) -> list[list[dict[str, Any]]]:
+        """Per core, its RDMA connections (a restarting core: none)."""
+        out: list[list[dict[str, Any]]] = []
+        for core in self.cores:
+            try:
+                out.append(self.ask(core, QueuePairs()))
+            except CoreUnavailable:
+                out.append([])
+        return out
 
     def remove_job(self, job_id: int, *, abort: bool = False) -> None:
         """Forget the job on every core; with `abort`, its workers' next datagrams are

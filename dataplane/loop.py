@@ -9,28 +9,34 @@ nothing about sockets. Poll modes: `busy` never blocks (a dedicated core); `adap
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
+from typing import Any
 
 import numpy as np
 
 from .aggregator import Aggregator
 from .counters import N_COUNTERS, Counter, Counters
+from .errors import Conflict
 from .reduce import select_kernels
 from .slots import SlotArena
 from .spec import (
     AbortJob,
+    AcceptQueuePair,
     AddJob,
     Command,
     CoreConfig,
     CoreStats,
     ErrorReport,
     QueryStats,
+    QueuePairs,
     Ready,
+    ReleaseQueuePairs,
     RemoveJob,
     Reply,
     Request,
@@ -39,6 +45,7 @@ from .spec import (
 )
 from .transport import CoreTransport, RxBatch, Send
 from .udp import UdpCoreTransport
+from .verbs import QpEndpoint
 
 __all__ = ["CoreLoop", "run_core"]
 
@@ -96,10 +103,28 @@ class CoreLoop:
             now = self.clock()
             return CoreStats(now, {j: agg.stats(j, now) for j in command.job_ids},
                              self.fallbacks())
+        if isinstance(command, AcceptQueuePair | QueuePairs | ReleaseQueuePairs):
+            return self._queue_pairs(command)
         if isinstance(command, Stop):
             self._running = False
             return None
         raise TypeError(f"unknown mailbox command {type(command).__name__}")
+
+    def _queue_pairs(self, command: Command[Any]) -> object:
+        roce = getattr(self.transport, "roce", None)
+        if isinstance(command, QueuePairs):
+            return roce.queue_pairs() if roce is not None else []
+        if roce is None:
+            if isinstance(command, ReleaseQueuePairs):
+                return None
+            raise Conflict(f"core {self.cfg.index} has no RDMA device (config [roce])")
+        if isinstance(command, ReleaseQueuePairs):
+            for address in command.addresses:
+                roce.disconnect(address)
+            return None
+        assert isinstance(command, AcceptQueuePair)
+        local = roce.accept(QpEndpoint.from_json(command.remote), command.address)
+        return local.as_json()
 
     def serve(self, request: Request) -> Reply:
         """Execute a request; a refusal or a failure goes back to the control plane as an
@@ -178,23 +203,46 @@ class CoreLoop:
                 self.drain_mailbox()
 
 
+def _open(cfg: CoreConfig, mailbox: Connection, counters: Counters) -> CoreLoop:
+    """The core's loop over UDP, or over UDP and RoCE (its arena registered for the NIC)."""
+    if cfg.roce is None:
+        return CoreLoop(cfg, mailbox, counters, UdpCoreTransport.open(cfg))
+    from .roce import DualCoreTransport, RoceCoreTransport
+    from .verbs import RoceDevice
+
+    settings = cfg.roce
+    with contextlib.ExitStack() as stack:
+        arena = stack.enter_context(SlotArena(cfg.slot_capacity, cfg.max_payload,
+                                              cfg.rx_buffers))
+        udp = UdpCoreTransport.open(cfg)
+        stack.callback(udp.close)
+        device = RoceDevice(settings.device, port=settings.port, gid_index=settings.gid_index)
+        stack.callback(device.close)
+        roce = RoceCoreTransport(device, arena, peers=settings.queue_pairs,
+                                 send_depth=settings.send_depth)
+        loop = CoreLoop(cfg, mailbox, counters, DualCoreTransport(udp, roce), arena=arena)
+        stack.pop_all()
+    return loop
+
+
 def run_core(cfg: CoreConfig, mailbox: Connection, counters_name: str) -> None:
     """Entry point of a data-plane process."""
     if cfg.cpu is not None:
         os.sched_setaffinity(0, {cfg.cpu})
     # Overflow to inf and inf - inf are data, not errors: the kernels must not warn per packet.
     np.seterr(all="ignore")
-    try:
-        import torch
+    if cfg.kernels != "numpy":  # told numpy: never pay torch's import (seconds on a slow host)
+        try:
+            import torch
 
-        torch.set_num_threads(1)  # one core is one thread; kernels are per-segment small
-    except ImportError:
-        pass
+            torch.set_num_threads(1)  # one core is one thread; kernels are per-segment small
+        except ImportError:
+            pass
     shm = SharedMemory(name=counters_name)
     try:
         cells: np.ndarray = np.ndarray((N_COUNTERS,), np.uint64, buffer=shm.buf)
         try:
-            loop = CoreLoop(cfg, mailbox, Counters(cells), UdpCoreTransport.open(cfg))
+            loop = _open(cfg, mailbox, Counters(cells))
         except Exception as exc:
             # Instead of Ready: why this core cannot start (a bad kernel backend, a port in
             # use). The supervisor raises it as the same class.

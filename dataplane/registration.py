@@ -79,6 +79,7 @@ class JobDescription:
     # The datagram format the appliance's cores speak (an appliance from before the field
     # spoke 2): a worker of another version would be dropped as malformed, so it refuses.
     wire_version: int = VERSION
+    transport: str = "udp"  # "roce": ranks connect queue pairs (`/connect`) before joining
 
     def public(self) -> JobDescription:
         """The description without the cookie or the secret, for listings."""
@@ -94,7 +95,7 @@ class JobDescription:
             "multicast": (None if self.multicast is None
                           else {"group": self.multicast[0], "port": self.multicast[1]}),
             "epoch": self.epoch, "secret": self.secret, "liveness_s": self.liveness_s,
-            "wire_version": self.wire_version,
+            "wire_version": self.wire_version, "transport": self.transport,
         }
 
     @classmethod
@@ -130,4 +131,5 @@ class JobDescription:
             multicast=multicast, epoch=_field(data, "epoch", int, where), secret=secret,
             liveness_s=_field(data, "liveness_s", float, where),
             wire_version=_field(data, "wire_version", int, where) if "wire_version" in data else 2,
+            transport=_field(data, "transport", str, where) if "transport" in data else "udp",
         )

@@ -32,7 +32,12 @@ from .slots import SlotArena, receive_reserve
 from .transport import Address, RxBatch, Send, TransportCounts
 from .verbs import QpEndpoint, RegisteredRing, RingWR, RoceDevice, _verbs
 
-__all__ = ["RoceCoreTransport", "RoceCounts"]
+__all__ = ["ROCE_PORTS", "DualCoreTransport", "RoceCoreTransport", "RoceCounts"]
+
+#: The ports of RoCE peers' addresses `(worker IP, port)`: the control plane hands them out,
+#: below 1024 so that no worker's UDP socket (an ephemeral port) can have the same address on
+#: a core that serves both transports.
+ROCE_PORTS = range(1, 1024)
 
 SMALL_MESSAGE = 4096  # messages up to this size are copied whole into a staging entry
 SIGNAL_EVERY = 8  # one signalled send per this many: its completion retires them all
@@ -135,6 +140,9 @@ class RoceCoreTransport:
         self._by_address[address] = peer
         self._by_index[index] = peer
         return local
+
+    def serves(self, address: Address) -> bool:
+        return address in self._by_address
 
     def disconnect(self, address: Address) -> None:
         peer = self._by_address.pop(address, None)
@@ -304,3 +312,54 @@ class RoceCoreTransport:
         self._cq.close()
         self._staging.close()
         self._mr.close()
+
+
+class DualCoreTransport:
+    """A core's UDP socket and its RoCE queue pairs as one `CoreTransport`: a send goes over
+    RoCE when its destination is a connected queue pair's address (ports in `ROCE_PORTS`),
+    else over UDP."""
+
+    def __init__(self, udp: Any, roce: RoceCoreTransport) -> None:
+        self.udp = udp
+        self.roce = roce
+        self.idle_block_s = roce.idle_block_s
+        self._roce_first = True
+
+    def fileno(self) -> int:
+        return int(self.udp.fileno())
+
+    def receive(self, pool: Any, batch: RxBatch, limit: int) -> int:
+        # One half per call (each fills the batch afresh), taking turns so that neither can
+        # starve the other; the other half is tried at once when the first has nothing.
+        first, second = (self.roce, self.udp) if self._roce_first else (self.udp, self.roce)
+        self._roce_first = not self._roce_first
+        got = int(first.receive(pool, batch, limit))
+        if got or batch.truncated:
+            return got
+        return int(second.receive(pool, batch, limit))
+
+    def send(self, sends: Sequence[Send]) -> None:
+        served = self.roce.serves
+        roce = [s for s in sends if served(s.dest)]
+        if roce:
+            self.roce.send(roce)
+            if len(roce) < len(sends):
+                self.udp.send([s for s in sends if not served(s.dest)])
+        else:
+            self.udp.send(sends)
+
+    def take_counts(self) -> TransportCounts:
+        a, b = self.udp.take_counts(), self.roce.take_counts()
+        return TransportCounts(a.datagrams_sent + b.datagrams_sent, a.bytes_sent + b.bytes_sent,
+                               a.send_errors + b.send_errors)
+
+    def fallbacks(self) -> tuple[str, ...]:
+        return tuple(self.udp.fallbacks())
+
+    def close(self) -> None:
+        """Both halves, and the RDMA device (this transport owns it)."""
+        try:
+            self.roce.close()
+            self.roce.device.close()
+        finally:
+            self.udp.close()

@@ -25,6 +25,7 @@ from .errors import CoreFailure, ReductionError, by_name
 __all__ = [
     "KERNEL_BACKENDS",
     "AbortJob",
+    "AcceptQueuePair",
     "AddJob",
     "Address",
     "Command",
@@ -36,10 +37,13 @@ __all__ = [
     "JobStats",
     "PollMode",
     "QueryStats",
+    "QueuePairs",
     "Ready",
+    "ReleaseQueuePairs",
     "RemoveJob",
     "Reply",
     "Request",
+    "RoceSettings",
     "Stop",
     "UpdateJob",
 ]
@@ -52,6 +56,17 @@ R = TypeVar("R")
 
 
 # ---- what a core is told --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RoceSettings:
+    """A core's RDMA device (config [roce]): RC queue pairs beside its UDP socket."""
+
+    device: str
+    port: int = 1
+    gid_index: int = 1
+    send_depth: int = 64  # send work requests in flight per queue pair
+    queue_pairs: int = 64  # connections one core serves
+
 
 @dataclass(frozen=True)
 class CoreConfig:
@@ -71,6 +86,7 @@ class CoreConfig:
     multicast_loop: bool = True  # deliver results to workers on this host too
     tos: int = 0  # IP TOS byte (DSCP << 2) marked on every datagram the core sends
     kernels: str | None = None  # reduce-kernel backend; None = the best available
+    roce: RoceSettings | None = None  # RoCE beside UDP; None = UDP only
 
 
 @dataclass(frozen=True)
@@ -161,6 +177,30 @@ class AbortJob(Command[None]):
 class QueryStats(Command[CoreStats]):
     job_ids: tuple[int, ...]
     reply_type: ClassVar[type] = CoreStats
+
+
+@dataclass(frozen=True)
+class AcceptQueuePair(Command[dict]):  # type: ignore[type-arg]
+    """Connect an RC queue pair to a worker's end (`dataplane.verbs.QpEndpoint.as_json`); the
+    worker's messages arrive from `address`. The reply is the core's end, as JSON."""
+
+    remote: dict[str, Any]
+    address: Address
+    reply_type: ClassVar[type] = dict
+
+
+@dataclass(frozen=True)
+class ReleaseQueuePairs(Command[None]):
+    """Destroy the queue pairs of these worker addresses (their job has gone)."""
+
+    addresses: tuple[Address, ...]
+
+
+@dataclass(frozen=True)
+class QueuePairs(Command[list]):  # type: ignore[type-arg]
+    """The core's RDMA connections, for status (empty without RoCE)."""
+
+    reply_type: ClassVar[type] = list
 
 
 @dataclass(frozen=True)

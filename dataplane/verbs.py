@@ -34,6 +34,7 @@ __all__ = [
     "RegisteredRing",
     "RingWR",
     "RoceDevice",
+    "device_for",
     "roce_unavailable",
 ]
 
@@ -60,6 +61,27 @@ def roce_unavailable(device: str | None = None) -> str | None:
         return "no RDMA device on this machine (`rdma link` lists none)"
     if device is not None and device not in names:
         return f"no RDMA device {device!r} here (devices: {', '.join(names)})"
+    return None
+
+
+def device_for(ip: str, port: int = 1, gids: int = 16) -> tuple[str, int] | None:
+    """The RDMA device and GID index whose RoCE v2 GID is IPv4 address `ip` (::ffff:ip), or
+    None: how a worker finds the device behind its data address."""
+    import ipaddress
+
+    from pyverbs.device import Context, get_device_list
+
+    want = ipaddress.IPv4Address(ip)
+    for dev in get_device_list():
+        name = dev.name.decode()
+        with contextlib.closing(Context(name=name)) as ctx:
+            for index in range(gids):
+                try:
+                    gid = ipaddress.IPv6Address(str(ctx.query_gid(port, index)))
+                except Exception:  # past the table's end, or an empty entry
+                    continue
+                if gid.ipv4_mapped == want:
+                    return name, index
     return None
 
 

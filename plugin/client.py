@@ -113,6 +113,13 @@ class ApplianceClient:
         if not 0 <= rank < self.world_size:
             raise ReductionError(f"rank {rank} is outside world size {self.world_size}")
         self.rank = rank
+        kinds = {j.transport for j in jobs}
+        if len(kinds) != 1:
+            raise ReductionError(f"one client speaks one transport; these jobs use {sorted(kinds)}")
+        if transport is None and kinds == {"roce"}:
+            from .roce import connect_jobs  # pyverbs only where a job asks for RoCE
+
+            transport = connect_jobs(jobs, rank, local_address, rendezvous.connect)
         if transport is None:
             udp = UdpWorkerTransport(local_address,
                                      [j.multicast for j in jobs if j.multicast is not None])

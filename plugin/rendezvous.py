@@ -34,7 +34,7 @@ from reduction_appliance.dataplane.wire import VERSION
 
 from .session import Address, Endpoint
 
-__all__ = ["JobInfo", "RendezvousError", "join", "leave", "register", "resync"]
+__all__ = ["JobInfo", "RendezvousError", "connect", "join", "leave", "register", "resync"]
 
 # The appliance sits on the data network: never send its API traffic to an HTTP proxy that
 # the environment may name.
@@ -63,6 +63,7 @@ class JobInfo:
     cookie: int | None = None
     epoch: int = 1
     liveness_s: float = 5.0  # a rank or appliance silent this long is declared dead
+    transport: str = "udp"  # "roce": queue pairs (plugin.roce), not datagrams
 
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:
@@ -81,6 +82,20 @@ _ATTEMPT_S = 5.0  # one attempt's own timeout, so that a lost answer leaves time
 
 def _call(appliance: str, method: str, path: str, body: dict[str, object] | None,
           token: str | None, timeout_s: float) -> JobDescription:
+    reply = _call_raw(appliance, method, path, body, token, timeout_s)
+    try:
+        job = JobDescription.from_json(reply)
+    except SchemaError as exc:
+        raise RendezvousError(f"appliance {appliance} sent a malformed job reply: {exc}") from exc
+    if job.wire_version != VERSION:
+        raise RendezvousError(
+            f"appliance {appliance} speaks datagram format v{job.wire_version}, this worker "
+            f"v{VERSION}: install the same reduction-appliance release on both")
+    return job
+
+
+def _call_raw(appliance: str, method: str, path: str, body: dict[str, object] | None,
+              token: str | None, timeout_s: float) -> object:
     deadline = time.monotonic() + timeout_s
     pause = _FIRST_RETRY_S
     attempts = 0
@@ -96,15 +111,7 @@ def _call(appliance: str, method: str, path: str, body: dict[str, object] | None
                                       f"{timeout_s:g} s)") from exc.__cause__
             time.sleep(pause)  # backoff between attempts at an API that did not answer
             pause = min(pause * 2, _MOST_BETWEEN_S)
-    try:
-        job = JobDescription.from_json(reply)
-    except SchemaError as exc:
-        raise RendezvousError(f"appliance {appliance} sent a malformed job reply: {exc}") from exc
-    if job.wire_version != VERSION:
-        raise RendezvousError(
-            f"appliance {appliance} speaks datagram format v{job.wire_version}, this worker "
-            f"v{VERSION}: install the same reduction-appliance release on both")
-    return job
+    return reply
 
 
 class _Retryable(Exception):
@@ -138,7 +145,7 @@ def _info(appliance: str, job: JobDescription, secret: str | None,
     return JobInfo(appliance, job.job_id, job.name, job.world_size, job.segment_bytes,
                    job.multicast, job.deterministic, job.deadline_s, job.endpoints,
                    secret=job.secret or secret, token=token, cookie=job.cookie,
-                   epoch=job.epoch, liveness_s=job.liveness_s)
+                   epoch=job.epoch, liveness_s=job.liveness_s, transport=job.transport)
 
 
 def register(
@@ -151,12 +158,15 @@ def register(
     multicast: bool = True,
     token: str | None = None,
     timeout_s: float = 30.0,
+    transport: str = "udp",
 ) -> JobInfo:
     """Register (or look up) job `name` at `appliance` ("host:port" of its API). `secret` is
     the job's join secret; without one, the creator gets a fresh one (`JobInfo.secret`) to hand
-    to the other ranks. `token` is the appliance's API token, if it requires one."""
+    to the other ranks. `token` is the appliance's API token, if it requires one. `transport`
+    "roce" asks for RDMA queue pairs (every rank then needs an RDMA device: `connect`)."""
     body: dict[str, object] = {"name": name, "world_size": world_size,
-                               "deterministic": deterministic, "multicast": multicast}
+                               "deterministic": deterministic, "multicast": multicast,
+                               "transport": transport}
     if secret:
         body["secret"] = secret
     return _info(appliance, _call(appliance, "POST", "/v1/jobs", body, token, timeout_s),
@@ -176,6 +186,25 @@ def join(info: JobInfo, rank: int, endpoint: Address, *, rejoin: bool = False,
         raise RendezvousError(f"appliance {info.appliance} answered the join of job "
                               f"{info.job_id} without its cookie")
     return replace(info, cookie=job.cookie, epoch=job.epoch)
+
+
+def connect(info: JobInfo, rank: int, address: str, queue_pairs: list[dict[str, object]],
+            timeout_s: float = 30.0) -> tuple[Address, list[dict[str, object]]]:
+    """A RoCE job's queue pairs: ours (one per core, `dataplane.verbs.QpEndpoint.as_json`) for
+    the cores' ends, and the address to join with."""
+    reply = _call_raw(info.appliance, "POST", f"/v1/jobs/{info.job_id}/connect",
+                      {"rank": rank, "secret": info.secret or "", "address": address,
+                       "queue_pairs": list(queue_pairs)}, info.token, timeout_s)
+    try:
+        assert isinstance(reply, dict)
+        host, port = reply["address"]
+        cores = reply["queue_pairs"]
+        assert isinstance(host, str) and isinstance(port, int) and isinstance(cores, list)
+        assert len(cores) == len(queue_pairs) and all(isinstance(c, dict) for c in cores)
+    except (AssertionError, KeyError, TypeError, ValueError) as exc:
+        raise RendezvousError(f"appliance {info.appliance} sent a malformed connect reply: "
+                              f"{str(reply)[:200]}") from exc
+    return (host, port), cores
 
 
 def resync(info: JobInfo, seen_epoch: int, timeout_s: float = 30.0) -> JobInfo:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,12 +30,15 @@ from reduction_appliance.dataplane.verbs import (
     RingWR,
     RoceDevice,
     _verbs,
+    device_for,
+    roce_unavailable,
 )
 from reduction_appliance.dataplane.wire import HEADER_SIZE, pack_into, unpack
 
+from .rendezvous import JobInfo
 from .transport import Handler, Outgoing
 
-__all__ = ["RoceWorkerTransport"]
+__all__ = ["RoceWorkerTransport", "connect_jobs"]
 
 SIGNAL_EVERY = 8
 _SEND_TAG = 1 << 62
@@ -53,6 +56,7 @@ class _Core:
     outstanding: int = 0
     unsignalled: int = 0
     connected: bool = False
+    source: Address | None = None  # the address the core knows us by (the control plane's)
 
 
 class RoceWorkerTransport:
@@ -60,12 +64,13 @@ class RoceWorkerTransport:
     largest message: a header and the job's largest segment."""
 
     def __init__(self, device: RoceDevice, local_ip: str, max_message: int, *,
-                 cores: int = 8, depth: int = 64) -> None:
+                 cores: int = 8, depth: int = 64, owns_device: bool = False) -> None:
         if depth <= SIGNAL_EVERY:
             raise ValueError(f"depth must exceed {SIGNAL_EVERY}")
         from pyverbs.wr import SGE, RecvWR
 
         self.device = device
+        self._owns_device = owns_device
         self.local_ip = local_ip
         self.max_message = max_message
         self._depth = depth
@@ -110,16 +115,18 @@ class RoceWorkerTransport:
         self._by_index[index] = c
         return local
 
-    def connect(self, core: Address, remote: QpEndpoint) -> None:
+    def connect(self, core: Address, remote: QpEndpoint, source: Address) -> None:
+        """Connect to the core's end; it knows this worker's messages as from `source`."""
         c = self._cores[core]
         self.device.connect(c.qp, c.local, remote)
         c.connected = True
+        c.source = source
 
     def source_for(self, dest: Address) -> Address:
         c = self._cores.get(dest)
-        if c is None:
+        if c is None or c.source is None:
             raise ReductionError(f"no RoCE connection to {dest[0]}:{dest[1]}")
-        return self.local_ip, c.local.qpn
+        return c.source
 
     # ---- the seam ----
     def _post(self, c: _Core, write: Any, nbytes: int) -> bool:
@@ -250,3 +257,46 @@ class RoceWorkerTransport:
         self._cq.close()
         self._landing.close()
         self._staging.close()
+        if self._owns_device:
+            self.device.close()
+
+    def __enter__(self) -> RoceWorkerTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect_jobs(jobs: Sequence[JobInfo], rank: int, local_address: str,
+                 connect: Callable[..., tuple[Address, list[dict[str, object]]]]
+                 ) -> RoceWorkerTransport:
+    """A transport with one queue pair per core of every (RoCE) job, connected through each
+    appliance's API (`connect`: plugin.rendezvous.connect); `ReductionError` says why not."""
+    ip = local_address
+    if ip == "0.0.0.0":  # the address the route to the first appliance's data address takes
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((jobs[0].cores[0].host, jobs[0].cores[0].port))
+            ip = str(probe.getsockname()[0])
+    why = roce_unavailable()
+    if why is not None:
+        raise ReductionError(f"job {jobs[0].name!r} runs over RoCE, but {why}")
+    found = device_for(ip)
+    if found is None:
+        raise ReductionError(f"no RDMA device has {ip} as a RoCE v2 address (GID); pass the "
+                             "worker's data address as local_address")
+    name, gid_index = found
+    device = RoceDevice(name, gid_index=gid_index)
+    segment = max(j.segment_bytes for j in jobs)
+    transport = RoceWorkerTransport(device, ip, HEADER_SIZE + segment,
+                                    cores=sum(len(j.cores) for j in jobs), owns_device=True)
+    try:
+        for job in jobs:
+            cores = [(c.host, c.port) for c in job.cores]
+            ours = [transport.open(core).as_json() for core in cores]
+            source, theirs = connect(job, rank, ip, ours)
+            for core, end in zip(cores, theirs, strict=True):
+                transport.connect(core, QpEndpoint.from_json(end), source)
+    except BaseException:
+        transport.close()
+        raise
+    return transport

@@ -88,8 +88,9 @@ def rig(world: int, jobs: dict[int, bool], *, segment: int = SEGMENT) -> Iterato
             worker = RoceWorkerTransport(devices[r], f"10.77.0.{2 + r % 3}",
                                          HEADER_SIZE + segment)
             stack.callback(worker.close)
-            core_end = core.accept(worker.open(CORE), worker.source_for(CORE))
-            worker.connect(CORE, core_end)
+            address = (f"10.77.0.{2 + r % 3}", len(workers) + 1)  # as the control plane would
+            core_end = core.accept(worker.open(CORE), address)
+            worker.connect(CORE, core_end, address)
             workers.append(worker)
             return worker
 

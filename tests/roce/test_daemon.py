@@ -1,0 +1,208 @@
+"""A real reductiond with RoCE (its core on rxe1) and worker processes on rxe2..rxe4: jobs
+created over the API with transport roce, queue pairs connected through it, results exact,
+status showing the queue pairs, a dead rank or a stopped appliance a clear error."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from reduction_appliance.control.config import parse, to_toml
+from reduction_appliance.deploy.testnet.harness import DAEMON, OutputTail
+from reduction_appliance.plugin.rendezvous import JobInfo, RendezvousError, connect, register
+from tests.roce.worker import DTYPES, inputs
+from tests.waiting import wait_until
+
+WORKER = [sys.executable, "-m", "tests.roce.worker"]
+CTL = [sys.executable, "-m", "reduction_appliance.control.cli"]
+SEGMENT = 64 * 1024
+# The guest emulates its CPU: a process start takes seconds there, so bounds are generous.
+START_S = 180.0
+
+
+@dataclass
+class Appliance:
+    process: subprocess.Popen[str]
+    api: str
+    unix_socket: str
+    stderr: OutputTail
+
+
+@contextlib.contextmanager
+def appliance(base_port: int = 7000, liveness_s: float = 5.0) -> Iterator[Appliance]:
+    tmp = tempfile.mkdtemp(prefix="rd-")
+    try:
+        sock = str(Path(tmp) / "api.sock")
+        cfg = parse({"dataplane": {"address": "10.77.0.1", "base_port": base_port,
+                                   "kernels": "numpy",
+                                   "slot_memory_mb": 16, "rx_buffers": 256,
+                                   "core_start_timeout_s": START_S,
+                                   "core_reply_timeout_s": 60.0},
+                     "multicast": {"enabled": False},
+                     "jobs": {"slots": 8, "liveness_timeout_s": liveness_s, "hold_buffers": 64},
+                     "roce": {"device": "rxe1", "segment_bytes": SEGMENT},
+                     "api": {"listen": "10.77.0.1:0", "unix_socket": sock}})
+        path = Path(tmp) / "appliance.toml"
+        path.write_text(to_toml(cfg))
+        proc = subprocess.Popen([sys.executable, *DAEMON, "--config", str(path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        out, err = OutputTail(proc.stdout, marker="reductiond ready"), OutputTail(proc.stderr)
+        try:
+            assert out.seen.wait(START_S) and out.line, f"not ready: {err.text()}"
+            found = re.search(r"api ([\d.]+):(\d+)", out.line)
+            assert found, out.line
+            yield Appliance(proc, f"{found.group(1)}:{found.group(2)}", sock, err)
+        finally:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def workers(app: Appliance, out: Path, world: int, *, name: str, elements: int,
+            dtype: str = "fp32", op: str = "sum", rounds: int = 1, deterministic: bool = False,
+            exit_after_join: tuple[int, ...] = ()) -> list[subprocess.Popen[str]]:
+    """`world` rank processes on rxe2..rxe4 (10.77.0.2..4)."""
+    procs = []
+    for rank in range(world):
+        cmd = [*WORKER, "--api", app.api, "--name", name, "--secret", "s3cret-" + name,
+               "--rank", str(rank), "--world", str(world), "--ip", f"10.77.0.{2 + rank % 3}",
+               "--elements", str(elements), "--dtype", dtype, "--op", op, "--rounds",
+               str(rounds), "--out", str(out)]
+        cmd += ["--deterministic"] * deterministic + ["--exit-after-join"] * (
+            rank in exit_after_join)
+        procs.append(subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen[str]], timeout: float = START_S) -> list[tuple[int, str]]:
+    done = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+            done.append((-1, "timed out: " + err[-2000:]))
+            continue
+        done.append((p.returncode, err[-2000:]))
+    return done
+
+
+def reference(arrays: list[Any], op: str) -> Any:
+    acc = arrays[0].astype(np.float32)
+    for a in arrays[1:]:
+        b = a.astype(np.float32)
+        acc = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum}[op](acc, b)
+    if op == "avg":
+        acc = np.divide(acc, np.float32(len(arrays)))
+    return acc.astype(arrays[0].dtype)
+
+
+def status(app: Appliance) -> dict[str, Any]:
+    done = subprocess.run([*CTL, "status", "--json", "--socket", app.unix_socket],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    answer: dict[str, Any] = json.loads(done.stdout)
+    return answer
+
+
+@pytest.fixture(scope="module")
+def app() -> Iterator[Appliance]:
+    with appliance() as a:
+        yield a
+
+
+@pytest.mark.parametrize(("dtype", "op"), [("fp32", "sum"), ("fp16", "avg"), ("bf16", "max"),
+                                           ("fp32", "min")])
+def test_worker_processes_reduce_exactly_over_roce(app: Appliance, tmp_path: Path, dtype: str,
+                                                   op: str) -> None:
+    world, elements = 3, 70_001  # several 64 KiB segments and a short tail
+    procs = workers(app, tmp_path, world, name=f"exact-{dtype}-{op}", elements=elements,
+                    dtype=dtype, op=op, rounds=2)
+    assert all(rc == 0 for rc, _ in finish(procs)), finish(procs)
+    for r in range(2):
+        want = reference([inputs(k, elements, dtype, False, r) for k in range(world)], op)
+        for rank in range(world):
+            got = np.load(tmp_path / f"result-{rank}-{r}.npy").view(DTYPES[dtype])
+            assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (rank, r)
+
+
+def test_deterministic_mode_is_bitwise_and_status_shows_the_queue_pairs(
+        app: Appliance, tmp_path: Path) -> None:
+    world, elements = 3, 40_000
+    procs = workers(app, tmp_path, world, name="det", elements=elements, deterministic=True)
+    results = finish(procs)
+    assert all(rc == 0 for rc, _ in results), results
+    want = reference([inputs(k, elements, "fp32", True, 0) for k in range(world)], "sum")
+    for rank in range(world):
+        got = np.load(tmp_path / f"result-{rank}-0.npy").view(np.float32)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    # Every job so far is done (its ranks left): their queue pairs went with them. A job whose
+    # ranks joined and stay (their processes gone without leaving) shows its two:
+    procs = workers(app, tmp_path, 2, name="shown", elements=10, exit_after_join=(0, 1))
+    finish(procs)
+    qps = status(app)["cores"][0]["queue_pairs"]
+    assert len(qps) == 2, qps
+    for q in qps:
+        assert q["state"] == "RTS" and q["local"]["device"] == "rxe1", q
+        assert q["remote"]["device"] in ("rxe2", "rxe3") and q["remote"]["qpn"] > 0, q
+        assert q["local"]["mtu"] == 4096 and q["address"][0] in ("10.77.0.2", "10.77.0.3"), q
+
+
+def test_a_rank_that_dies_is_named_to_the_others_within_the_liveness_timeout(
+        app: Appliance, tmp_path: Path) -> None:
+    world = 3
+    procs = workers(app, tmp_path, world, name="dies", elements=10_000, exit_after_join=(2,))
+    started = time.monotonic()
+    results = finish(procs)
+    assert results[2][0] == 0  # it left by exiting after its join
+    for rank in (0, 1):
+        assert results[rank][0] == 1, results[rank]
+        error = (tmp_path / f"error-{rank}").read_text()
+        assert "RankSilent" in error and "rank 2" in error, error
+    assert time.monotonic() - started < START_S
+
+
+def test_an_unknown_job_or_a_udp_job_is_refused_a_connection(app: Appliance) -> None:
+    udp = register(app.api, "plain-udp", 2, secret="s3cret-udp", multicast=False)
+    with pytest.raises(RendezvousError, match=r"409.*not roce"):
+        connect(udp, 0, "10.77.0.2", [{}])
+    ghost = JobInfo(app.api, 999, "ghost", 2, SEGMENT, None, False, 60.0, (), secret="x")
+    with pytest.raises(RendezvousError, match="404"):
+        connect(ghost, 0, "10.77.0.2", [{}])
+    roce = register(app.api, "bad-secret", 2, secret="s3cret-right", multicast=False,
+                    transport="roce")
+    with pytest.raises(RendezvousError, match="403"):
+        connect(replace(roce, secret="wrong"), 0, "10.77.0.2", [{}])
+
+
+def test_a_stopped_appliance_is_an_error_for_its_workers(tmp_path: Path) -> None:
+    with appliance(base_port=7100) as own:  # beside the module's appliance
+        procs = workers(own, tmp_path, 2, name="stopped", elements=2_000_000, rounds=50)
+        wait_until(lambda: (tmp_path / "joined-0").exists() and (tmp_path / "joined-1").exists(),
+                   START_S, 0.2, "both ranks joined")
+        os.killpg(own.process.pid, signal.SIGKILL)  # the whole appliance, cores included
+        results = finish(procs)
+    for rank in (0, 1):
+        assert results[rank][0] == 1, results[rank]
+        error = (tmp_path / f"error-{rank}").read_text()
+        assert "ApplianceSilent" in error or "lost the RoCE connection" in error, error

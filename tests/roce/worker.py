@@ -1,0 +1,63 @@
+"""One rank of a RoCE job, as a process: register (transport roce), connect, join, allreduce
+`--rounds` times, save the results for the test (tests/roce/test_daemon.py).
+
+    python -m tests.roce.worker --api H:P --name JOB --secret S --rank R --world N --ip A
+        --elements N --dtype fp32 --op sum [--deterministic] [--exit-after-join] --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from reduction_appliance.dataplane.errors import ReductionError
+from reduction_appliance.plugin.client import ApplianceClient
+from reduction_appliance.plugin.rendezvous import leave, register
+
+DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
+
+
+def inputs(rank: int, elements: int, dtype: str, deterministic: bool, round_no: int) -> np.ndarray:
+    rng = np.random.default_rng(1000 * rank + round_no)
+    if deterministic:  # any floats: rank order makes the sum bitwise reproducible
+        return rng.standard_normal(elements).astype(DTYPES[dtype])
+    return rng.integers(-64, 64, elements).astype(DTYPES[dtype])  # exact in any order
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    for name in ("--api", "--name", "--secret", "--ip", "--dtype", "--op", "--out"):
+        p.add_argument(name, required=True)
+    for name in ("--rank", "--world", "--elements"):
+        p.add_argument(name, type=int, required=True)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--exit-after-join", action="store_true")
+    a = p.parse_args()
+    info = register(a.api, a.name, a.world, secret=a.secret, deterministic=a.deterministic,
+                    multicast=False, transport="roce")
+    out = Path(a.out)
+    try:
+        with ApplianceClient([info], a.rank, local_address=a.ip) as client:
+            (out / f"joined-{a.rank}").write_text(repr(client.jobs[0].cookie))
+            if a.exit_after_join:
+                os._exit(0)  # gone without a word: no leave, no heartbeat from now on
+            for r in range(a.rounds):
+                x = inputs(a.rank, a.elements, a.dtype, a.deterministic, r)
+                client.allreduce(x, a.op)
+                np.save(out / f"result-{a.rank}-{r}.npy", x.view(np.uint8))
+            leave(client.jobs[0], a.rank)  # the last rank's leave ends the job: its QPs go
+    except ReductionError as exc:
+        (out / f"error-{a.rank}").write_text(f"{type(exc).__name__}: {exc}")
+        print(f"rank {a.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
