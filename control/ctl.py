@@ -17,6 +17,7 @@ from typing import Any
 from reduction_appliance.dataplane.errors import ConfigError, ReductionError
 from reduction_appliance.dataplane.reduce import available_backends
 from reduction_appliance.dataplane.units import format_size
+from reduction_appliance.dataplane.verbs import roce_unavailable
 
 from . import steering
 from .apiclient import ApiError, UnixApi
@@ -142,13 +143,17 @@ def check_config(args: argparse.Namespace) -> int:
         if kernels != "auto" and kernels not in available_backends():
             raise ConfigError(f"dataplane.kernels: {kernels!r} is not available on this host; "
                               f"choose one of {', '.join(available_backends())} or auto")
+        if cfg.roce.enabled and (why := roce_unavailable(cfg.roce.device)) is not None:
+            raise ConfigError(f"roce.device: {why}")
     except ConfigError as exc:
         print(f"{args.file}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     dp = cfg.dataplane
     summary = {"config": cfg.source, "cores": dp.cores, "segment_bytes": dp.max_payload,
-               "slot_pairs_per_core": dp.slot_capacity, "jobs_at_default_slots":
-               dp.slot_capacity // cfg.jobs.slots, "multicast": cfg.multicast.enabled}
+               "slot_pairs_per_core": cfg.slot_capacity, "jobs_at_default_slots":
+               cfg.slot_capacity // cfg.jobs.slots, "multicast": cfg.multicast.enabled,
+               "roce": (f"{cfg.roce.device} port {cfg.roce.port} GID {cfg.roce.gid_index}, "
+                        f"segment_bytes {cfg.roce.segment_bytes}") if cfg.roce.enabled else "off"}
     print(json.dumps(summary, indent=2) if args.json else
           "config OK: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
     return EXIT_OK

@@ -76,6 +76,33 @@ CORE_COUNTERS: dict[str, tuple[str, str]] = {
         "core_segments_reduced",
         "Segments whose contributions from all ranks were reduced; moves when a slot completes.",
     ),
+    "roce_post_send": (
+        "core_roce_send_requests",
+        "RoCE send work requests posted (one per message: a contribution's result, a notice).",
+    ),
+    "roce_post_recv": (
+        "core_roce_receive_requests",
+        "RoCE receive work requests posted on the core's shared receive queue (one per message "
+        "received).",
+    ),
+    "roce_polls": (
+        "core_roce_polls",
+        "Polls of the core's RoCE completion queue, empty ones included.",
+    ),
+    "roce_completions": (
+        "core_roce_completions",
+        "RoCE work completions the core polled (receives, and one per signalled batch of sends).",
+    ),
+    "roce_peers_lost": (
+        "core_roce_peers_lost",
+        "RoCE queue pairs whose worker was lost (an error completion: retries exhausted, "
+        "remote error); the rank falls silent and the liveness timeout names it.",
+    ),
+    "roce_send_queue_full": (
+        "core_roce_send_queue_full",
+        "RoCE messages dropped because the queue pair's send queue was full (the worker's "
+        "retransmission repairs it).",
+    ),
     "heartbeats": (
         "core_heartbeats",
         "HEARTBEATs from joined ranks (workers send several per liveness timeout), answered.",

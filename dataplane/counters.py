@@ -48,6 +48,13 @@ class Counter(IntEnum):
     JOB_NOTICES = 29  # RESYNC and DIVERGED notices sent to workers
     HEARTBEATS = 30  # HEARTBEATs from bound ranks (each answered with LIVENESS)
     QUERIES = 31  # QUERYs: a rank whose contribution is in asks for the result
+    # RoCE (dataplane/roce.py): verbs calls, completions, lost peers
+    ROCE_POST_SEND = 32  # send work requests posted (one per message)
+    ROCE_POST_RECV = 33  # receive work requests posted (one per message received)
+    ROCE_POLLS = 34  # completion-queue polls, empty ones included
+    ROCE_COMPLETIONS = 35  # work completions polled
+    ROCE_PEERS_LOST = 36  # queue pairs whose peer was lost (an error completion)
+    ROCE_SEND_QUEUE_FULL = 37  # messages dropped: the queue pair's send queue was full
 
 
 N_COUNTERS = len(Counter)

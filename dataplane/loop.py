@@ -218,7 +218,7 @@ def _open(cfg: CoreConfig, mailbox: Connection, counters: Counters) -> CoreLoop:
         stack.callback(udp.close)
         device = RoceDevice(settings.device, port=settings.port, gid_index=settings.gid_index)
         stack.callback(device.close)
-        roce = RoceCoreTransport(device, arena, peers=settings.queue_pairs,
+        roce = RoceCoreTransport(device, arena, counters, peers=settings.queue_pairs,
                                  send_depth=settings.send_depth)
         loop = CoreLoop(cfg, mailbox, counters, DualCoreTransport(udp, roce), arena=arena)
         stack.pop_all()

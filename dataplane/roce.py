@@ -22,17 +22,18 @@ error and the message is dropped, which the worker's retransmission repairs like
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .counters import Counter, Counters
 from .errors import ReductionError
 from .slots import SlotArena, receive_reserve
 from .transport import Address, RxBatch, Send, TransportCounts
 from .verbs import QpEndpoint, RegisteredRing, RingWR, RoceDevice, _verbs
 
-__all__ = ["ROCE_PORTS", "DualCoreTransport", "RoceCoreTransport", "RoceCounts"]
+__all__ = ["ROCE_PORTS", "DualCoreTransport", "RoceCoreTransport"]
 
 #: The ports of RoCE peers' addresses `(worker IP, port)`: the control plane hands them out,
 #: below 1024 so that no worker's UDP socket (an ephemeral port) can have the same address on
@@ -42,19 +43,6 @@ ROCE_PORTS = range(1, 1024)
 SMALL_MESSAGE = 4096  # messages up to this size are copied whole into a staging entry
 SIGNAL_EVERY = 8  # one signalled send per this many: its completion retires them all
 _SEND_TAG = 1 << 62  # wr_id of a send: tag | peer << 20 | sends it retires (receives: buffer)
-
-
-@dataclass
-class RoceCounts:
-    """Verbs work of one core since start (the benchmark prints calls per MiB)."""
-
-    post_recv: int = 0
-    post_send: int = 0
-    polls: int = 0
-    completions: int = 0
-    send_queue_full: int = 0
-    peers_lost: int = 0
-    strangers: int = 0  # completions from queue pairs no longer (or never) ours
 
 
 @dataclass
@@ -70,7 +58,6 @@ class _Peer:
     outstanding: int = 0  # sends posted and not yet retired by a signalled completion
     unsignalled: int = 0
     lost: str = ""  # why the peer is gone ("" while connected)
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class RoceCoreTransport:
@@ -79,13 +66,13 @@ class RoceCoreTransport:
     #: no descriptor turns readable on a completion: the loop blocks at most this long
     idle_block_s = 0.0005
 
-    def __init__(self, device: RoceDevice, arena: SlotArena, *, peers: int = 64,
-                 send_depth: int = 64, completion_depth: int = 8192) -> None:
+    def __init__(self, device: RoceDevice, arena: SlotArena, counters: Counters, *,
+                 peers: int = 64, send_depth: int = 64, completion_depth: int = 8192) -> None:
         if send_depth <= SIGNAL_EVERY:
             raise ValueError(f"send_depth must exceed {SIGNAL_EVERY}")
         self.device = device
         self.arena = arena
-        self.counts = RoceCounts()
+        self._cells = counters.cells  # the ROCE_* counters (one writer: this core's loop)
         self._transport_counts = TransportCounts()
         self._send_depth = send_depth
         self._max_peers = peers
@@ -165,7 +152,7 @@ class RoceCoreTransport:
     def _lose(self, peer: _Peer, why: str) -> None:
         if not peer.lost:
             peer.lost = why
-            self.counts.peers_lost += 1
+            self._cells[Counter.ROCE_PEERS_LOST] += 1
             self.device.fail(peer.qp)
 
     # ---- the seam ----
@@ -174,23 +161,26 @@ class RoceCoreTransport:
 
     def _restock(self, pool: Any) -> None:
         srq, wrs = self._srq, self._recv_wrs
+        posted = 0
         while self._posted < self._recv_depth:
             index = pool.take()
             if index is None:
                 break
             srq.post_recv(wrs[index])
             self._posted += 1
-            self.counts.post_recv += 1
+            posted += 1
+        if posted:
+            self._cells[Counter.ROCE_POST_RECV] += posted
 
     def receive(self, pool: Any, batch: RxBatch, limit: int) -> int:
         batch.clear()
         self._restock(pool)
         npolled, wcs = self._cq.poll(limit)
-        counts = self.counts
-        counts.polls += 1
+        cells = self._cells
+        cells[Counter.ROCE_POLLS] += 1
         if not npolled:
             return 0
-        counts.completions += npolled
+        cells[Counter.ROCE_COMPLETIONS] += npolled
         success = self._e.IBV_WC_SUCCESS
         for wc in wcs:
             wr_id = wc.wr_id
@@ -199,17 +189,14 @@ class RoceCoreTransport:
                 peer = self._peers.get(wc.qp_num)
                 if wc.status != success or peer is None or peer.lost:
                     pool.release(wr_id)
-                    if peer is None:
-                        counts.strangers += 1
-                    elif wc.status != success:
+                    if peer is not None and wc.status != success:
                         self._lose(peer, self._status(wc))
                     continue
                 batch.add(wr_id, wc.byte_len, peer.address)
                 continue
             sender = self._by_index.get((wr_id >> 20) & 0xFFFF)
             if sender is None or int(sender.qp.qp_num) != wc.qp_num:
-                counts.strangers += 1
-                continue
+                continue  # a queue pair since disconnected
             sender.outstanding -= wr_id & 0xFFFFF
             if wc.status != success:
                 self._lose(sender, self._status(wc))
@@ -234,7 +221,7 @@ class RoceCoreTransport:
                 continue
             if peer.outstanding >= self._send_depth:
                 counts.send_errors += 1
-                self.counts.send_queue_full += 1
+                self._cells[Counter.ROCE_SEND_QUEUE_FULL] += 1
                 continue
             header, payload = s.header, s.payload
             nhead, nbody = len(header), len(payload)
@@ -263,7 +250,7 @@ class RoceCoreTransport:
                 self._lose(peer, f"post_send failed: {exc}")
                 counts.send_errors += 1
                 continue
-            self.counts.post_send += 1
+            self._cells[Counter.ROCE_POST_SEND] += 1
             counts.datagrams_sent += 1
             counts.bytes_sent += nhead + nbody
 

@@ -179,6 +179,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="appliance rounds on the wire at once (sets REDUCTION_LANES)")
     p.add_argument("--deterministic", action="store_true",
                    help="appliance sums in rank order (sets REDUCTION_DETERMINISTIC=1)")
+    p.add_argument("--transport", choices=("udp", "roce", "auto"), default=None,
+                   help="appliance transport (sets REDUCTION_TRANSPORT; see docs/roce.md)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per collective")
     p.add_argument("--json", action="store_true", help="print one JSON line at the end")
     args = p.parse_args(argv)
@@ -204,6 +206,8 @@ def configure(args: argparse.Namespace) -> None:
         os.environ["REDUCTION_LANES"] = str(args.lanes)
     if args.deterministic:
         os.environ["REDUCTION_DETERMINISTIC"] = "1"
+    if args.transport:
+        os.environ["REDUCTION_TRANSPORT"] = args.transport
     ifname = args.ifname
     if ifname is None and args.local_address and "GLOO_SOCKET_IFNAME" not in os.environ:
         ifname = interface_of(args.local_address)

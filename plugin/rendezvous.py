@@ -23,6 +23,7 @@ endpoint changes nothing, a resync names the epoch it saw.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +36,8 @@ from reduction_appliance.dataplane.wire import VERSION
 from .session import Address, Endpoint
 
 __all__ = ["JobInfo", "RendezvousError", "connect", "join", "leave", "register", "resync"]
+
+_log = logging.getLogger(__name__)
 
 # The appliance sits on the data network: never send its API traffic to an HTTP proxy that
 # the environment may name.
@@ -159,11 +162,31 @@ def register(
     token: str | None = None,
     timeout_s: float = 30.0,
     transport: str = "udp",
+    local_address: str = "0.0.0.0",
 ) -> JobInfo:
     """Register (or look up) job `name` at `appliance` ("host:port" of its API). `secret` is
     the job's join secret; without one, the creator gets a fresh one (`JobInfo.secret`) to hand
     to the other ranks. `token` is the appliance's API token, if it requires one. `transport`
-    "roce" asks for RDMA queue pairs (every rank then needs an RDMA device: `connect`)."""
+    "roce" asks for RDMA queue pairs (every rank then needs an RDMA device: `connect`); "auto"
+    asks for them when this worker has an RDMA device on `local_address` and the appliance
+    serves RoCE, else takes UDP and says why once, at INFO."""
+    if transport not in ("udp", "roce", "auto"):
+        raise RendezvousError(f"transport must be udp, roce or auto, not {transport!r}")
+    if transport == "auto":
+        from .roce import local_roce_unavailable  # pyverbs is imported only to ask
+
+        why = local_roce_unavailable(local_address)
+        if why is None:
+            try:
+                return register(appliance, name, world_size, secret=secret,
+                                deterministic=deterministic, multicast=multicast, token=token,
+                                timeout_s=timeout_s, transport="roce")
+            except RendezvousError as exc:
+                if "no RDMA device" not in str(exc):
+                    raise
+                why = f"appliance {appliance} serves no RoCE"
+        _say_fallback_once(why)
+        transport = "udp"
     body: dict[str, object] = {"name": name, "world_size": world_size,
                                "deterministic": deterministic, "multicast": multicast,
                                "transport": transport}
@@ -171,6 +194,15 @@ def register(
         body["secret"] = secret
     return _info(appliance, _call(appliance, "POST", "/v1/jobs", body, token, timeout_s),
                  secret, token)
+
+
+_FALLBACKS_SAID: set[str] = set()
+
+
+def _say_fallback_once(why: str) -> None:
+    if why not in _FALLBACKS_SAID:
+        _FALLBACKS_SAID.add(why)
+        _log.info("fallback: UDP instead of RoCE (%s)", why)
 
 
 def join(info: JobInfo, rank: int, endpoint: Address, *, rejoin: bool = False,

@@ -38,7 +38,7 @@ from reduction_appliance.dataplane.wire import HEADER_SIZE, pack_into, unpack
 from .rendezvous import JobInfo
 from .transport import Handler, Outgoing
 
-__all__ = ["RoceWorkerTransport", "connect_jobs"]
+__all__ = ["RoceWorkerTransport", "connect_jobs", "local_roce_unavailable"]
 
 SIGNAL_EVERY = 8
 _SEND_TAG = 1 << 62
@@ -267,16 +267,30 @@ class RoceWorkerTransport:
         self.close()
 
 
+def _local_ip(local_address: str, toward: Address) -> str:
+    if local_address != "0.0.0.0":
+        return local_address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # the route's source
+        probe.connect(toward)
+        return str(probe.getsockname()[0])
+
+
+def local_roce_unavailable(local_address: str) -> str | None:
+    """Why this worker cannot use RoCE from `local_address` ("0.0.0.0": any device), or None."""
+    why = roce_unavailable()
+    if why is not None or local_address == "0.0.0.0":
+        return why
+    if device_for(local_address) is None:
+        return f"no RDMA device has {local_address} as a RoCE v2 address (GID)"
+    return None
+
+
 def connect_jobs(jobs: Sequence[JobInfo], rank: int, local_address: str,
                  connect: Callable[..., tuple[Address, list[dict[str, object]]]]
                  ) -> RoceWorkerTransport:
     """A transport with one queue pair per core of every (RoCE) job, connected through each
     appliance's API (`connect`: plugin.rendezvous.connect); `ReductionError` says why not."""
-    ip = local_address
-    if ip == "0.0.0.0":  # the address the route to the first appliance's data address takes
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((jobs[0].cores[0].host, jobs[0].cores[0].port))
-            ip = str(probe.getsockname()[0])
+    ip = _local_ip(local_address, (jobs[0].cores[0].host, jobs[0].cores[0].port))
     why = roce_unavailable()
     if why is not None:
         raise ReductionError(f"job {jobs[0].name!r} runs over RoCE, but {why}")

@@ -26,6 +26,10 @@ Configuration comes from the environment:
     how many allreduces may be on the wire at once (default 4; the job's slots on each core are
     split between them, so it may not exceed the appliance's ``jobs.slots``). Every rank of a
     job must use the same value.
+``REDUCTION_TRANSPORT``
+    ``udp`` (default), ``roce`` (RDMA queue pairs: every rank needs an RDMA device on its
+    ``REDUCTION_LOCAL_ADDRESS``, the appliance a ``[roce]`` device; docs/roce.md) or ``auto``
+    (RoCE where both ends can, else UDP, said once at INFO).
 
 What goes where:
 
@@ -101,6 +105,7 @@ class ApplianceConfig:
     deterministic: bool
     lanes: int = DEFAULT_LANES
     secret: str | None = None
+    transport: str = "udp"  # udp, roce or auto (REDUCTION_TRANSPORT)
 
 
 def config_from_env(environ: dict[str, str] | None = None) -> ApplianceConfig:
@@ -129,7 +134,15 @@ def config_from_env(environ: dict[str, str] | None = None) -> ApplianceConfig:
         deterministic=env.get("REDUCTION_DETERMINISTIC", "").strip().lower()
         in {"1", "true", "yes", "on"},
         lanes=lanes,
+        transport=_transport(env.get("REDUCTION_TRANSPORT", "")),
     )
+
+
+def _transport(raw: str) -> str:
+    value = raw.strip().lower() or "udp"
+    if value not in ("udp", "roce", "auto"):
+        raise ReductionError(f"REDUCTION_TRANSPORT must be udp, roce or auto, not {raw!r}")
+    return value
 
 
 def new_job_name() -> str:
@@ -145,7 +158,8 @@ def connect(config: ApplianceConfig, job: str, secret: str, rank: int, world_siz
     """Register `job` at every configured appliance, join it as `rank`, and open a client."""
     registered = [
         register(a, job, world_size, secret=secret, deterministic=config.deterministic,
-                 token=config.token)
+                 token=config.token, transport=config.transport,
+                 local_address=config.local_address)
         for a in config.appliances
     ]
     client = ApplianceClient(registered, rank, local_address=config.local_address,

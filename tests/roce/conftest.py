@@ -5,10 +5,12 @@ skips, naming what is missing."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
 from reduction_appliance.dataplane.verbs import roce_unavailable
+from tests.roce.daemon import Appliance, appliance
 
 DEVICES = ("rxe1", "rxe2", "rxe3", "rxe4")
 
@@ -34,3 +36,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "tests/roce/" in str(item.fspath).replace(os.sep, "/"):
             item.add_marker(mark)
+
+
+@pytest.fixture(scope="session")
+def roce_appliance() -> Iterator[Appliance]:
+    """One reductiond with RoCE for every test that does not stop it (starting one takes tens
+    of seconds in the emulated guest)."""
+    with appliance() as a:
+        yield a

@@ -76,8 +76,9 @@ def rig(world: int, jobs: dict[int, bool], *, segment: int = SEGMENT) -> Iterato
                          rx_buffers=256, kernels="numpy")
         arena = SlotArena(cfg.slot_capacity, cfg.max_payload, cfg.rx_buffers)
         device = stack.enter_context(RoceDevice("rxe1"))
-        core = RoceCoreTransport(device, arena, peers=16)
-        loop = CoreLoop(cfg, theirs, Counters(), core, arena=arena)
+        counters = Counters()
+        core = RoceCoreTransport(device, arena, counters, peers=16)
+        loop = CoreLoop(cfg, theirs, counters, core, arena=arena)
         stack.callback(loop.close)
         workers: list[RoceWorkerTransport] = []
         devices = [stack.enter_context(RoceDevice(f"rxe{2 + r % 3}")) for r in range(world)]
@@ -136,7 +137,8 @@ def test_every_dtype_and_op_is_exact(dtype: str) -> None:
                 r.run(1, arrays, op)
                 for a in arrays:
                     assert np.array_equal(a.view(np.uint8), want.view(np.uint8)), (op, n)
-        assert r.core.counts.peers_lost == 0
+        assert r.loop.counters[Counter.ROCE_PEERS_LOST] == 0
+        assert r.loop.counters[Counter.ROCE_POST_SEND] == r.loop.counters[Counter.PACKETS_OUT]
 
 
 def test_sixteen_mebibytes_in_quarter_mebibyte_segments() -> None:

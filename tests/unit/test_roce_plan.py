@@ -1,0 +1,129 @@
+"""RoCE as the control plane plans it, without any RDMA device: the [roce] section, jobs that
+ask for RoCE, the address space of RoCE peers, and a core's two transports behind one seam."""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from reduction_appliance.control.config import parse, to_toml
+from reduction_appliance.control.registry import JobRequest, Registry
+from reduction_appliance.dataplane.errors import BadRequest, ConfigError
+from reduction_appliance.dataplane.registration import JobDescription
+from reduction_appliance.dataplane.roce import ROCE_PORTS, DualCoreTransport
+from reduction_appliance.dataplane.slots import RxPool
+from reduction_appliance.dataplane.transport import RxBatch, Send, TransportCounts
+from reduction_appliance.dataplane.verbs import QpEndpoint
+
+ROCE = {"device": "rxe1", "segment_bytes": 262144}
+
+
+def test_roce_is_off_by_default_and_on_with_a_device() -> None:
+    assert not parse({}).roce.enabled
+    cfg = parse({"roce": ROCE, "dataplane": {"slot_memory_mb": 64}})
+    assert cfg.roce.enabled and cfg.arena_payload == 262144
+    # Every slot of the arena holds the largest segment: the budget buys fewer slot pairs.
+    assert cfg.slot_capacity == 64 * 2**20 // (6 * 262144) < cfg.dataplane.slot_capacity
+    assert parse(tomllib.loads(to_toml(cfg))).roce == cfg.roce
+
+
+@pytest.mark.parametrize(("roce", "names"), [
+    ({"segment_bytes": 1000}, "roce.segment_bytes"),
+    ({"segment_bytes": 32 << 20}, "roce.segment_bytes"),
+    ({"send_depth": 8}, "roce.send_depth"),
+    ({"queue_pairs": 5000}, "roce.queue_pairs"),
+    ({"gid_index": -1}, "roce.gid_index"),
+    ({"devcie": "rxe1"}, "roce.devcie: unknown key"),
+])
+def test_bad_roce_settings_name_the_key(roce: dict[str, object], names: str) -> None:
+    with pytest.raises(ConfigError, match=names):
+        parse({"roce": roce})
+
+
+def test_a_slot_budget_too_small_for_roce_segments_is_refused() -> None:
+    with pytest.raises(ConfigError, match="slot_memory_mb"):
+        parse({"roce": {**ROCE, "segment_bytes": 16 << 20}, "dataplane": {"slot_memory_mb": 64}})
+    with pytest.raises(ConfigError, match=r"jobs\.slots"):
+        parse({"roce": ROCE, "dataplane": {"slot_memory_mb": 8}, "jobs": {"slots": 32}})
+
+
+def test_a_roce_job_needs_an_appliance_with_roce_and_has_no_multicast() -> None:
+    udp_only = Registry(parse({}))
+    with pytest.raises(BadRequest, match=r"no RDMA device \(config \[roce\] device\)"):
+        udp_only.plan(JobRequest("r", 2, transport="roce"), cookie=1, secret="s", now=0.0)
+    with pytest.raises(BadRequest, match="transport must be udp or roce"):
+        udp_only.plan(JobRequest("r", 2, transport="ib"), cookie=1, secret="s", now=0.0)
+    cfg = parse({"roce": ROCE, "dataplane": {"slot_memory_mb": 64}, "jobs": {"slots": 8}})
+    reg = Registry(cfg)
+    roce = reg.plan(JobRequest("r", 2, transport="roce"), cookie=1, secret="s", now=0.0)
+    udp = reg.plan(JobRequest("u", 2), cookie=2, secret="s", now=0.0)
+    assert roce.spec.multicast is None and udp.spec.multicast is not None
+    told = roce.describe(cfg)
+    assert told.transport == "roce" and told.segment_bytes == 262144
+    assert udp.describe(cfg).segment_bytes == cfg.dataplane.max_payload
+    # The answer a worker parses carries the transport (an older appliance's answer: udp).
+    assert JobDescription.from_json(told.to_json()).transport == "roce"
+    old = {k: v for k, v in told.to_json().items() if k != "transport"}
+    assert JobDescription.from_json(old).transport == "udp"
+
+
+def test_queue_pair_endpoints_travel_as_json_and_bad_ones_are_named() -> None:
+    end = QpEndpoint("rxe1", "0000:0000:0000:0000:0000:ffff:0a4d:0001", 17, 0xABCDE, 4096)
+    assert QpEndpoint.from_json(end.as_json()) == end
+    with pytest.raises(ValueError, match="not a queue-pair endpoint"):
+        QpEndpoint.from_json({"device": "rxe1", "gid": "x", "qpn": "many"})
+
+
+def test_roce_peer_ports_never_meet_an_ephemeral_udp_port() -> None:
+    assert ROCE_PORTS.start >= 1 and ROCE_PORTS.stop <= 1024
+
+
+class FakeHalf:
+    """One half of a core's transports: what it would receive, what it was given to send."""
+
+    idle_block_s = 0.001
+
+    def __init__(self, arrivals: list[int],
+                 served: frozenset[tuple[str, int]] = frozenset()) -> None:
+        self.arrivals = arrivals
+        self.served = served
+        self.sent: list[Send] = []
+
+    def serves(self, address: tuple[str, int]) -> bool:
+        return address in self.served
+
+    def fileno(self) -> int:
+        return 3
+
+    def receive(self, pool: RxPool, batch: RxBatch, limit: int) -> int:
+        batch.clear()
+        for _ in range(min(limit, self.arrivals.pop(0) if self.arrivals else 0)):
+            batch.add(0, 48, ("198.18.0.1", 1))
+        return batch.count
+
+    def send(self, sends: Sequence[Send]) -> None:
+        self.sent.extend(sends)
+
+    def take_counts(self) -> TransportCounts:
+        return TransportCounts(len(self.sent), 10 * len(self.sent), 0)
+
+    def fallbacks(self) -> tuple[str, ...]:
+        return ()
+
+
+def test_the_dual_transport_routes_sends_and_takes_turns_receiving() -> None:
+    qp, udp_worker = ("198.18.0.2", 1), ("198.18.0.2", 40000)
+    roce, udp = FakeHalf([3, 0, 2], frozenset({qp})), FakeHalf([5, 4])
+    dual = DualCoreTransport(udp, roce)  # type: ignore[arg-type]
+    sends = [Send(qp, b"h", b"a"), Send(udp_worker, b"h", b"b"), Send(qp, b"h", b"c")]
+    dual.send(sends)
+    assert [s.payload for s in roce.sent] == [b"a", b"c"] and udp.sent == [sends[1]]
+    counts = dual.take_counts()
+    assert counts.datagrams_sent == 3 and counts.bytes_sent == 30
+    batch = RxBatch()
+    pool: Any = None
+    # RoCE first (3), then UDP first (5), then RoCE (nothing) so UDP at once (4), then RoCE (2).
+    assert [dual.receive(pool, batch, 64) for _ in range(4)] == [3, 5, 4, 2]
