@@ -218,9 +218,16 @@ def main(argv: list[str] | None = None) -> int:
                   "reduction_appliance.bench.roce", file=sys.stderr)
             return 1
         print(f"bench.roce: {missing}: running inside the soft-RoCE guest ({GUEST})", flush=True)
-        cmd = ["bash", str(GUEST), "run", "--rxe", "4", "--timeout", "3600", "--",
-               sys.executable, "-m", "reduction_appliance.bench.roce",
-               *(argv if argv is not None else sys.argv[1:])]
+        args = list(argv if argv is not None else sys.argv[1:])
+        rw: list[str] = []
+        if a.json is not None:  # the guest writes back only under its read-write directory
+            where = args.index("--json") if "--json" in args else -1
+            args = args[:where] + args[where + 2:] if where >= 0 else [
+                x for x in args if not x.startswith("--json=")]
+            args += ["--json", str(a.json.resolve())]
+            rw = ["--rw", str(a.json.resolve().parent)]
+        cmd = ["bash", str(GUEST), "run", "--rxe", "4", "--timeout", "3600", *rw, "--",
+               sys.executable, "-m", "reduction_appliance.bench.roce", *args]
         return subprocess.run(cmd, check=False).returncode
     print(f"bench.roce: {a.workers} workers x {format_size(a.size)} fp32 x {a.rounds} rounds, "
           f"RoCE segments of {format_size(segment)}, {a.repeat} runs; relative figures only "

@@ -63,6 +63,7 @@ def render_status(s: dict[str, Any]) -> str:
             f"{c['busy_fraction'] * 100:>5.1f}%")
         if c.get("last_exit"):
             lines.append(f"     ! core {c['index']} last exit: {c['last_exit']}")
+        lines.extend(_queue_pair_lines(c))
     lines.append("")
     if not s["jobs"]:
         lines.append("jobs: none")
@@ -93,6 +94,26 @@ def render_status(s: dict[str, Any]) -> str:
     lines.append("fallbacks:" if s.get("fallbacks") else "fallbacks: none")
     lines.extend(f"  - {f}" for f in s.get("fallbacks", ()))
     return "\n".join(lines)
+
+
+def _queue_pair_lines(core: dict[str, Any]) -> list[str]:
+    """A core's RoCE counters and queue pairs (as `rdma res show qp` would list them)."""
+    qps = core.get("queue_pairs") or []
+    k = core["counters"]
+    if not qps and not k.get("roce_polls"):
+        return []
+    lines = [f"     roce: {len(qps)} queue pair(s); posted {k.get('roce_post_send', 0)} sends, "
+             f"{k.get('roce_post_recv', 0)} receives; {k.get('roce_completions', 0)} "
+             f"completions in {k.get('roce_polls', 0)} polls; {k.get('roce_peers_lost', 0)} "
+             f"peers lost; {k.get('roce_send_queue_full', 0)} send-queue-full drops"]
+    for q in qps:
+        local, remote = q["local"], q["remote"]
+        state = q["state"] + (f" ({q['lost']})" if q.get("lost") else "")
+        lines.append(f"       {q['address'][0]}:{q['address'][1]}  qpn {local['qpn']} on "
+                     f"{local['device']} <-> qpn {remote['qpn']} on {remote['device']} "
+                     f"({remote['gid']}), mtu {min(local['mtu'], remote['mtu'])}, {state}, "
+                     f"{q['outstanding']} sends in flight")
+    return lines
 
 
 def status(args: argparse.Namespace) -> int:

@@ -101,8 +101,8 @@ class Aggregator:
         arena_slots = self._arena.allocate(spec.slots)
         slots = [
             Slot((
-                SlotCopy(i, self._arena.accumulator(s, 0), self._arena.result_buffer(s, 0)),
-                SlotCopy(i, self._arena.accumulator(s, 1), self._arena.result_buffer(s, 1)),
+                SlotCopy(i, *self._arena.copy_buffers(s, 0)),
+                SlotCopy(i, *self._arena.copy_buffers(s, 1)),
             ))
             for i, s in enumerate(arena_slots)
         ]
@@ -424,6 +424,9 @@ class Aggregator:
         copy.result = memoryview(kernel.finish(acc, spec.world_size, copy.out))  # type: ignore[arg-type]
         copy.state = move(copy.state, Event.LAST)
         # wire.pack_into's layout, without building a Header: this runs once per segment.
+        # Into the arena right before the result (fp32: the accumulator; fp16/bf16: the
+        # narrowed buffer), so that header and payload are one contiguous message.
+        copy.header = copy.heads[copy.dtype is not DType.FLOAT32]
         HEADER.pack_into(copy.header, 0, MAGIC, VERSION, Kind.RESULT, copy.dtype, copy.op, 0,
                          spec.job_id, 0, spec.epoch, spec.cookie, copy.round, copy.slot,
                          copy.offset, copy.length, copy.use)

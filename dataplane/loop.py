@@ -51,6 +51,7 @@ __all__ = ["CoreLoop", "run_core"]
 
 _MAILBOX_EVERY = 256  # busy mode: loop iterations between mailbox checks
 _IDLE_BLOCK_S = 0.05  # adaptive mode: longest block, bounds mailbox latency
+_FIRST_BLOCK_S = 50e-6  # adaptive mode, a transport without a descriptor: the first block
 
 
 class CoreLoop:
@@ -175,17 +176,22 @@ class CoreLoop:
         loops = 0
         idle_since = time.perf_counter()
         mailbox_fd = self.mailbox.fileno()
-        # A transport without a descriptor (RDMA completions: see dataplane.verbs) is polled
-        # again after a short block instead of waking the select.
+        # What no descriptor announces (RDMA completions: see dataplane.verbs) cannot wake the
+        # select: a transport that has some says how long an idle loop may block, and the loop
+        # polls again after a block that doubles from 50 us up to that (a few wakeups per ms
+        # at first, a few hundred per second when idle).
         transport_fd = self.transport.fileno()
         waitables = [transport_fd, mailbox_fd] if transport_fd >= 0 else [mailbox_fd]
-        block_s = min(_IDLE_BLOCK_S, self.transport.idle_block_s)
+        longest_s = min(_IDLE_BLOCK_S, self.transport.idle_block_s)
+        first_s = longest_s if longest_s >= _IDLE_BLOCK_S else min(longest_s, _FIRST_BLOCK_S)
+        block_s = first_s
         while self._running:
             loops += 1
             cells[Counter.POLL_LOOPS] += 1
             if self.receive_burst():
                 cells[Counter.POLL_BUSY_LOOPS] += 1
                 idle_since = 0.0
+                block_s = first_s
                 if loops % _MAILBOX_EVERY == 0:
                     self.drain_mailbox()
                 continue
@@ -199,6 +205,7 @@ class CoreLoop:
             if now - idle_since < spin_s:
                 continue
             readable, _, _ = select.select(waitables, [], [], block_s)
+            block_s = min(longest_s, block_s * 2)
             if mailbox_fd in readable:
                 self.drain_mailbox()
 

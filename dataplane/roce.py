@@ -63,8 +63,9 @@ class _Peer:
 class RoceCoreTransport:
     """`CoreTransport` over RC queue pairs on one device (see the module docstring)."""
 
-    #: no descriptor turns readable on a completion: the loop blocks at most this long
-    idle_block_s = 0.0005
+    #: no descriptor turns readable on a completion: an idle loop blocks at most this long
+    #: between polls (a completion waits up to that long when the core was idle)
+    idle_block_s = 0.002
 
     def __init__(self, device: RoceDevice, arena: SlotArena, counters: Counters, *,
                  peers: int = 64, send_depth: int = 64, completion_depth: int = 8192) -> None:
@@ -234,18 +235,29 @@ class RoceCoreTransport:
             if signalled:
                 peer.unsignalled = 0
             flags = self._e.IBV_SEND_SIGNALED if signalled else 0
-            view = self._staging.views[peer.staging + entry]
-            view[:nhead] = header
+            ring = peer.ring[entry]
+            sge: Any = ring.sge
             try:
-                if nhead + nbody <= SMALL_MESSAGE:
+                if nhead + nbody <= SMALL_MESSAGE:  # a notice, a small result: one copy
+                    view = self._staging.views[peer.staging + entry]
+                    view[:nhead] = header
                     view[nhead:nhead + nbody] = payload
-                    ring = peer.ring[entry]
-                    ring.sge.length = nhead + nbody
+                    sge.addr = self._staging.address(peer.staging + entry)
+                    sge.lkey = self._staging.lkey
+                    sge.length = nhead + nbody
+                elif (start := self._contiguous(header, payload)) is not None:
+                    # A result: its header sits right before it in the arena (SlotArena), so
+                    # the message is one scatter entry of registered memory, sent in place.
+                    sge.addr = start
+                    sge.lkey = self._lkey
+                    sge.length = nhead + nbody
+                else:
+                    self._post_gathered(peer, entry, header, payload, wr_id, flags)
+                    sge = None
+                if sge is not None:
                     ring.wr.wr_id = wr_id
                     ring.wr.send_flags = flags
                     peer.qp.post_send(ring.wr)
-                else:
-                    self._post_gathered(peer, entry, nhead, payload, wr_id, flags)
             except Exception as exc:  # the QP is in error: its peer is gone
                 self._lose(peer, f"post_send failed: {exc}")
                 counts.send_errors += 1
@@ -254,20 +266,33 @@ class RoceCoreTransport:
             counts.datagrams_sent += 1
             counts.bytes_sent += nhead + nbody
 
-    def _post_gathered(self, peer: _Peer, entry: int, nhead: int, payload: memoryview | bytes,
-                       wr_id: int, flags: int) -> None:
-        """A result too big to copy: header from staging, payload from where it lies in the
-        arena. Two scatter entries need a WR of their own (pyverbs cannot repoint one at two);
-        it is released right after the post, which copies it into the send queue."""
+    def _contiguous(self, header: bytes | bytearray | memoryview,
+                    payload: memoryview | bytes) -> int | None:
+        """Where header-then-payload starts when both lie back to back in the arena."""
+        if not isinstance(header, memoryview):
+            return None
+        head = int(np.frombuffer(header, dtype=np.uint8).ctypes.data)
+        if not self.arena.address <= head < self._arena_end:
+            return None
+        body = int(np.frombuffer(payload, dtype=np.uint8).ctypes.data)
+        return head if body == head + len(header) else None
+
+    def _post_gathered(self, peer: _Peer, entry: int, header: bytes | bytearray | memoryview,
+                       payload: memoryview | bytes, wr_id: int, flags: int) -> None:
+        """A large message whose header is not in front of it (never a result: see
+        `SlotArena.header_before`): header staged, payload from the arena. Two scatter entries
+        need a WR of their own (pyverbs cannot repoint one at two); it is released right after
+        the post, which copies it into the send queue."""
         from pyverbs.wr import SendWR
 
+        self._staging.views[peer.staging + entry][:len(header)] = header
         body = np.frombuffer(payload, dtype=np.uint8)
         address = int(body.ctypes.data)
         if not self.arena.address <= address < self._arena_end:
             raise RuntimeError("a large message outside the registered arena")  # our bug
         head, tail = self._head_sge, self._body_sge
         head.addr = self._staging.address(peer.staging + entry)
-        head.length = nhead
+        head.length = len(header)
         tail.addr = address
         tail.length = body.nbytes
         wr = SendWR(wr_id=wr_id, opcode=self._e.IBV_WR_SEND, num_sge=2, sg=[head, tail],

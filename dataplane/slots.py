@@ -5,9 +5,13 @@ registers as its memory region, so every view the aggregator hands out must poin
 
 Layout (each region page-aligned, each buffer 64-byte aligned)::
 
-    [ accumulators: capacity x 2 copies x (2 * max_payload) bytes, viewed as float32 ]
-    [ results:      capacity x 2 copies x max_payload bytes (narrowed fp16/bf16 results) ]
-    [ receive pool: rx_buffers x (header + max_payload) bytes: a whole datagram each   ]
+    [ accumulators: capacity x 2 copies x (64 + 2 * max_payload) bytes, viewed as float32 ]
+    [ results:      capacity x 2 copies x (64 + max_payload) bytes (narrowed fp16/bf16)     ]
+    [ receive pool: rx_buffers x (header + max_payload) bytes: a whole datagram each      ]
+
+Every accumulator and result buffer has 64 bytes in front of it, and a result's header is
+packed into their last 48 (`header_before`): header and payload are then one contiguous
+message, which an RDMA transport sends with one scatter entry and no copy.
 
 An accumulator holds 2 * max_payload bytes because a 16-bit segment of max_payload bytes widens
 to float32 twice its size. A receive buffer holds a datagram as it arrived, header then
@@ -99,20 +103,22 @@ class SlotArena:
         self.capacity = capacity
         self.max_payload = max_payload
         stride = _round_up(max_payload, _ALIGN)
-        acc_bytes = _round_up(capacity * 2 * 2 * stride, _PAGE)
-        out_bytes = _round_up(capacity * 2 * stride, _PAGE)
+        acc_row = _ALIGN + 2 * stride  # header lead, then the accumulator
+        out_row = _ALIGN + stride
+        acc_bytes = _round_up(capacity * 2 * acc_row, _PAGE)
+        out_bytes = _round_up(capacity * 2 * out_row, _PAGE)
         rx_stride = _round_up(_RX_LEAD + HEADER_SIZE + max_payload, _ALIGN)
         rx_bytes = _round_up(rx_buffers * rx_stride, _PAGE)
         self.nbytes = acc_bytes + out_bytes + rx_bytes
         self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         whole = np.frombuffer(self._map, dtype=np.uint8)
         self.address = int(whole.ctypes.data)  # what an RDMA transport registers, nbytes long
-        self._acc = whole[:acc_bytes].view(np.float32)[: capacity * 2 * (stride // 2)].reshape(
-            capacity, 2, stride // 2
+        self._acc_rows = whole[:acc_bytes][: capacity * 2 * acc_row].reshape(capacity, 2, acc_row)
+        self._out_rows = whole[acc_bytes : acc_bytes + out_bytes][: capacity * 2 * out_row].reshape(
+            capacity, 2, out_row
         )
-        self._out = whole[acc_bytes : acc_bytes + out_bytes][: capacity * 2 * stride].reshape(
-            capacity, 2, stride
-        )
+        self._acc = self._acc_rows[:, :, _ALIGN:].view(np.float32)
+        self._out = self._out_rows[:, :, _ALIGN:]
         rx = whole[acc_bytes + out_bytes :][: rx_buffers * rx_stride].reshape(
             rx_buffers, rx_stride)
         self.rx = RxPool(rx[:, _RX_LEAD : _RX_LEAD + HEADER_SIZE + max_payload])
@@ -141,6 +147,18 @@ class SlotArena:
     def result_buffer(self, slot: int, copy: int) -> NDArray[np.uint8]:
         out: NDArray[np.uint8] = self._out[slot, copy][: self.max_payload]
         return out
+
+    def copy_buffers(self, slot: int, copy: int) -> tuple[
+            NDArray[np.float32], NDArray[np.uint8], tuple[memoryview, memoryview]]:
+        """A slot copy's accumulator, result buffer, and the places of its result header."""
+        return (self.accumulator(slot, copy), self.result_buffer(slot, copy),
+                (self.header_before(slot, copy, False), self.header_before(slot, copy, True)))
+
+    def header_before(self, slot: int, copy: int, narrowed: bool) -> memoryview:
+        """The 48 bytes right before the accumulator (`narrowed` False: fp32 results are the
+        accumulator itself) or the result buffer (fp16/bf16 results)."""
+        rows = self._out_rows if narrowed else self._acc_rows
+        return memoryview(rows[slot, copy][_ALIGN - HEADER_SIZE : _ALIGN])
 
     # -- resource lifetime --
     def close(self) -> None:

@@ -58,17 +58,22 @@ class SlotCopy:
     """One of a slot's two copies."""
 
     __slots__ = (
-        "acc", "acc_n", "arrived", "count", "dtype", "header", "held", "kernel", "length",
+        "acc", "acc_n", "arrived", "count", "dtype", "header", "heads", "held", "kernel", "length",
         "next_rank", "offset", "op", "out", "result", "round", "slot", "started", "state",
         "use",
     )
 
-    def __init__(self, slot: int, acc: NDArray[np.float32], out: NDArray[np.uint8]) -> None:
+    def __init__(self, slot: int, acc: NDArray[np.float32], out: NDArray[np.uint8],
+                 heads: tuple[memoryview, memoryview] | None = None) -> None:
         self.slot = slot  # job-relative index, echoed in the result header
         self.acc = acc
         self.acc_n = acc  # acc[:elements of the current segment], sliced once per segment
         self.out = out
-        self.header = bytearray(HEADER_SIZE)
+        # Where a result's header goes: right before the accumulator (fp32 results) and right
+        # before `out` (fp16/bf16), so header and payload are contiguous (SlotArena).
+        self.heads = heads or (memoryview(bytearray(HEADER_SIZE)),
+                               memoryview(bytearray(HEADER_SIZE)))
+        self.header: bytearray | memoryview = self.heads[0]
         self.use = 0  # which use of the slot this copy holds (0: none yet)
         self.round = -1
         self.offset = -1

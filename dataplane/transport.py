@@ -45,7 +45,7 @@ class Send(NamedTuple):
     """One datagram to transmit: header then payload, gathered by the transport."""
 
     dest: Address
-    header: bytes | bytearray
+    header: bytes | bytearray | memoryview
     payload: memoryview | bytes
 
 

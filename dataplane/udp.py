@@ -129,7 +129,7 @@ class DatagramBatcher:
         pack_into(buf, header)
         self.add(dest, buf, payload)
 
-    def add(self, dest: Address, header: bytes | bytearray,
+    def add(self, dest: Address, header: bytes | bytearray | memoryview,
             payload: bytes | bytearray | memoryview) -> None:
         size = len(header) + len(payload)
         if self._count and not (

@@ -56,7 +56,10 @@ def roce_unavailable(device: str | None = None) -> str | None:
     except ImportError as exc:
         return (f"pyverbs is not importable ({exc}): install python3-pyverbs and link it into "
                 "the venv (bash deploy/roce/guest.sh link-pyverbs .venv)")
-    names = [d.name.decode() for d in get_device_list()]
+    try:
+        names = [d.name.decode() for d in get_device_list()]
+    except Exception as exc:  # no RDMA subsystem in this kernel: not even an empty list
+        return f"no RDMA devices on this machine ({exc})"
     if not names:
         return "no RDMA device on this machine (`rdma link` lists none)"
     if device is not None and device not in names:

@@ -44,6 +44,7 @@ from .transport import Outgoing, UdpWorkerTransport, WorkerTransport
 __all__ = ["ApplianceClient", "dtype_of", "op_of"]
 
 _log = logging.getLogger(__name__)
+RELIABLE_RTO_S = 1.0  # first retransmission timeout over a reliable transport (RoCE)
 _GRO_REFUSALS_LOGGED: set[str] = set()
 
 
@@ -147,7 +148,15 @@ class ApplianceClient:
         self.endpoints: tuple[Endpoint, ...] = tuple(
             replace(e, appliance=a) for a, j in enumerate(self.jobs) for e in j.endpoints)
         self.segment_bytes = min(j.segment_bytes for j in self.jobs)
-        self.rtt = RttEstimator(timing or Timing(deadline=min(j.deadline_s for j in self.jobs)))
+        timing = timing or Timing(deadline=min(j.deadline_s for j in self.jobs))
+        if self.transport.reliable:
+            # RC loses nothing in transit: a timer only repairs what the appliance dropped on
+            # purpose (a full queue), so it starts long and never fires at a large segment that
+            # is merely slow to serialise; samples still bring it down to the path's RTT.
+            timing = replace(timing, rto_initial=max(timing.rto_initial, RELIABLE_RTO_S),
+                             rto_min=max(timing.rto_min, RELIABLE_RTO_S / 5),
+                             rto_max=max(timing.rto_max, 5 * RELIABLE_RTO_S))
+        self.rtt = RttEstimator(timing)
         liveness = min(j.liveness_s for j in self.jobs)
         self.pipeline = RoundPipeline(self.endpoints, rank, self.world_size, self.segment_bytes,
                                       self.rtt, lanes, epoch=epochs.pop(),

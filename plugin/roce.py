@@ -63,6 +63,8 @@ class RoceWorkerTransport:
     """`WorkerTransport` over RC queue pairs (see the module docstring). `max_message` is the
     largest message: a header and the job's largest segment."""
 
+    reliable = True  # RC: retransmitted by the NIC, or the connection is lost
+
     def __init__(self, device: RoceDevice, local_ip: str, max_message: int, *,
                  cores: int = 8, depth: int = 64, owns_device: bool = False) -> None:
         if depth <= SIGNAL_EVERY:

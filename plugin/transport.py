@@ -57,6 +57,9 @@ class Outgoing(NamedTuple):
 
 
 class WorkerTransport(Protocol):
+    #: True when nothing is lost in transit (RDMA RC): the client's timers start long
+    reliable: bool
+
     def send(self, datagrams: Sequence[Outgoing]) -> None:
         """Transmit; a full queue counts as a loss (retransmission repairs it), a dead route
         raises `ReductionError`."""
@@ -88,6 +91,8 @@ class WorkerTransport(Protocol):
 class UdpWorkerTransport:
     """One UDP socket for contributions and unicast results, plus one socket per multicast
     group results come back on (bound to the group: it hears only that group)."""
+
+    reliable = False
 
     def __init__(self, local_address: str = "0.0.0.0",
                  groups: Sequence[Address] = (), *, gro: bool = True) -> None:
@@ -199,6 +204,8 @@ class UdpWorkerTransport:
 class MemoryWorkerTransport:
     """`WorkerTransport` on a `MemoryNetwork` (tests): `wait` returns at once, since the test
     moves the simulated clock itself."""
+
+    reliable = False
 
     def __init__(self, net: MemoryNetwork, address: Address,
                  groups: Sequence[Address] = ()) -> None:

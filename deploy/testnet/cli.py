@@ -4,6 +4,7 @@
                         [--name PREFIX] [--json]
     reductionctl lab down PREFIX [PREFIX ..] | --all
     reductionctl lab list [--json]
+    reductionctl lab roce [--rxe N] [--timeout S] -- COMMAND [ARGS...]
 
 Exit status: 0 done, 1 failed (the message says what), 2 bad usage. Loaded by reductionctl only
 when the command is `lab` (the lab sits above the control plane; see docs/architecture.md).
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -108,11 +110,29 @@ def lab_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+GUEST = Path(__file__).resolve().parents[1] / "roce" / "guest.sh"
+
+
+def lab_roce(args: argparse.Namespace) -> int:
+    """COMMAND with soft-RoCE devices rxe1..N (10.77.0.1..N): inside the project's QEMU guest
+    (deploy/roce/guest.sh), whose kernel has rdma_rxe whatever this host's has. Its exit status
+    is ours; 124: timed out, 125: the lab itself failed."""
+    if (why := _need_root("lab roce")) is not None:
+        return _fail(why)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        return _fail("lab roce: give the command to run after --", EXIT_USAGE)
+    if not 1 <= args.rxe <= 16:
+        return _fail("lab roce: --rxe must be 1..16", EXIT_USAGE)
+    return subprocess.run(["bash", str(GUEST), "run", "--rxe", str(args.rxe), "--timeout",
+                           str(args.timeout), "--", *command], check=False).returncode
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="reductionctl lab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--state-dir", type=Path, default=STATE_DIR, help=argparse.SUPPRESS)
-    labs = p.add_subparsers(dest="lab_command", required=True, metavar="{up,down,list}")
+    labs = p.add_subparsers(dest="lab_command", required=True, metavar="{up,down,list,roce}")
     up_p = labs.add_parser("up", help="build a rack that stays up")
     up_p.add_argument("--workers", type=int, required=True)
     up_p.add_argument("--appliances", type=int, default=1)
@@ -130,6 +150,11 @@ def parser() -> argparse.ArgumentParser:
     list_p = labs.add_parser("list", help="standing labs and their state")
     list_p.add_argument("--json", action="store_true")
     list_p.set_defaults(run=lab_list)
+    roce_p = labs.add_parser("roce", help="run a command where soft-RoCE devices exist (a guest)")
+    roce_p.add_argument("--rxe", type=int, default=4, help="devices rxe1..N on 10.77.0.1..N")
+    roce_p.add_argument("--timeout", type=int, default=3600, help="seconds, boot included")
+    roce_p.add_argument("command", nargs=argparse.REMAINDER)
+    roce_p.set_defaults(run=lab_roce)
     return p
 
 

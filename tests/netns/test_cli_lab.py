@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from reduction_appliance.deploy.testnet import LabError, leftovers, unique_prefix
 from reduction_appliance.deploy.testnet.standing import down
@@ -62,3 +65,18 @@ def test_lab_usage_errors_exit_2(tmp_path: Path) -> None:
     assert ctl(tmp_path, "up", "--workers", "2", "--rate", "fast").returncode == 2
     assert ctl(tmp_path, "down").returncode == 2
     assert ctl(tmp_path, "frobnicate").returncode == 2
+
+
+def test_lab_roce_runs_a_command_where_soft_roce_devices_are_active(tmp_path: Path) -> None:
+    """`reductionctl lab roce` boots the project's guest (scripts/test set it up first)."""
+    lab = os.environ.get("ROCE_LAB_UNAVAILABLE")
+    if lab:
+        pytest.skip(f"no soft-RoCE lab on this machine: {lab}")
+    done = subprocess.run(
+        [sys.executable, "-m", "reduction_appliance.control.cli", "lab", "roce", "--rxe", "2",
+         "--timeout", "300", "--", "rdma", "link"],
+        cwd=_ROOT, capture_output=True, text=True, timeout=400, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("state ACTIVE") == 2, done.stdout
+    assert "rxe1/1" in done.stdout and "rxe2/1" in done.stdout
+    assert ctl(tmp_path, "roce").returncode == 2  # no command: usage

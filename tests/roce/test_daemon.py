@@ -114,6 +114,9 @@ def test_deterministic_mode_is_bitwise_and_status_shows_the_queue_pairs(
         assert q["state"] == "RTS" and q["local"]["device"] == "rxe1", q
         assert q["remote"]["device"] in ("rxe2", "rxe3") and q["remote"]["qpn"] > 0, q
         assert q["local"]["mtu"] == 4096 and q["address"][0] in ("10.77.0.2", "10.77.0.3"), q
+    table = subprocess.run([*CTL, "status", "--socket", app.unix_socket], capture_output=True,
+                           text=True, timeout=120).stdout
+    assert "roce: 2 queue pair(s)" in table and table.count("<-> qpn") == 2, table
 
 
 def test_a_rank_that_dies_is_named_to_the_others_within_the_liveness_timeout(

@@ -104,6 +104,22 @@ def test_complete_segment_is_multicast_once(arena: SlotArena) -> None:
     assert agg.counters[Counter.SEGMENTS_REDUCED] == 1
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_a_result_header_sits_right_before_its_payload_in_the_arena(
+        arena: SlotArena, dtype: type) -> None:
+    """RDMA sends header and payload as one scatter entry: they must be contiguous, and inside
+    the arena (the registered memory), for fp32 results (the accumulator) and narrowed ones."""
+    agg = make(arena)
+    for r in range(2):
+        contribute(agg, r, np.full(100, r + 1, dtype))
+    (send,) = contribute(agg, 2, np.full(100, 3, dtype))
+    head = np.frombuffer(send.header, np.uint8).ctypes.data
+    body = np.frombuffer(send.payload, np.uint8).ctypes.data
+    assert head + HEADER_SIZE == body
+    assert arena.address <= head and body + len(send.payload) <= arena.address + arena.nbytes
+    assert np.array_equal(result_of([send], np.dtype(dtype)), np.full(100, 6, dtype))
+
+
 def test_unicast_fallback_sends_to_every_rank(arena: SlotArena) -> None:
     agg = make(arena, multicast=False)
     for r in range(2):
