@@ -77,7 +77,8 @@ def render_status(s: dict[str, Any]) -> str:
                 f"{j['job_id']:>4} {j['name'][:16]:<16} {j['state']:<8} {j['world_size']:>5} "
                 f"{len(j['joined']):>6} {j.get('epoch', 1):>5} {j['rounds']:>7} "
                 f"{format_size(j['bytes_reduced']):>10} "
-                f"{_age(j['last_activity_s']):>14}  {lagging}")
+                f"{_age(j['last_activity_s']):>14}  {lagging}"
+                + ("  [roce]" if j.get("transport") == "roce" else ""))
             lines.extend(f"     ! {d}" for d in j.get("disruptions", []))
             if j.get("diverged"):
                 lines.append(f"     ! {j['diverged']}")

@@ -12,7 +12,7 @@ Families (all prefixed `reduction_`):
   counters of `CORE_COUNTERS`, `core_drops_total{reason}` (one sample per `drop_*` counter:
   reason is the counter name without `drop_`), `core_slots_in_use`, `core_poll_busy_ratio`,
   `core_restarts_total`;
-- per job, labelled `job_id, name`: `job_info{multicast_group, deterministic}`,
+- per job, labelled `job_id, name`: `job_info{multicast_group, deterministic, transport}`,
   `job_state{state}`, rounds/bytes/segments counters, world size, joined ranks, age, seconds since
   the last accepted contribution (absent until the first one), and the lagging ranks:
   `job_lagging_rank_seconds{rank}` (one sample per rank a started segment still waits for) and
@@ -307,8 +307,8 @@ def _add_core_counters(
 def _job_families(jobs: tuple[JobSnapshot, ...]) -> Iterator[Metric]:
     info = InfoMetricFamily(
         PREFIX + "job",
-        "A registered job: its multicast group (empty: unicast results) and whether it reduces "
-        "in fixed rank order (bitwise-reproducible results).",
+        "A registered job: its multicast group (empty: unicast results), whether it reduces "
+        "in fixed rank order (bitwise-reproducible results), and its transport (udp, roce).",
         labels=JOB_LABELS,
     )
     state = GaugeMetricFamily(
@@ -372,6 +372,7 @@ def _job_families(jobs: tuple[JobSnapshot, ...]) -> Iterator[Metric]:
             {
                 "multicast_group": job.multicast_group or "",
                 "deterministic": str(job.deterministic).lower(),
+                "transport": job.transport,
             },
         )
         state.add_metric([*labels, job.state], 1.0)

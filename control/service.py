@@ -270,7 +270,7 @@ class Appliance:
             jobs.append(JobSnapshot(
                 job_id=act.job_id, name=plan.name, state=plan.state.value,
                 world_size=plan.spec.world_size, joined=tuple(sorted(plan.joined)),
-                deterministic=plan.spec.deterministic,
+                deterministic=plan.spec.deterministic, transport=plan.request.transport,
                 multicast_group=mc[0] if mc else None, slots_per_core=plan.spec.slots,
                 created_s=now - plan.created, rounds=act.rounds,
                 bytes_reduced=act.bytes_reduced, segments_reduced=act.segments_reduced,

@@ -101,6 +101,7 @@ class RoceCoreTransport:
         self._e = _verbs()
         from pyverbs.wr import SGE as _SGE
 
+        self._closed = False
         self._head_sge = _SGE(0, 0, self._staging.lkey)
         self._body_sge = _SGE(0, 0, self._lkey)
 
@@ -315,6 +316,10 @@ class RoceCoreTransport:
             self.disconnect(address)
 
     def close(self) -> None:
+        """Idempotent: pyverbs 44 frees a work request's memory again on a second close."""
+        if self._closed:
+            return
+        self._closed = True
         self.close_peers()
         self._head_sge.close()
         self._body_sge.close()

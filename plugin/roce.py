@@ -95,6 +95,7 @@ class RoceWorkerTransport:
         self._pending: list[Any] = []  # completions `wait` polled, for `receive`
         self._lost = ""
         self._backoff = Backoff()
+        self._closed = False
         self.verbs_calls = depth  # post_recv/post_send/poll calls (the benchmark's count)
 
     # ---- connections ----
@@ -248,6 +249,10 @@ class RoceWorkerTransport:
                 return
 
     def close(self) -> None:
+        """Idempotent: pyverbs 44 frees a work request's memory again on a second close."""
+        if self._closed:
+            return
+        self._closed = True
         for c in self._cores.values():
             c.qp.close()
             for wr in c.ring:

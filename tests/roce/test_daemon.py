@@ -108,7 +108,9 @@ def test_deterministic_mode_is_bitwise_and_status_shows_the_queue_pairs(
     # ranks joined and stay (their processes gone without leaving) shows its two:
     procs = workers(app, tmp_path, 2, name="shown", elements=10, exit_after_join=(0, 1))
     finish(procs)
-    qps = status(app)["cores"][0]["queue_pairs"]
+    answer = status(app)
+    qps = answer["cores"][0]["queue_pairs"]
+    assert [j["transport"] for j in answer["jobs"] if j["name"] == "shown"] == ["roce"]
     assert len(qps) == 2, qps
     for q in qps:
         assert q["state"] == "RTS" and q["local"]["device"] == "rxe1", q
@@ -117,6 +119,7 @@ def test_deterministic_mode_is_bitwise_and_status_shows_the_queue_pairs(
     table = subprocess.run([*CTL, "status", "--socket", app.unix_socket], capture_output=True,
                            text=True, timeout=120).stdout
     assert "roce: 2 queue pair(s)" in table and table.count("<-> qpn") == 2, table
+    assert "[roce]" in table, table
 
 
 def test_a_rank_that_dies_is_named_to_the_others_within_the_liveness_timeout(

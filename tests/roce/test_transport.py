@@ -107,6 +107,8 @@ def rig(world: int, jobs: dict[int, bool], *, segment: int = SEGMENT) -> Iterato
                            TIMING.deadline, (EndpointInfo(0, *CORE, 8),), cookie=cookie)
             clients[job] = [ApplianceClient([info], r, timing=TIMING, transport=transports[r],
                                             lease=False) for r in range(world)]
+            for client in clients[job]:  # closes its transport: the rig closes it again
+                stack.callback(client.close)
         yield Rig(loop, core, clients, workers)
 
 
