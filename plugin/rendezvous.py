@@ -98,7 +98,7 @@ def _call(appliance: str, method: str, path: str, body: dict[str, object] | None
 
 
 def _call_raw(appliance: str, method: str, path: str, body: dict[str, object] | None,
-              token: str | None, timeout_s: float) -> object:
+              token: str | None, timeout_s: float, *, unreachable_is_final: bool = False) -> object:
     deadline = time.monotonic() + timeout_s
     pause = _FIRST_RETRY_S
     attempts = 0
@@ -109,6 +109,8 @@ def _call_raw(appliance: str, method: str, path: str, body: dict[str, object] | 
             reply = _attempt(appliance, method, path, body, token, min(_ATTEMPT_S, max(left, 0.1)))
             break
         except _Retryable as exc:
+            if unreachable_is_final and exc.unreachable:
+                raise RendezvousError(str(exc)) from exc.__cause__
             if time.monotonic() + pause >= deadline:
                 raise RendezvousError(f"{exc} (gave up after {attempts} attempts in "
                                       f"{timeout_s:g} s)") from exc.__cause__
@@ -119,6 +121,10 @@ def _call_raw(appliance: str, method: str, path: str, body: dict[str, object] | 
 
 class _Retryable(Exception):
     """An attempt that may pass when repeated: no answer, or the appliance is busy (5xx)."""
+
+    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable  # refused: nothing listens (not a 5xx, not a timeout)
 
 
 def _attempt(appliance: str, method: str, path: str, body: dict[str, object] | None,
@@ -140,7 +146,10 @@ def _attempt(appliance: str, method: str, path: str, body: dict[str, object] | N
             raise _Retryable(message) from exc
         raise RendezvousError(message) from exc
     except (OSError, ValueError) as exc:
-        raise _Retryable(f"cannot reach appliance API at {appliance}: {exc}") from exc
+        reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        # Refused: nothing listens there (the daemon is gone). A timeout may be a busy one.
+        raise _Retryable(f"cannot reach appliance API at {appliance}: {exc}",
+                         unreachable=isinstance(reason, ConnectionRefusedError)) from exc
 
 
 def _info(appliance: str, job: JobDescription, secret: str | None,
@@ -221,12 +230,16 @@ def join(info: JobInfo, rank: int, endpoint: Address, *, rejoin: bool = False,
 
 
 def connect(info: JobInfo, rank: int, address: str, queue_pairs: list[dict[str, object]],
-            timeout_s: float = 30.0) -> tuple[Address, list[dict[str, object]]]:
+            timeout_s: float = 30.0, *, unreachable_is_final: bool = False
+            ) -> tuple[Address, list[dict[str, object]]]:
     """A RoCE job's queue pairs: ours (one per core, `dataplane.verbs.QpEndpoint.as_json`) for
-    the cores' ends, and the address to join with."""
+    the cores' ends, and the address to join with. Busy answers (a core restarting: 503) are
+    retried until `timeout_s`; so is a refused connection, unless `unreachable_is_final` (a
+    reconnecting worker: an appliance whose API is gone will not bring its cores back)."""
     reply = _call_raw(info.appliance, "POST", f"/v1/jobs/{info.job_id}/connect",
                       {"rank": rank, "secret": info.secret or "", "address": address,
-                       "queue_pairs": list(queue_pairs)}, info.token, timeout_s)
+                       "queue_pairs": list(queue_pairs)}, info.token, timeout_s,
+                      unreachable_is_final=unreachable_is_final)
     try:
         assert isinstance(reply, dict)
         host, port = reply["address"]

@@ -15,6 +15,7 @@ it); any error completion means the appliance is lost and the next call raises.
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import threading
 from collections.abc import Callable, Sequence
@@ -39,6 +40,8 @@ from .rendezvous import JobInfo
 from .transport import Handler, Outgoing
 
 __all__ = ["RoceWorkerTransport", "connect_jobs", "local_roce_unavailable"]
+
+_log = logging.getLogger(__name__)
 
 SIGNAL_EVERY = 8
 _SEND_TAG = 1 << 62
@@ -96,6 +99,9 @@ class RoceWorkerTransport:
         self._lost = ""
         self._backoff = Backoff()
         self._closed = False
+        self._broken_cores: dict[Address, str] = {}  # core -> why its queue pair failed
+        #: connects a core's job afresh (`connect_jobs` sets it); None: a failure is final
+        self._reconnect: Callable[[Address], None] | None = None
         self.verbs_calls = depth  # post_recv/post_send/poll calls (the benchmark's count)
 
     # ---- connections ----
@@ -191,6 +197,10 @@ class RoceWorkerTransport:
             self._pending.extend(wcs)
         return int(npolled)
 
+    def _current(self, qpn: int) -> _Core | None:
+        """The core whose live queue pair is `qpn` (None: a queue pair since replaced)."""
+        return self._by_qpn.get(qpn)
+
     def receive(self, handle: Handler) -> int:
         if not self._pending:
             self._poll()
@@ -200,40 +210,72 @@ class RoceWorkerTransport:
             wcs, self._pending = self._pending, []
             for wc in wcs:
                 wr_id = wc.wr_id
+                c = self._current(wc.qp_num)
                 if wr_id >= _SEND_TAG:
-                    c = self._by_index.get((wr_id >> 20) & 0xFFFF)
                     if c is not None:
                         with self._lock:
                             c.outstanding -= wr_id & 0xFFFFF
-                    if wc.status != success:
-                        self._fail(wc)
+                        if wc.status != success:
+                            self._broken(c, wc)
                     continue
-                if wc.status != success:
-                    self._fail(wc)
-                    continue
-                taken += 1
-                c = self._by_qpn.get(wc.qp_num)
-                view = self._landing.views[wr_id]
                 try:
+                    if wc.status != success:
+                        if c is not None:
+                            self._broken(c, wc)
+                        continue
+                    taken += 1
+                    view = self._landing.views[wr_id]
                     if c is not None and wc.byte_len >= HEADER_SIZE:
                         h = unpack(view)
                         if wc.byte_len == HEADER_SIZE + h.length:
                             handle(h, view[HEADER_SIZE:wc.byte_len], c.address)
                 except PeerError:
                     pass
-                finally:
+                finally:  # the landing buffer goes back whatever became of its message
                     self._srq.post_recv(self._recv_wrs[wr_id])
                     self.verbs_calls += 1
+            if self._broken_cores:
+                self._repair()
             if self._lost:
                 raise ReductionError(self._lost)
             self._poll()
         return taken
 
-    def _fail(self, wc: Any) -> None:
-        c = self._by_qpn.get(wc.qp_num)
-        where = f"{c.address[0]}:{c.address[1]}" if c else f"queue pair {wc.qp_num}"
-        self._lost = self._lost or (f"lost the RoCE connection to the appliance at {where} "
-                                    f"(completion status {wc.status})")
+    def _broken(self, c: _Core, wc: Any) -> None:
+        if c.address not in self._broken_cores:
+            self._broken_cores[c.address] = (f"lost the RoCE connection to the appliance at "
+                                              f"{c.address[0]}:{c.address[1]} (completion "
+                                              f"status {wc.status})")
+
+    def _repair(self) -> None:
+        """Connect the broken cores' jobs afresh (a restarted core lost its queue pairs), or
+        give up: the next call raises why."""
+        broken, self._broken_cores = self._broken_cores, {}
+        for address, why in broken.items():
+            if self._lost:
+                return
+            if self._reconnect is None:
+                self._lost = why
+                return
+            try:
+                self._reconnect(address)
+            except Exception as exc:
+                self._lost = f"{why}; connecting again failed: {exc}"
+                return
+            _log.info("%s; connected again", why)
+
+    def reopen(self, core: Address) -> QpEndpoint:
+        """A fresh queue pair for `core` in place of its broken one (then `connect` it)."""
+        c = self._cores[core]
+        with self._lock:
+            self._by_qpn.pop(c.local.qpn, None)
+            c.qp.close()
+            c.qp = self.device.rc_queue_pair(self._cq, self._srq, self._depth)
+            c.local = self.device.endpoint(c.qp)
+            c.seq = c.outstanding = c.unsignalled = 0
+            c.connected = False
+            self._by_qpn[c.local.qpn] = c
+        return c.local
 
     def wait(self, timeout: float | None, wake: socket.socket | None = None) -> None:
         import time
@@ -310,6 +352,20 @@ def connect_jobs(jobs: Sequence[JobInfo], rank: int, local_address: str,
     segment = max(j.segment_bytes for j in jobs)
     transport = RoceWorkerTransport(device, ip, HEADER_SIZE + segment,
                                     cores=sum(len(j.cores) for j in jobs), owns_device=True)
+    job_of = {(c.host, c.port): job for job in jobs for c in job.cores}
+
+    def reconnect(core: Address) -> None:
+        """The core's job again, every core of it: the appliance replaces our queue pairs and
+        keeps our address (a restarted core had lost them). Waits for a restarting core as
+        long as the job's deadline allows."""
+        job = job_of[core]
+        cores = [(c.host, c.port) for c in job.cores]
+        ours = [transport.reopen(c).as_json() for c in cores]
+        source, theirs = connect(job, rank, ip, ours, timeout_s=job.deadline_s,
+                                 unreachable_is_final=True)
+        for c, end in zip(cores, theirs, strict=True):
+            transport.connect(c, QpEndpoint.from_json(end), source)
+
     try:
         for job in jobs:
             cores = [(c.host, c.port) for c in job.cores]
@@ -320,4 +376,5 @@ def connect_jobs(jobs: Sequence[JobInfo], rank: int, local_address: str,
     except BaseException:
         transport.close()
         raise
+    transport._reconnect = reconnect
     return transport

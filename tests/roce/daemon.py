@@ -31,7 +31,8 @@ class Appliance:
 
 
 @contextlib.contextmanager
-def appliance(base_port: int = 7000, liveness_s: float = 5.0) -> Iterator[Appliance]:
+def appliance(base_port: int = 7000, liveness_s: float = 5.0,
+              deadline_s: float = 60.0) -> Iterator[Appliance]:
     tmp = tempfile.mkdtemp(prefix="rd-")
     try:
         sock = str(Path(tmp) / "api.sock")
@@ -41,7 +42,8 @@ def appliance(base_port: int = 7000, liveness_s: float = 5.0) -> Iterator[Applia
                                    "core_start_timeout_s": START_S,
                                    "core_reply_timeout_s": 60.0},
                      "multicast": {"enabled": False},
-                     "jobs": {"slots": 8, "liveness_timeout_s": liveness_s, "hold_buffers": 64},
+                     "jobs": {"slots": 8, "liveness_timeout_s": liveness_s, "hold_buffers": 64,
+                              "deadline_s": deadline_s},
                      "roce": {"device": "rxe1", "segment_bytes": SEGMENT},
                      "api": {"listen": "10.77.0.1:0", "unix_socket": sock}})
         path = Path(tmp) / "appliance.toml"

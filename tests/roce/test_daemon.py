@@ -28,7 +28,8 @@ CTL = [sys.executable, "-m", "reduction_appliance.control.cli"]
 
 def workers(app: Appliance, out: Path, world: int, *, name: str, elements: int,
             dtype: str = "fp32", op: str = "sum", rounds: int = 1, deterministic: bool = False,
-            exit_after_join: tuple[int, ...] = ()) -> list[subprocess.Popen[str]]:
+            exit_after_join: tuple[int, ...] = (), stay: bool = False
+            ) -> list[subprocess.Popen[str]]:
     """`world` rank processes on rxe2..rxe4 (10.77.0.2..4)."""
     procs = []
     for rank in range(world):
@@ -37,7 +38,7 @@ def workers(app: Appliance, out: Path, world: int, *, name: str, elements: int,
                "--elements", str(elements), "--dtype", dtype, "--op", op, "--rounds",
                str(rounds), "--out", str(out)]
         cmd += ["--deterministic"] * deterministic + ["--exit-after-join"] * (
-            rank in exit_after_join)
+            rank in exit_after_join) + ["--stay"] * stay
         procs.append(subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
     return procs
 
@@ -160,3 +161,29 @@ def test_a_stopped_appliance_is_an_error_for_its_workers(tmp_path: Path) -> None
         assert results[rank][0] == 1, results[rank]
         error = (tmp_path / f"error-{rank}").read_text()
         assert "ApplianceSilent" in error or "lost the RoCE connection" in error, error
+
+
+def test_a_restarted_core_takes_its_roce_workers_back(tmp_path: Path) -> None:
+    """The supervisor restarts a killed core empty: the workers' queue pairs to it break, they
+    connect again through the API (same address), and the job goes on in a new epoch: each
+    worker finishes or gets the clear JobResynchronised, never "lost the RoCE connection"."""
+    # Liveness and deadline above the guest's core restart (tens of seconds when emulated).
+    with appliance(base_port=7300, liveness_s=120.0, deadline_s=150.0) as own:
+        victim = status(own)["cores"][0]["pid"]
+        # Rounds of 8 MB: about a second each in the guest, so the kill lands mid-run.
+        procs = workers(own, tmp_path, 2, name="restart", elements=2_000_000, rounds=12,
+                        stay=True)
+        wait_until(lambda: (tmp_path / "result-0-1.npy").exists()
+                   and (tmp_path / "result-1-1.npy").exists(), START_S, 0.1, "two rounds")
+        os.kill(victim, signal.SIGKILL)
+        results = finish(procs, timeout=3 * START_S)
+        for rank, (code, err) in enumerate(results):
+            error = (tmp_path / f"error-{rank}").read_text() if code else ""
+            assert code == 0 or "JobResynchronised" in error, (rank, error, err)
+            assert "connected again" in err, err
+        answer = status(own)
+        core = answer["cores"][0]
+        assert core["restarts"] == 1 and core["pid"] != victim
+        assert answer["jobs"][0]["epoch"] == 2
+        assert len(core["queue_pairs"]) == 2 and all(q["state"] == "RTS"
+                                                     for q in core["queue_pairs"]), core

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -38,7 +39,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--exit-after-join", action="store_true")
+    p.add_argument("--stay", action="store_true", help="do not leave the job at the end")
     a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s: %(message)s")
     info = register(a.api, a.name, a.world, secret=a.secret, deterministic=a.deterministic,
                     multicast=False, transport="roce")
     out = Path(a.out)
@@ -51,7 +54,8 @@ def main() -> int:
                 x = inputs(a.rank, a.elements, a.dtype, a.deterministic, r)
                 client.allreduce(x, a.op)
                 np.save(out / f"result-{a.rank}-{r}.npy", x.view(np.uint8))
-            leave(client.jobs[0], a.rank)  # the last rank's leave ends the job: its QPs go
+            if not a.stay:
+                leave(client.jobs[0], a.rank)  # the last rank's leave ends the job: its QPs go
     except ReductionError as exc:
         (out / f"error-{a.rank}").write_text(f"{type(exc).__name__}: {exc}")
         print(f"rank {a.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
