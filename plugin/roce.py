@@ -155,7 +155,14 @@ class RoceWorkerTransport:
         ring.sge.length = nbytes
         ring.wr.wr_id = wr_id
         ring.wr.send_flags = self._e.IBV_SEND_SIGNALED if signalled else 0
-        c.qp.post_send(ring.wr)
+        try:
+            c.qp.post_send(ring.wr)
+        except Exception as exc:  # the queue pair is gone with its peer: repaired on receive
+            c.outstanding -= 1
+            self._broken_cores.setdefault(c.address, (
+                f"lost the RoCE connection to the appliance at {c.address[0]}:{c.address[1]} "
+                f"(post_send: {exc})"))
+            return False
         self.verbs_calls += 1
         return True
 
@@ -242,10 +249,9 @@ class RoceWorkerTransport:
         return taken
 
     def _broken(self, c: _Core, wc: Any) -> None:
-        if c.address not in self._broken_cores:
-            self._broken_cores[c.address] = (f"lost the RoCE connection to the appliance at "
-                                              f"{c.address[0]}:{c.address[1]} (completion "
-                                              f"status {wc.status})")
+        self._broken_cores.setdefault(c.address, (
+            f"lost the RoCE connection to the appliance at {c.address[0]}:{c.address[1]} "
+            f"(completion status {wc.status})"))
 
     def _repair(self) -> None:
         """Connect the broken cores' jobs afresh (a restarted core lost its queue pairs), or
