@@ -23,11 +23,9 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,41 +77,18 @@ def _worker(a: argparse.Namespace) -> int:
 # ---- the appliance ---------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def _appliance(segment: int, workers: int) -> Iterator[tuple[str, str, subprocess.Popen[str]]]:
-    from reduction_appliance.control.config import parse, to_toml
-    from reduction_appliance.deploy.testnet.harness import DAEMON, OutputTail
+def _appliance(segment: int, workers: int) -> Iterator[tuple[str, str]]:
+    from reduction_appliance.deploy.testnet.harness import local_daemon
 
-    with tempfile.TemporaryDirectory(prefix="rd-") as tmp:
-        sock = str(Path(tmp) / "api.sock")
-        cfg = parse({"dataplane": {"address": "10.77.0.1", "kernels": "numpy",
-                                   "slot_memory_mb": max(64, 6 * segment * 8 >> 20),
-                                   "rx_buffers": 256, "core_start_timeout_s": START_S,
-                                   "core_reply_timeout_s": 60.0},
-                     "multicast": {"enabled": False}, "jobs": {"slots": 8},
-                     "roce": {"device": "rxe1", "segment_bytes": segment,
-                              "queue_pairs": 4 * workers},
-                     "api": {"listen": "10.77.0.1:0", "unix_socket": sock}})
-        path = Path(tmp) / "appliance.toml"
-        path.write_text(to_toml(cfg))
-        proc = subprocess.Popen([sys.executable, *DAEMON, "--config", str(path)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-        out, err = OutputTail(proc.stdout, marker="reductiond ready"), OutputTail(proc.stderr)
-        try:
-            if not (out.seen.wait(START_S) and out.line):
-                raise SystemExit(f"bench.roce: reductiond did not start: {err.text()}")
-            found = re.search(r"api ([\d.]+):(\d+)", out.line)
-            if found is None:
-                raise SystemExit(f"bench.roce: reductiond serves no TCP API: {out.line}")
-            api = f"{found.group(1)}:{found.group(2)}"
-            yield api, sock, proc
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with local_daemon({
+        "dataplane": {"address": "10.77.0.1", "kernels": "numpy",
+                      "slot_memory_mb": max(64, 6 * segment * 8 >> 20), "rx_buffers": 256,
+                      "core_start_timeout_s": START_S, "core_reply_timeout_s": 60.0},
+        "multicast": {"enabled": False}, "jobs": {"slots": 8},
+        "roce": {"device": "rxe1", "segment_bytes": segment, "queue_pairs": 4 * workers},
+        "api": {"listen": "10.77.0.1:0"},
+    }, ready_s=START_S) as daemon:
+        yield daemon.api, daemon.unix_socket
 
 
 def _status(sock: str) -> dict[str, Any]:
@@ -234,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
           "where the CPU is emulated", flush=True)
     runs: list[list[dict[str, Any]]] = []
     progress = ProgressBar(2 * a.repeat)
-    with _appliance(segment, a.workers) as (api, sock, _):
+    with _appliance(segment, a.workers) as (api, sock):
         for run in range(a.repeat):
             rows = []
             for transport in ("udp", "roce"):

@@ -11,6 +11,7 @@ import contextlib
 import ipaddress
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -32,6 +33,7 @@ from reduction_appliance.control.config import (
     HostPort,
     JobDefaults,
     MulticastConfig,
+    parse,
     to_toml,
 )
 
@@ -49,6 +51,7 @@ __all__ = [
     "OutputTail",
     "api_request",
     "appliance_config",
+    "local_daemon",
     "run_workers",
     "start_appliance",
     "worker_argv",
@@ -369,17 +372,54 @@ def start_appliance(net: Network, index: int = 0, *, cores: int = 2, slots: int 
                     proc.wait()
 
 
-def _await_ready(proc: subprocess.Popen[str], out: OutputTail, err: OutputTail) -> None:
+@dataclass
+class LocalDaemon:
+    process: subprocess.Popen[str]
+    api: str  # host:port of its TCP API
+    unix_socket: str
+    stderr: OutputTail
+
+
+@contextlib.contextmanager
+def local_daemon(raw: dict[str, Any], ready_s: float = _READY_TIMEOUT_S
+                 ) -> Iterator[LocalDaemon]:
+    """`reductiond` on this host's own network, configured by `raw` (the TOML tree; its API on
+    TCP, a Unix socket of its own added), in a process group of its own, until the block ends
+    (then SIGKILL to the group: its cores too)."""
+    with tempfile.TemporaryDirectory(prefix="rd-") as tmp:  # short: a socket path has 108 B
+        sock = str(Path(tmp) / "api.sock")
+        cfg = parse({**raw, "api": {**raw.get("api", {}), "unix_socket": sock}})
+        path = Path(tmp) / "appliance.toml"
+        path.write_text(to_toml(cfg))
+        proc = subprocess.Popen([sys.executable, *DAEMON, "--config", str(path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        out, err = OutputTail(proc.stdout, marker="reductiond ready"), OutputTail(proc.stderr)
+        try:
+            _await_ready(proc, out, err, ready_s)
+            found = re.search(r"api ([\d.]+):(\d+)", out.line or "")
+            if found is None:
+                raise HarnessError(f"reductiond serves no TCP API: {out.line}")
+            yield LocalDaemon(proc, f"{found.group(1)}:{found.group(2)}", sock, err)
+        finally:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _await_ready(proc: subprocess.Popen[str], out: OutputTail, err: OutputTail,
+                 ready_s: float = _READY_TIMEOUT_S) -> None:
     """Until reductiond prints its ready line; a daemon that exits first fails with its
     stderr's tail."""
-    if out.seen.wait(_READY_TIMEOUT_S) and out.line:
+    if out.seen.wait(ready_s) and out.line:
         return
     if proc.poll() is not None or out.done:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
         err.join()
         raise HarnessError(f"reductiond exited with {proc.returncode}: {err.text().strip()}")
-    raise HarnessError(f"reductiond not ready within {_READY_TIMEOUT_S:g} s: "
+    raise HarnessError(f"reductiond not ready within {ready_s:g} s: "
                        f"{err.text().strip()[-2000:]}")
 
 

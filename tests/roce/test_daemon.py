@@ -19,7 +19,7 @@ import pytest
 
 from reduction_appliance.plugin.rendezvous import JobInfo, RendezvousError, connect, register
 from tests.roce.daemon import SEGMENT, START_S, Appliance, appliance
-from tests.roce.worker import DTYPES, inputs
+from tests.roce.worker import DTYPES, inputs, reference
 from tests.waiting import wait_until
 
 WORKER = [sys.executable, "-m", "tests.roce.worker"]
@@ -55,16 +55,6 @@ def finish(procs: list[subprocess.Popen[str]], timeout: float = START_S) -> list
             continue
         done.append((p.returncode, err[-2000:]))
     return done
-
-
-def reference(arrays: list[Any], op: str) -> Any:
-    acc = arrays[0].astype(np.float32)
-    for a in arrays[1:]:
-        b = a.astype(np.float32)
-        acc = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum}[op](acc, b)
-    if op == "avg":
-        acc = np.divide(acc, np.float32(len(arrays)))
-    return acc.astype(arrays[0].dtype)
 
 
 def status(app: Appliance) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from reduction_appliance.plugin.client import ApplianceClient
 from reduction_appliance.plugin.rendezvous import JobInfo
 from reduction_appliance.plugin.roce import RoceWorkerTransport
 from reduction_appliance.plugin.session import Timing
+from tests.roce.worker import reference
 
 CORE = ("10.77.0.1", 7000)  # the core's identity for the clients (its UDP address elsewhere)
 SEGMENT = 64 * 1024
@@ -116,16 +117,6 @@ def integers(world: int, n: int, dtype: Any, seed: int) -> list[Any]:
     """Small integers: every sum is exact in any order and in every dtype."""
     rng = np.random.default_rng(seed)
     return [rng.integers(-64, 64, n).astype(dtype) for _ in range(world)]
-
-
-def reference(arrays: list[Any], op: str) -> Any:
-    acc = arrays[0].astype(np.float32)
-    for a in arrays[1:]:
-        b = a.astype(np.float32)
-        acc = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum}[op](acc, b)
-    if op == "avg":
-        acc = np.divide(acc, np.float32(len(arrays)))
-    return acc.astype(arrays[0].dtype)
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))

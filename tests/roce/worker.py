@@ -30,6 +30,17 @@ def inputs(rank: int, elements: int, dtype: str, deterministic: bool, round_no: 
     return rng.integers(-64, 64, elements).astype(DTYPES[dtype])  # exact in any order
 
 
+def reference(arrays: list[np.ndarray], op: str) -> np.ndarray:
+    """What the appliance must answer: folded in fp32 in rank order, narrowed at the end."""
+    acc = arrays[0].astype(np.float32)
+    for a in arrays[1:]:
+        b = a.astype(np.float32)
+        acc = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum}[op](acc, b)
+    if op == "avg":
+        acc = np.divide(acc, np.float32(len(arrays)))
+    return acc.astype(arrays[0].dtype)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     for name in ("--api", "--name", "--secret", "--ip", "--dtype", "--op", "--out"):
