@@ -127,6 +127,22 @@ def test_a_rank_that_dies_is_named_to_the_others_within_the_liveness_timeout(
     assert time.monotonic() - started < START_S
 
 
+def test_a_rank_killed_mid_run_is_named_to_the_others(app: Appliance, tmp_path: Path) -> None:
+    """Rank 2 SIGKILLed while the ranks are in their rounds of 8 MB (its segments half sent or
+    not): ranks 0 and 1 fail with RankSilent naming it, within the liveness timeout."""
+    procs = workers(app, tmp_path, 3, name="killed", elements=2_000_000, rounds=30)
+    wait_until(lambda: (tmp_path / "result-2-0.npy").exists(), START_S, 0.05, "a round done")
+    procs[2].kill()
+    killed = time.monotonic()
+    results = finish(procs)
+    for rank in (0, 1):
+        assert results[rank][0] == 1, results[rank]
+        error = (tmp_path / f"error-{rank}").read_text()
+        assert "RankSilent" in error and "rank 2" in error, error
+    # Named within the liveness timeout (5 s), plus the guest's slowness in reporting it.
+    assert time.monotonic() - killed < 60.0
+
+
 def test_an_unknown_job_or_a_udp_job_is_refused_a_connection(app: Appliance) -> None:
     udp = register(app.api, "plain-udp", 2, secret="s3cret-udp", multicast=False)
     with pytest.raises(RendezvousError, match=r"409.*not roce"):
