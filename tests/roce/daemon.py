@@ -19,7 +19,8 @@ def appliance(base_port: int = 7000, liveness_s: float = 5.0,
               deadline_s: float = 60.0) -> Iterator[Appliance]:
     with local_daemon({
         "dataplane": {"address": "10.77.0.1", "base_port": base_port, "kernels": "numpy",
-                      "slot_memory_mb": 16, "rx_buffers": 256, "core_start_timeout_s": START_S,
+                      # room for every test's jobs at once: failed ones stay until evicted
+                      "slot_memory_mb": 64, "rx_buffers": 256, "core_start_timeout_s": START_S,
                       "core_reply_timeout_s": 60.0},
         "multicast": {"enabled": False},
         "jobs": {"slots": 8, "liveness_timeout_s": liveness_s, "hold_buffers": 64,
