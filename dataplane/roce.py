@@ -31,7 +31,7 @@ from .counters import Counter, Counters
 from .errors import ReductionError
 from .slots import SlotArena, receive_reserve
 from .transport import Address, RxBatch, Send, TransportCounts
-from .verbs import QpEndpoint, RegisteredRing, RingWR, RoceDevice, _verbs
+from .verbs import QpEndpoint, RegisteredRing, RingWR, RoceDevice, enums
 
 __all__ = ["ROCE_PORTS", "DualCoreTransport", "RoceCoreTransport"]
 
@@ -42,7 +42,7 @@ ROCE_PORTS = range(1, 1024)
 
 SMALL_MESSAGE = 4096  # messages up to this size are copied whole into a staging entry
 SIGNAL_EVERY = 8  # one signalled send per this many: its completion retires them all
-_SEND_TAG = 1 << 62  # wr_id of a send: tag | peer << 20 | sends it retires (receives: buffer)
+_SEND_TAG = 1 << 62  # wr_id of a send: tag | sends it retires (of a receive: its buffer)
 
 
 @dataclass
@@ -95,10 +95,9 @@ class RoceCoreTransport:
         self._staging = RegisteredRing(device, peers * send_depth, SMALL_MESSAGE)
         self._peers: dict[int, _Peer] = {}  # by local QP number
         self._by_address: dict[Address, _Peer] = {}
-        self._by_index: dict[int, _Peer] = {}
         self._free_index = list(range(peers - 1, -1, -1))
         self._arena_end = arena.address + arena.nbytes
-        self._e = _verbs()
+        self._e = enums()
         from pyverbs.wr import SGE as _SGE
 
         self._closed = False
@@ -127,7 +126,6 @@ class RoceCoreTransport:
         peer = _Peer(index, address, qp, local, remote, ring, first)
         self._peers[int(qp.qp_num)] = peer
         self._by_address[address] = peer
-        self._by_index[index] = peer
         return local
 
     def serves(self, address: Address) -> bool:
@@ -138,7 +136,6 @@ class RoceCoreTransport:
         if peer is None:
             return
         self._peers.pop(int(peer.qp.qp_num), None)
-        self._by_index.pop(peer.index, None)
         peer.qp.close()
         for wr in peer.ring:
             wr.close()
@@ -196,8 +193,8 @@ class RoceCoreTransport:
                     continue
                 batch.add(wr_id, wc.byte_len, peer.address)
                 continue
-            sender = self._by_index.get((wr_id >> 20) & 0xFFFF)
-            if sender is None or int(sender.qp.qp_num) != wc.qp_num:
+            sender = self._peers.get(wc.qp_num)
+            if sender is None:
                 continue  # a queue pair since disconnected
             sender.outstanding -= wr_id & 0xFFFFF
             if wc.status != success:
@@ -232,7 +229,7 @@ class RoceCoreTransport:
             peer.outstanding += 1
             peer.unsignalled += 1
             signalled = peer.unsignalled >= SIGNAL_EVERY
-            wr_id = _SEND_TAG | peer.index << 20 | peer.unsignalled
+            wr_id = _SEND_TAG | peer.unsignalled
             if signalled:
                 peer.unsignalled = 0
             flags = self._e.IBV_SEND_SIGNALED if signalled else 0

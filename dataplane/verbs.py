@@ -35,6 +35,7 @@ __all__ = [
     "RingWR",
     "RoceDevice",
     "device_for",
+    "enums",
     "roce_unavailable",
 ]
 
@@ -43,7 +44,8 @@ ACK_TIMEOUT = 14  # 4.096 us * 2**14 = 67 ms per retry: 6 retries ~ 0.4 s to dec
 _MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}  # enum ibv_mtu -> bytes
 
 
-def _verbs() -> Any:
+def enums() -> Any:
+    """pyverbs' enum module (imported on first use: only RoCE code needs pyverbs)."""
     import pyverbs.enums as enums
 
     return enums
@@ -119,7 +121,7 @@ class RoceDevice:
         from pyverbs.device import Context, get_device_list
         from pyverbs.pd import PD
 
-        e = _verbs()
+        e = enums()
         if name is None:
             devices = get_device_list()
             if not devices:
@@ -144,7 +146,7 @@ class RoceDevice:
         """A memory region over memory we own (it must outlive the region)."""
         from pyverbs.mr import MR
 
-        e = _verbs()
+        e = enums()
         return MR(self.pd, length, e.IBV_ACCESS_LOCAL_WRITE, address=address)
 
     def completion_queue(self, depth: int) -> Any:
@@ -160,7 +162,7 @@ class RoceDevice:
     def rc_queue_pair(self, cq: Any, srq: Any, send_depth: int) -> Any:
         from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 
-        e = _verbs()
+        e = enums()
         cap = QPCap(max_send_wr=send_depth, max_recv_wr=0, max_send_sge=2, max_recv_sge=1)
         init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq, srq=srq, cap=cap, sq_sig_all=0)
         attr = QPAttr(port_num=self.port)
@@ -175,7 +177,7 @@ class RoceDevice:
         from pyverbs.addr import GID, AHAttr, GlobalRoute
         from pyverbs.qp import QPAttr
 
-        e = _verbs()
+        e = enums()
         mtu = min(local.mtu, remote.mtu)
         attr = QPAttr(port_num=self.port)
         attr.path_mtu = {v: k for k, v in _MTU_BYTES.items()}.get(mtu, e.IBV_MTU_1024)
@@ -197,7 +199,7 @@ class RoceDevice:
         """Move a queue pair to ERR: its outstanding work completes flushed, nothing new goes."""
         from pyverbs.qp import QPAttr
 
-        e = _verbs()
+        e = enums()
         attr = QPAttr()
         attr.qp_state = e.IBV_QPS_ERR
         with contextlib.suppress(Exception):  # already gone with its peer: nothing to stop
@@ -251,7 +253,7 @@ class RingWR:
     def __init__(self, address: int, length: int, lkey: int) -> None:
         from pyverbs.wr import SGE, SendWR
 
-        e = _verbs()
+        e = enums()
         self.sge = SGE(address, length, lkey)
         self.wr = SendWR(opcode=e.IBV_WR_SEND, num_sge=1, sg=[self.sge], send_flags=0)
         self.wr.sg_list = self.sge  # the WR now reads this SGE's memory at every post

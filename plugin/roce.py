@@ -14,7 +14,6 @@ it); any error completion means the appliance is lost and the next call raises.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
 import threading
@@ -30,8 +29,8 @@ from reduction_appliance.dataplane.verbs import (
     RegisteredRing,
     RingWR,
     RoceDevice,
-    _verbs,
     device_for,
+    enums,
     roce_unavailable,
 )
 from reduction_appliance.dataplane.wire import HEADER_SIZE, pack_into, unpack
@@ -80,7 +79,7 @@ class RoceWorkerTransport:
         self.max_message = max_message
         self._depth = depth
         self._max_cores = cores
-        self._e = _verbs()
+        self._e = enums()
         self._cq = device.completion_queue(4 * depth * cores + depth)
         self._srq = device.shared_receive_queue(depth)
         self._landing = RegisteredRing(device, depth, max_message)
@@ -93,7 +92,6 @@ class RoceWorkerTransport:
         self._staging = RegisteredRing(device, cores * depth, max_message)
         self._cores: dict[Address, _Core] = {}
         self._by_qpn: dict[int, _Core] = {}
-        self._by_index: dict[int, _Core] = {}
         self._lock = threading.Lock()  # the heartbeat lease sends from its own thread
         self._pending: list[Any] = []  # completions `wait` polled, for `receive`
         self._lost = ""
@@ -102,7 +100,6 @@ class RoceWorkerTransport:
         self._broken_cores: dict[Address, str] = {}  # core -> why its queue pair failed
         #: connects a core's job afresh (`connect_jobs` sets it); None: a failure is final
         self._reconnect: Callable[[Address], None] | None = None
-        self.verbs_calls = depth  # post_recv/post_send/poll calls (the benchmark's count)
 
     # ---- connections ----
     def open(self, core: Address) -> QpEndpoint:
@@ -121,7 +118,6 @@ class RoceWorkerTransport:
         c = _Core(index, core, qp, local, ring, first)
         self._cores[core] = c
         self._by_qpn[local.qpn] = c
-        self._by_index[index] = c
         return local
 
     def connect(self, core: Address, remote: QpEndpoint, source: Address) -> None:
@@ -138,20 +134,23 @@ class RoceWorkerTransport:
         return c.source
 
     # ---- the seam ----
-    def _post(self, c: _Core, write: Any, nbytes: int) -> bool:
-        """Stage a message (write(view) fills it) and post it; False when the queue is full."""
+    def _staging_entry(self, c: _Core) -> int | None:
+        """The next staging entry of `c`, free once its send queue has room; None when full
+        or not connected (a loss: the client's timer repairs it)."""
         if not c.connected or c.outstanding >= self._depth:
-            return False
-        entry = c.seq % self._depth
-        write(self._staging.views[c.first + entry])
+            return None
+        return c.first + c.seq % self._depth
+
+    def _post(self, c: _Core, nbytes: int) -> None:
+        """Send the message just staged in `c`'s next entry (selectively signalled)."""
+        ring = c.ring[c.seq % self._depth]
         c.seq += 1
         c.outstanding += 1
         c.unsignalled += 1
-        wr_id = _SEND_TAG | c.index << 20 | c.unsignalled
+        wr_id = _SEND_TAG | c.unsignalled
         signalled = c.unsignalled >= SIGNAL_EVERY
         if signalled:
             c.unsignalled = 0
-        ring = c.ring[entry]
         ring.sge.length = nbytes
         ring.wr.wr_id = wr_id
         ring.wr.send_flags = self._e.IBV_SEND_SIGNALED if signalled else 0
@@ -162,13 +161,11 @@ class RoceWorkerTransport:
             self._broken_cores.setdefault(c.address, (
                 f"lost the RoCE connection to the appliance at {c.address[0]}:{c.address[1]} "
                 f"(post_send: {exc})"))
-            return False
-        self.verbs_calls += 1
-        return True
 
     def send(self, datagrams: Sequence[Outgoing]) -> None:
         if self._lost:
             raise ReductionError(self._lost)
+        views = self._staging.views
         with self._lock:
             for d in datagrams:
                 c = self._cores.get(d.dest)
@@ -178,35 +175,29 @@ class RoceWorkerTransport:
                 if HEADER_SIZE + n > self.max_message:
                     raise ReductionError(f"a {n}-byte segment exceeds this transport's "
                                          f"{self.max_message}-byte messages")
-
-                def write(view: memoryview, d: Outgoing = d, n: int = n) -> None:
-                    pack_into(view, d.header)
-                    view[HEADER_SIZE:HEADER_SIZE + n] = d.payload
-
-                self._post(c, write, HEADER_SIZE + n)  # a full queue: like a loss
+                entry = self._staging_entry(c)
+                if entry is None:
+                    continue  # a full queue: like a loss
+                view = views[entry]
+                pack_into(view, d.header)
+                view[HEADER_SIZE:HEADER_SIZE + n] = d.payload
+                self._post(c, HEADER_SIZE + n)
 
     def send_raw(self, datagram: bytes, dest: Address) -> None:
         with self._lock:
             c = self._cores.get(dest)
             if c is None or self._lost or len(datagram) > self.max_message:
                 return
-
-            def write(view: memoryview) -> None:
-                view[:len(datagram)] = datagram
-
-            with contextlib.suppress(Exception):  # a lost heartbeat, never raised (the seam)
-                self._post(c, write, len(datagram))
+            entry = self._staging_entry(c)
+            if entry is not None:  # else a lost heartbeat, never raised (the seam)
+                self._staging.views[entry][:len(datagram)] = datagram
+                self._post(c, len(datagram))
 
     def _poll(self) -> int:
         npolled, wcs = self._cq.poll(64)
-        self.verbs_calls += 1
         if npolled:
             self._pending.extend(wcs)
         return int(npolled)
-
-    def _current(self, qpn: int) -> _Core | None:
-        """The core whose live queue pair is `qpn` (None: a queue pair since replaced)."""
-        return self._by_qpn.get(qpn)
 
     def receive(self, handle: Handler) -> int:
         if not self._pending:
@@ -217,7 +208,7 @@ class RoceWorkerTransport:
             wcs, self._pending = self._pending, []
             for wc in wcs:
                 wr_id = wc.wr_id
-                c = self._current(wc.qp_num)
+                c = self._by_qpn.get(wc.qp_num)  # None: a queue pair since replaced
                 if wr_id >= _SEND_TAG:
                     if c is not None:
                         with self._lock:
@@ -240,7 +231,6 @@ class RoceWorkerTransport:
                     pass
                 finally:  # the landing buffer goes back whatever became of its message
                     self._srq.post_recv(self._recv_wrs[wr_id])
-                    self.verbs_calls += 1
             if self._broken_cores:
                 self._repair()
             if self._lost:
