@@ -43,7 +43,8 @@ from .progress import ProgressBar
 __all__ = ["main"]
 
 GUEST = Path(__file__).resolve().parents[1] / "deploy" / "roce" / "guest.sh"
-START_S = 300.0  # the guest emulates its CPU: a process start takes seconds there
+START_S = 300.0
+_JSON_MARK = "bench.roce json: "  # the guest emulates its CPU: a process start takes seconds there
 
 
 # ---- a worker process ----------------------------------------------------------------------
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--segment", default="1MiB", help="RoCE message size (config roce.segment)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--json-line", action="store_true", help=argparse.SUPPRESS)
     # internal: one worker process
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("--api", "--job", "--ip", "--transport"):
@@ -193,17 +195,24 @@ def main(argv: list[str] | None = None) -> int:
                   "reduction_appliance.bench.roce", file=sys.stderr)
             return 1
         print(f"bench.roce: {missing}: running inside the soft-RoCE guest ({GUEST})", flush=True)
+        # The guest runs us without --json and prints the report as one marked line, which
+        # this side writes where asked (the guest's writable directory is only the current
+        # one, and mounting another over its /tmp would break the daemon's Unix socket).
         args = list(argv if argv is not None else sys.argv[1:])
-        rw: list[str] = []
-        if a.json is not None:  # the guest writes back only under its read-write directory
-            where = args.index("--json") if "--json" in args else -1
-            args = args[:where] + args[where + 2:] if where >= 0 else [
-                x for x in args if not x.startswith("--json=")]
-            args += ["--json", str(a.json.resolve())]
-            rw = ["--rw", str(a.json.resolve().parent)]
-        cmd = ["bash", str(GUEST), "run", "--rxe", "4", "--timeout", "3600", *rw, "--",
-               sys.executable, "-m", "reduction_appliance.bench.roce", *args]
-        return subprocess.run(cmd, check=False).returncode
+        where = args.index("--json") if "--json" in args else -1
+        args = args[:where] + args[where + 2:] if where >= 0 else [
+            x for x in args if not x.startswith("--json=")]
+        cmd = ["bash", str(GUEST), "run", "--rxe", "4", "--timeout", "3600", "--",
+               sys.executable, "-m", "reduction_appliance.bench.roce", *args, "--json-line"]
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as guest:
+            assert guest.stdout is not None
+            for line in guest.stdout:
+                if line.startswith(_JSON_MARK):
+                    if a.json is not None:
+                        a.json.write_text(line[len(_JSON_MARK):])
+                    continue
+                print(line, end="", flush=True)
+        return guest.returncode
     print(f"bench.roce: {a.workers} workers x {format_size(a.size)} fp32 x {a.rounds} rounds, "
           f"RoCE segments of {format_size(segment)}, {a.repeat} runs; relative figures only "
           "where the CPU is emulated", flush=True)
@@ -233,8 +242,11 @@ def main(argv: list[str] | None = None) -> int:
           f"verbs calls per MiB per worker: median {statistics.median(verbs):.1f} "
           f"(runs {', '.join(f'{v:.1f}' for v in verbs)}; target <= 8); "
           f"{'every result exact' if not bad else f'{bad} WRONG RESULTS'}")
+    report = json.dumps({"runs": runs, "ratios": ratios})
     if a.json is not None:
-        a.json.write_text(json.dumps({"runs": runs, "ratios": ratios}, indent=1))
+        a.json.write_text(report)
+    if a.json_line:
+        print(_JSON_MARK + report, flush=True)
     return 1 if bad else 0
 
 
