@@ -103,17 +103,22 @@ def _queue_pair_lines(core: dict[str, Any]) -> list[str]:
     k = core["counters"]
     if not qps and not k.get("roce_polls"):
         return []
-    lines = [f"     roce: {len(qps)} queue pair(s); posted {k.get('roce_post_send', 0)} sends, "
+    lines = [f"     roce: {len(qps)} queue pair(s); posted {k.get('roce_post_send', 0)} sends "
+             f"({k.get('roce_result_writes', 0)} result writes), "
              f"{k.get('roce_post_recv', 0)} receives; {k.get('roce_completions', 0)} "
              f"completions in {k.get('roce_polls', 0)} polls; {k.get('roce_peers_lost', 0)} "
-             f"peers lost; {k.get('roce_send_queue_full', 0)} send-queue-full drops"]
+             f"peers lost; {k.get('roce_send_queue_full', 0)} send-queue-full drops, "
+             f"{k.get('roce_drop_immediate', 0)} bad immediates, "
+             f"{k.get('roce_unsendable', 0)} unsendable"]
     for q in qps:
         local, remote = q["local"], q["remote"]
         state = q["state"] + (f" ({q['lost']})" if q.get("lost") else "")
         lines.append(f"       {q['address'][0]}:{q['address'][1]}  qpn {local['qpn']} on "
                      f"{local['device']} <-> qpn {remote['qpn']} on {remote['device']} "
                      f"({remote['gid']}), mtu {min(local['mtu'], remote['mtu'])}, {state}, "
-                     f"{q['outstanding']} sends in flight")
+                     f"{q['outstanding']} sends in flight, results by "
+                     + (f"RDMA write ({remote['landing']['slots']} landing slots)"
+                        if remote.get("landing") else "send"))
     return lines
 
 

@@ -103,6 +103,21 @@ CORE_COUNTERS: dict[str, tuple[str, str]] = {
         "RoCE messages dropped because the queue pair's send queue was full (the worker's "
         "retransmission repairs it).",
     ),
+    "roce_result_writes": (
+        "core_roce_result_writes",
+        "Results the core RDMA-wrote (WRITE_WITH_IMM) into workers' landing buffers (part of "
+        "the send requests).",
+    ),
+    "roce_drop_immediate": (
+        "core_roce_drop_immediate",
+        "RoCE contributions dropped because their immediate (the slot) disagreed with their "
+        "header: a worker's fault.",
+    ),
+    "roce_unsendable": (
+        "core_roce_unsendable",
+        "RoCE messages the core could not send: larger than a worker's receive buffers and no "
+        "result for one of its landing slots.",
+    ),
     "heartbeats": (
         "core_heartbeats",
         "HEARTBEATs from joined ranks (workers send several per liveness timeout), answered.",

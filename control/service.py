@@ -22,6 +22,8 @@ from reduction_appliance.dataplane.errors import (
 )
 from reduction_appliance.dataplane.registration import JobDescription
 from reduction_appliance.dataplane.roce import ROCE_PORTS
+from reduction_appliance.dataplane.verbs import QpEndpoint
+from reduction_appliance.dataplane.wire import HEADER_SIZE
 
 from .registry import JobPlan, JobRequest, JobState, Registry
 from .snapshot import ApplianceSnapshot, CoreSnapshot, InterfaceSnapshot, JobSnapshot
@@ -112,6 +114,7 @@ class Appliance:
             self.registry.check_secret(job_id, secret)
             if not 0 <= rank < plan.spec.world_size:
                 raise BadRequest(f"rank {rank} is outside world size {plan.spec.world_size}")
+            _check_landings(remotes, plan.spec.slots, HEADER_SIZE + self.cfg.roce.segment_bytes)
             address = self._roce_address(job_id, rank, ip)
             try:
                 cores = self.supervisor.accept_queue_pairs(remotes, address)
@@ -391,3 +394,19 @@ def parse_request(body: dict[str, Any]) -> JobRequest:
         raise BadRequest(f"transport must be \"udp\" or \"roce\", got {transport!r}")
     return JobRequest(name, world, bool(body.get("deterministic", False)),
                       bool(body.get("multicast", True)), slots, transport)
+
+
+def _check_landings(remotes: list[dict[str, Any]], slots: int, message: int) -> None:
+    """A worker's landing buffers must take a result for every slot of the job (the caller's
+    fault when not: a core would have to drop them)."""
+    for i, remote in enumerate(remotes):
+        try:
+            landing = QpEndpoint.from_json(remote).landing
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
+        if landing is None:
+            raise BadRequest(f"queue_pairs[{i}] names no landing: results are RDMA-written "
+                             "into the worker's landing buffers, one per slot")
+        if landing.slots < slots or landing.stride < message:
+            raise BadRequest(f"queue_pairs[{i}]: the landing holds {landing.slots} entries of "
+                             f"{landing.stride} bytes; the job needs {slots} of {message}")

@@ -55,6 +55,9 @@ class Counter(IntEnum):
     ROCE_COMPLETIONS = 35  # work completions polled
     ROCE_PEERS_LOST = 36  # queue pairs whose peer was lost (an error completion)
     ROCE_SEND_QUEUE_FULL = 37  # messages dropped: the queue pair's send queue was full
+    ROCE_RESULT_WRITES = 38  # results RDMA-written into workers' landing buffers (of POST_SEND)
+    ROCE_DROP_IMMEDIATE = 39  # contributions whose immediate disagreed with their slot: dropped
+    ROCE_UNSENDABLE = 40  # messages that fit neither the peer's landing nor its receive buffers
 
 
 N_COUNTERS = len(Counter)

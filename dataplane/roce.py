@@ -1,13 +1,18 @@
 """The RoCE transport of a data-plane core: RC queue pairs behind the same seam as UDP.
 
-Every wire message (header and payload, `dataplane.wire`) travels as one RC SEND. The NIC
-places a worker's contribution straight into a receive-pool buffer of the core's slot arena,
-which is registered once as a memory region; the buffers are posted as prebuilt receive work
-requests on one shared receive queue that every worker's queue pair uses, and every queue pair
-completes into one completion queue. A completion names its queue pair, and the queue pair the
-worker's endpoint address, so the aggregator sees what it sees over UDP: a buffer, a length, a
-source. Results leave as SENDs gathered from a header staging entry and the result's place in
-the arena (no copy); notices and other small messages are copied whole into a staging entry.
+A worker's contribution (header and payload, `dataplane.wire`) arrives as one RC SEND_WITH_IMM
+whose immediate is its slot: the NIC places it straight into a receive-pool buffer of the core's
+slot arena, which is registered once as a memory region; the buffers are posted as prebuilt
+receive work requests on one shared receive queue that every worker's queue pair uses, and every
+queue pair completes into one completion queue. A completion names its queue pair, and the
+queue pair the worker's endpoint address, so the aggregator sees what it sees over UDP: a
+buffer, a length, a source.
+
+A result leaves in place as one RDMA WRITE_WITH_IMM of the arena (its header sits right before
+it, `SlotArena.header_before`) into the worker's landing entry for its slot (`verbs.Landing`),
+the immediate naming the slot: no copy, no receive buffer of a segment's size on the worker.
+Notices, PENDING, LIVENESS and small results are copied into a staging entry and SENT (at most
+`verbs.SEND_BYTES`).
 
 The control plane connects a worker by handing `accept` the worker's `QpEndpoint` and the
 address the worker joined from (`(its IP, its QP number)`); the core's end goes back to the
@@ -31,7 +36,8 @@ from .counters import Counter, Counters
 from .errors import ReductionError
 from .slots import SlotArena, receive_reserve
 from .transport import Address, RxBatch, Send, TransportCounts
-from .verbs import QpEndpoint, RegisteredRing, RingWR, RoceDevice, enums
+from .verbs import SEND_BYTES, Landing, QpEndpoint, RegisteredRing, RingWR, RoceDevice, enums
+from .wire import Kind
 
 __all__ = ["ROCE_PORTS", "DualCoreTransport", "RoceCoreTransport"]
 
@@ -40,9 +46,10 @@ __all__ = ["ROCE_PORTS", "DualCoreTransport", "RoceCoreTransport"]
 #: a core that serves both transports.
 ROCE_PORTS = range(1, 1024)
 
-SMALL_MESSAGE = 4096  # messages up to this size are copied whole into a staging entry
 SIGNAL_EVERY = 8  # one signalled send per this many: its completion retires them all
 _SEND_TAG = 1 << 62  # wr_id of a send: tag | sends it retires (of a receive: its buffer)
+_KIND_AT = 3  # header byte offsets (dataplane.wire): the kind, and the slot (4 bytes)
+_SLOT_AT = slice(28, 32)
 
 
 @dataclass
@@ -92,7 +99,7 @@ class RoceCoreTransport:
                                  sg=[SGE(pool.addresses[i], pool.buffer_bytes, self._lkey)])
                           for i in range(len(pool))]
         self._posted = 0
-        self._staging = RegisteredRing(device, peers * send_depth, SMALL_MESSAGE)
+        self._staging = RegisteredRing(device, peers * send_depth, SEND_BYTES)
         self._peers: dict[int, _Peer] = {}  # by local QP number
         self._by_address: dict[Address, _Peer] = {}
         self._free_index = list(range(peers - 1, -1, -1))
@@ -181,6 +188,7 @@ class RoceCoreTransport:
             return 0
         cells[Counter.ROCE_COMPLETIONS] += npolled
         success = self._e.IBV_WC_SUCCESS
+        with_imm = self._e.IBV_WC_WITH_IMM
         for wc in wcs:
             wr_id = wc.wr_id
             if wr_id < _SEND_TAG:  # a receive: wr_id is the pool buffer
@@ -190,6 +198,11 @@ class RoceCoreTransport:
                     pool.release(wr_id)
                     if peer is not None and wc.status != success:
                         self._lose(peer, self._status(wc))
+                    continue
+                if wc.wc_flags & with_imm and wc.imm_data != int.from_bytes(
+                        pool.views[wr_id][_SLOT_AT], "big"):
+                    pool.release(wr_id)  # torn or misaddressed: the peer's fault
+                    cells[Counter.ROCE_DROP_IMMEDIATE] += 1
                     continue
                 batch.add(wr_id, wc.byte_len, peer.address)
                 continue
@@ -213,6 +226,7 @@ class RoceCoreTransport:
 
     def send(self, sends: Sequence[Send]) -> None:
         counts = self._transport_counts
+        cells = self._cells
         for s in sends:
             peer = self._by_address.get(s.dest)
             if peer is None or peer.lost:
@@ -220,10 +234,18 @@ class RoceCoreTransport:
                 continue
             if peer.outstanding >= self._send_depth:
                 counts.send_errors += 1
-                self._cells[Counter.ROCE_SEND_QUEUE_FULL] += 1
+                cells[Counter.ROCE_SEND_QUEUE_FULL] += 1
                 continue
             header, payload = s.header, s.payload
             nhead, nbody = len(header), len(payload)
+            landing = peer.remote.landing
+            slot = -1  # where a large message lands (-1: sent, not written)
+            if nhead + nbody > SEND_BYTES:
+                slot = self._landing_slot(landing, header, nhead + nbody)
+                if slot < 0:  # a worker takes nothing else this large
+                    counts.send_errors += 1
+                    cells[Counter.ROCE_UNSENDABLE] += 1
+                    continue
             entry = peer.seq % self._send_depth
             peer.seq += 1
             peer.outstanding += 1
@@ -234,9 +256,9 @@ class RoceCoreTransport:
                 peer.unsignalled = 0
             flags = self._e.IBV_SEND_SIGNALED if signalled else 0
             ring = peer.ring[entry]
-            sge: Any = ring.sge
+            wr, sge = ring.wr, ring.sge
             try:
-                if nhead + nbody <= SMALL_MESSAGE:  # a notice, a small result: one copy
+                if nhead + nbody <= SEND_BYTES:  # a notice, a small result: one copy
                     view = self._staging.views[peer.staging + entry]
                     view[:nhead] = header
                     view[nhead:nhead + nbody] = payload
@@ -250,19 +272,42 @@ class RoceCoreTransport:
                     sge.lkey = self._lkey
                     sge.length = nhead + nbody
                 else:
-                    self._post_gathered(peer, entry, header, payload, wr_id, flags)
-                    sge = None
-                if sge is not None:
-                    ring.wr.wr_id = wr_id
-                    ring.wr.send_flags = flags
-                    peer.qp.post_send(ring.wr)
+                    self._post_gathered(peer, entry, header, payload, wr_id, flags, slot)
+                    wr = None
+                if wr is not None:
+                    wr.wr_id = wr_id
+                    wr.send_flags = flags
+                    self._aim(wr, landing, slot)
+                    peer.qp.post_send(wr)
             except Exception as exc:  # the QP is in error: its peer is gone
                 self._lose(peer, f"post_send failed: {exc}")
                 counts.send_errors += 1
                 continue
-            self._cells[Counter.ROCE_POST_SEND] += 1
+            cells[Counter.ROCE_POST_SEND] += 1
+            if slot >= 0:
+                cells[Counter.ROCE_RESULT_WRITES] += 1
             counts.datagrams_sent += 1
             counts.bytes_sent += nhead + nbody
+
+    @staticmethod
+    def _landing_slot(landing: Landing | None, header: bytes | bytearray | memoryview,
+                      nbytes: int) -> int:
+        """The landing entry a large message is written to: its slot, when it is a result
+        that fits one (-1: it cannot go)."""
+        if landing is None or header[_KIND_AT] != Kind.RESULT:
+            return -1
+        slot = int.from_bytes(header[_SLOT_AT], "big")
+        return slot if slot < landing.slots and nbytes <= landing.stride else -1
+
+    def _aim(self, wr: Any, landing: Landing | None, slot: int) -> None:
+        """A SEND, or (slot >= 0) a WRITE_WITH_IMM into the slot's landing entry."""
+        if slot < 0:
+            wr.opcode = self._e.IBV_WR_SEND
+            return
+        assert landing is not None
+        wr.opcode = self._e.IBV_WR_RDMA_WRITE_WITH_IMM
+        wr.imm_data = slot
+        wr.set_wr_rdma(landing.rkey, landing.address + slot * landing.stride)
 
     def _contiguous(self, header: bytes | bytearray | memoryview,
                     payload: memoryview | bytes) -> int | None:
@@ -276,11 +321,11 @@ class RoceCoreTransport:
         return head if body == head + len(header) else None
 
     def _post_gathered(self, peer: _Peer, entry: int, header: bytes | bytearray | memoryview,
-                       payload: memoryview | bytes, wr_id: int, flags: int) -> None:
-        """A large message whose header is not in front of it (never a result: see
-        `SlotArena.header_before`): header staged, payload from the arena. Two scatter entries
-        need a WR of their own (pyverbs cannot repoint one at two); it is released right after
-        the post, which copies it into the send queue."""
+                       payload: memoryview | bytes, wr_id: int, flags: int, slot: int) -> None:
+        """A large result whose header is not in front of it (not one the aggregator makes:
+        see `SlotArena.header_before`): header staged, payload from the arena. Two scatter
+        entries need a WR of their own (pyverbs cannot repoint one at two); it is released
+        right after the post, which copies it into the send queue."""
         from pyverbs.wr import SendWR
 
         self._staging.views[peer.staging + entry][:len(header)] = header
@@ -296,6 +341,7 @@ class RoceCoreTransport:
         wr = SendWR(wr_id=wr_id, opcode=self._e.IBV_WR_SEND, num_sge=2, sg=[head, tail],
                     send_flags=flags)
         try:
+            self._aim(wr, peer.remote.landing, slot)
             peer.qp.post_send(wr)
         finally:
             wr.close()

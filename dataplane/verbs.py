@@ -12,6 +12,11 @@ that binding costs, and how this module pays for it (docs/roce.md has the measur
   poll, backing off between empty polls (see `Backoff`).
 * rxe treats an RC `retry_cnt` of 7 as "retry forever": a send to a dead peer would never
   complete. We use 6, and any error completion means the peer is lost.
+
+What travels how: a worker's contribution is one SEND_WITH_IMM (the immediate is its slot) into
+a receive buffer of the core's slot arena; a result is one RDMA WRITE_WITH_IMM from the arena
+into the worker's landing buffer for that slot (`Landing`; the immediate names the slot); every
+other message (notices, PENDING, LIVENESS, small results) is a SEND of at most `SEND_BYTES`.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ import numpy as np
 from .errors import ConfigError
 
 __all__ = [
+    "SEND_BYTES",
     "Backoff",
+    "Landing",
     "QpEndpoint",
     "RegisteredRing",
     "RingWR",
@@ -41,6 +48,9 @@ __all__ = [
 
 RETRY_COUNT = 6  # 7 is "forever" on rxe: a dead peer must surface as an error completion
 ACK_TIMEOUT = 14  # 4.096 us * 2**14 = 67 ms per retry: 6 retries ~ 0.4 s to declare a peer lost
+#: the largest message that travels as a SEND (copied into a staging entry, received into a
+#: worker's receive buffer of this size); a larger one is a result, written into its landing
+SEND_BYTES = 4096
 _MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}  # enum ibv_mtu -> bytes
 
 
@@ -91,27 +101,66 @@ def device_for(ip: str, port: int = 1, gids: int = 16) -> tuple[str, int] | None
 
 
 @dataclass(frozen=True)
+class Landing:
+    """Where a worker takes a core's results: `slots` entries of `stride` bytes from `address`
+    in a region the core may write (`rkey`), one per slot of the job on that core. The result
+    for slot s is written at `address + s * stride` (header, then payload).
+
+    Why one entry per slot is safe to overwrite: a worker sends the next use of a slot only
+    after it has taken the result of the last one, and everything a core writes to one worker
+    goes through one queue pair, in order; so a later write to an entry is either that same
+    result again (a duplicate answer: the same bytes) or the next use's result, which cannot be
+    sent before the worker asked for it."""
+
+    address: int
+    rkey: int
+    slots: int
+    stride: int
+
+    def as_json(self) -> dict[str, int]:
+        return {"address": self.address, "rkey": self.rkey, "slots": self.slots,
+                "stride": self.stride}
+
+
+@dataclass(frozen=True)
 class QpEndpoint:
     """One end of an RC connection as the control plane hands it to the other end: plain data
-    (what `rdma res show qp` would show of it), never a verbs object."""
+    (what `rdma res show qp` would show of it), never a verbs object. A worker's end names its
+    landing buffers (a core's end: None)."""
 
     device: str
     gid: str
     qpn: int
     psn: int
     mtu: int  # the port's active MTU in bytes; a connection uses the smaller of two ends'
+    landing: Landing | None = None
 
     def as_json(self) -> dict[str, object]:
-        return {"device": self.device, "gid": self.gid, "qpn": self.qpn, "psn": self.psn,
-                "mtu": self.mtu}
+        out: dict[str, object] = {"device": self.device, "gid": self.gid, "qpn": self.qpn,
+                                  "psn": self.psn, "mtu": self.mtu}
+        if self.landing is not None:
+            out["landing"] = self.landing.as_json()
+        return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> QpEndpoint:
         try:
+            landing = d.get("landing")
+            if landing is not None:
+                landing = Landing(int(landing["address"]), int(landing["rkey"]),
+                                  int(landing["slots"]), int(landing["stride"]))
+                if landing.slots < 1 or landing.stride < 64 or landing.address <= 0:
+                    raise ValueError("landing needs slots >= 1, stride >= 64 and an address")
             return cls(str(d["device"]), str(d["gid"]), int(d["qpn"]), int(d["psn"]),
-                       int(d["mtu"]))
-        except (KeyError, TypeError, ValueError) as exc:
+                       int(d["mtu"]), landing)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a queue-pair endpoint: {d!r} ({exc})") from exc
+
+
+def _qp_access(e: Any) -> int:
+    """Remote writes are allowed on every queue pair: a memory region still has to grant them,
+    and only a worker's landing buffers do (`RoceDevice.register(remote_write=True)`)."""
+    return int(e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE)
 
 
 class RoceDevice:
@@ -142,12 +191,14 @@ class RoceDevice:
             self.context.close()
             raise
 
-    def register(self, address: int, length: int) -> Any:
-        """A memory region over memory we own (it must outlive the region)."""
+    def register(self, address: int, length: int, *, remote_write: bool = False) -> Any:
+        """A memory region over memory we own (it must outlive the region); `remote_write`:
+        the peer may RDMA-write into it (a worker's landing buffers, nothing else)."""
         from pyverbs.mr import MR
 
         e = enums()
-        return MR(self.pd, length, e.IBV_ACCESS_LOCAL_WRITE, address=address)
+        access = e.IBV_ACCESS_LOCAL_WRITE | (e.IBV_ACCESS_REMOTE_WRITE if remote_write else 0)
+        return MR(self.pd, length, access, address=address)
 
     def completion_queue(self, depth: int) -> Any:
         from pyverbs.cq import CQ
@@ -166,11 +217,12 @@ class RoceDevice:
         cap = QPCap(max_send_wr=send_depth, max_recv_wr=0, max_send_sge=2, max_recv_sge=1)
         init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq, srq=srq, cap=cap, sq_sig_all=0)
         attr = QPAttr(port_num=self.port)
-        attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE
+        attr.qp_access_flags = _qp_access(e)
         return QP(self.pd, init, attr)
 
-    def endpoint(self, qp: Any) -> QpEndpoint:
-        return QpEndpoint(self.name, self.gid, int(qp.qp_num), random.getrandbits(24), self.mtu)
+    def endpoint(self, qp: Any, landing: Landing | None = None) -> QpEndpoint:
+        return QpEndpoint(self.name, self.gid, int(qp.qp_num), random.getrandbits(24), self.mtu,
+                          landing)
 
     def connect(self, qp: Any, local: QpEndpoint, remote: QpEndpoint) -> None:
         """INIT -> RTR -> RTS towards `remote`."""
@@ -180,6 +232,7 @@ class RoceDevice:
         e = enums()
         mtu = min(local.mtu, remote.mtu)
         attr = QPAttr(port_num=self.port)
+        attr.qp_access_flags = _qp_access(e)  # INIT is applied again on the way to RTS
         attr.path_mtu = {v: k for k, v in _MTU_BYTES.items()}.get(mtu, e.IBV_MTU_1024)
         attr.dest_qp_num = remote.qpn
         attr.rq_psn = remote.psn
@@ -220,7 +273,8 @@ class RegisteredRing:
     """`entries` buffers of `entry_bytes` in one page-aligned mapping of our own, registered
     once: send staging (headers, copied small messages) and landing buffers."""
 
-    def __init__(self, device: RoceDevice, entries: int, entry_bytes: int) -> None:
+    def __init__(self, device: RoceDevice, entries: int, entry_bytes: int, *,
+                 remote_write: bool = False) -> None:
         self.entries = entries
         self.entry_bytes = (entry_bytes + 63) // 64 * 64
         nbytes = (entries * self.entry_bytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
@@ -229,8 +283,9 @@ class RegisteredRing:
         self.base = int(whole.ctypes.data)
         self.views = [memoryview(self._map)[i * self.entry_bytes:(i + 1) * self.entry_bytes]
                       for i in range(entries)]
-        self.mr = device.register(self.base, nbytes)
+        self.mr = device.register(self.base, nbytes, remote_write=remote_write)
         self.lkey = int(self.mr.lkey)
+        self.rkey = int(self.mr.rkey)
 
     def address(self, entry: int) -> int:
         return self.base + entry * self.entry_bytes

@@ -2,10 +2,15 @@
 UDP (`plugin.transport.WorkerTransport`).
 
 A contribution is packed into a registered staging entry (header, then the tensor's segment:
-one memcpy) and sent with a prebuilt work request; results land in registered landing buffers
-posted on a shared receive queue, and each is handed to the client (which copies the payload
-into the caller's array) before its buffer is posted again. The address a core sees this
-worker at is `(its IP, its queue pair's number)`: what it joins with (`source_for`).
+one memcpy) and sent with a prebuilt work request as a SEND_WITH_IMM whose immediate is its
+slot. Each core writes its results (RDMA WRITE_WITH_IMM) into this worker's landing buffers for
+that core, one entry per slot of the job (`dataplane.verbs.Landing`, which says why that is
+safe); the completion's immediate names the entry, which is handed to the client (it copies the
+payload into the caller's array). Every other message (notices, PENDING, LIVENESS) is a SEND
+into a small receive buffer on a shared receive queue, posted again once handled; a write's
+completion takes one of those receive requests too, so their number is the flow control of
+both. The address a core sees this worker at is `(its IP, a port the control plane picked)`:
+what it joins with (`source_for`).
 
 There is no descriptor to select on (pyverbs 44), so `wait` polls the completion queue with a
 short backoff. A send queue that is full counts as a loss (the client's retransmission repairs
@@ -24,7 +29,9 @@ from typing import Any
 from reduction_appliance.dataplane.errors import PeerError, ReductionError
 from reduction_appliance.dataplane.transport import Address
 from reduction_appliance.dataplane.verbs import (
+    SEND_BYTES,
     Backoff,
+    Landing,
     QpEndpoint,
     RegisteredRing,
     RingWR,
@@ -54,6 +61,7 @@ class _Core:
     local: QpEndpoint
     ring: list[RingWR]
     first: int  # its first staging entry
+    landing: RegisteredRing  # the core writes the result for slot s into entry s
     seq: int = 0
     outstanding: int = 0
     unsignalled: int = 0
@@ -82,10 +90,10 @@ class RoceWorkerTransport:
         self._e = enums()
         self._cq = device.completion_queue(4 * depth * cores + depth)
         self._srq = device.shared_receive_queue(depth)
-        self._landing = RegisteredRing(device, depth, max_message)
-        self._recv_wrs = [RecvWR(wr_id=i, num_sge=1, sg=[SGE(self._landing.address(i),
-                                                             self._landing.entry_bytes,
-                                                             self._landing.lkey)])
+        self._inbox = RegisteredRing(device, depth, SEND_BYTES)
+        self._recv_wrs = [RecvWR(wr_id=i, num_sge=1, sg=[SGE(self._inbox.address(i),
+                                                             self._inbox.entry_bytes,
+                                                             self._inbox.lkey)])
                           for i in range(depth)]
         for wr in self._recv_wrs:
             self._srq.post_recv(wr)
@@ -102,23 +110,33 @@ class RoceWorkerTransport:
         self._reconnect: Callable[[Address], None] | None = None
 
     # ---- connections ----
-    def open(self, core: Address) -> QpEndpoint:
-        """A queue pair for `core`; its end goes to the control plane, which answers with the
-        core's (`connect`)."""
+    def open(self, core: Address, slots: int) -> QpEndpoint:
+        """A queue pair for `core`, and landing entries for its `slots` slots of the job; its
+        end goes to the control plane, which answers with the core's (`connect`)."""
         if core in self._cores:
-            return self._cores[core].local
+            raise ReductionError(f"the core at {core[0]}:{core[1]} is connected already (one "
+                                 "RoCE job per client and appliance)")
         if len(self._cores) >= self._max_cores:
             raise ReductionError(f"this transport connects at most {self._max_cores} cores")
         index = len(self._cores)
-        qp = self.device.rc_queue_pair(self._cq, self._srq, self._depth)
-        local = self.device.endpoint(qp)
+        landing = RegisteredRing(self.device, slots, self.max_message, remote_write=True)
+        try:
+            qp = self.device.rc_queue_pair(self._cq, self._srq, self._depth)
+        except BaseException:
+            landing.close()
+            raise
+        local = self.device.endpoint(qp, self._landing_of(landing))
         first = index * self._depth
         ring = [RingWR(self._staging.address(first + i), 0, self._staging.lkey)
                 for i in range(self._depth)]
-        c = _Core(index, core, qp, local, ring, first)
+        c = _Core(index, core, qp, local, ring, first, landing)
         self._cores[core] = c
         self._by_qpn[local.qpn] = c
         return local
+
+    @staticmethod
+    def _landing_of(ring: RegisteredRing) -> Landing:
+        return Landing(ring.base, ring.rkey, ring.entries, ring.entry_bytes)
 
     def connect(self, core: Address, remote: QpEndpoint, source: Address) -> None:
         """Connect to the core's end; it knows this worker's messages as from `source`."""
@@ -141,8 +159,9 @@ class RoceWorkerTransport:
             return None
         return c.first + c.seq % self._depth
 
-    def _post(self, c: _Core, nbytes: int) -> None:
-        """Send the message just staged in `c`'s next entry (selectively signalled)."""
+    def _post(self, c: _Core, nbytes: int, slot: int = -1) -> None:
+        """Send the message just staged in `c`'s next entry (selectively signalled); with a
+        `slot`, as a SEND_WITH_IMM naming it (a contribution)."""
         ring = c.ring[c.seq % self._depth]
         c.seq += 1
         c.outstanding += 1
@@ -152,8 +171,14 @@ class RoceWorkerTransport:
         if signalled:
             c.unsignalled = 0
         ring.sge.length = nbytes
-        ring.wr.wr_id = wr_id
-        ring.wr.send_flags = self._e.IBV_SEND_SIGNALED if signalled else 0
+        wr = ring.wr
+        wr.wr_id = wr_id
+        wr.send_flags = self._e.IBV_SEND_SIGNALED if signalled else 0
+        if slot >= 0:
+            wr.opcode = self._e.IBV_WR_SEND_WITH_IMM
+            wr.imm_data = slot
+        else:
+            wr.opcode = self._e.IBV_WR_SEND
         try:
             c.qp.post_send(ring.wr)
         except Exception as exc:  # the queue pair is gone with its peer: repaired on receive
@@ -181,12 +206,12 @@ class RoceWorkerTransport:
                 view = views[entry]
                 pack_into(view, d.header)
                 view[HEADER_SIZE:HEADER_SIZE + n] = d.payload
-                self._post(c, HEADER_SIZE + n)
+                self._post(c, HEADER_SIZE + n, d.header.slot)
 
     def send_raw(self, datagram: bytes, dest: Address) -> None:
         with self._lock:
             c = self._cores.get(dest)
-            if c is None or self._lost or len(datagram) > self.max_message:
+            if c is None or self._lost or len(datagram) > SEND_BYTES:
                 return
             entry = self._staging_entry(c)
             if entry is not None:  # else a lost heartbeat, never raised (the seam)
@@ -204,6 +229,7 @@ class RoceWorkerTransport:
             self._poll()
         taken = 0
         success = self._e.IBV_WC_SUCCESS
+        written = self._e.IBV_WC_RECV_RDMA_WITH_IMM
         while self._pending:
             wcs, self._pending = self._pending, []
             for wc in wcs:
@@ -222,14 +248,24 @@ class RoceWorkerTransport:
                             self._broken(c, wc)
                         continue
                     taken += 1
-                    view = self._landing.views[wr_id]
-                    if c is not None and wc.byte_len >= HEADER_SIZE:
+                    if c is None or wc.byte_len < HEADER_SIZE:
+                        continue
+                    if wc.opcode == written:  # a result, in the landing entry of its slot
+                        slot = wc.imm_data
+                        if slot >= c.landing.entries:
+                            continue
+                        view = c.landing.views[slot]
                         h = unpack(view)
-                        if wc.byte_len == HEADER_SIZE + h.length:
-                            handle(h, view[HEADER_SIZE:wc.byte_len], c.address)
+                        if h.slot != slot:
+                            continue
+                    else:
+                        view = self._inbox.views[wr_id]
+                        h = unpack(view)
+                    if wc.byte_len == HEADER_SIZE + h.length:
+                        handle(h, view[HEADER_SIZE:wc.byte_len], c.address)
                 except PeerError:
                     pass
-                finally:  # the landing buffer goes back whatever became of its message
+                finally:  # the receive request goes back whatever became of its message
                     self._srq.post_recv(self._recv_wrs[wr_id])
             if self._broken_cores:
                 self._repair()
@@ -267,7 +303,7 @@ class RoceWorkerTransport:
             self._by_qpn.pop(c.local.qpn, None)
             c.qp.close()
             c.qp = self.device.rc_queue_pair(self._cq, self._srq, self._depth)
-            c.local = self.device.endpoint(c.qp)
+            c.local = self.device.endpoint(c.qp, self._landing_of(c.landing))
             c.seq = c.outstanding = c.unsignalled = 0
             c.connected = False
             self._by_qpn[c.local.qpn] = c
@@ -293,6 +329,7 @@ class RoceWorkerTransport:
         self._closed = True
         for c in self._cores.values():
             c.qp.close()
+            c.landing.close()
             for wr in c.ring:
                 wr.close()
         self._cores.clear()
@@ -300,7 +337,7 @@ class RoceWorkerTransport:
             wr.close()
         self._srq.close()
         self._cq.close()
-        self._landing.close()
+        self._inbox.close()
         self._staging.close()
         if self._owns_device:
             self.device.close()
@@ -365,7 +402,7 @@ def connect_jobs(jobs: Sequence[JobInfo], rank: int, local_address: str,
     try:
         for job in jobs:
             cores = [(c.host, c.port) for c in job.cores]
-            ours = [transport.open(core).as_json() for core in cores]
+            ours = [transport.open((c.host, c.port), c.slots).as_json() for c in job.cores]
             source, theirs = connect(job, rank, ip, ours)
             for core, end in zip(cores, theirs, strict=True):
                 transport.connect(core, QpEndpoint.from_json(end), source)

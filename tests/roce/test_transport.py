@@ -32,6 +32,7 @@ from tests.roce.worker import reference
 
 CORE = ("10.77.0.1", 7000)  # the core's identity for the clients (its UDP address elsewhere)
 SEGMENT = 64 * 1024
+SLOTS = 8  # slot pairs per job on the core: the landing entries of each worker
 DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 # The guest emulates its CPU (Python runs 20-50x slower there): generous timers, no retries.
 TIMING = Timing(rto_initial=5.0, rto_min=5.0, rto_max=10.0, deadline=120.0)
@@ -91,7 +92,7 @@ def rig(world: int, jobs: dict[int, bool], *, segment: int = SEGMENT) -> Iterato
                                          HEADER_SIZE + segment)
             stack.callback(worker.close)
             address = (f"10.77.0.{2 + r % 3}", len(workers) + 1)  # as the control plane would
-            core_end = core.accept(worker.open(CORE), address)
+            core_end = core.accept(worker.open(CORE, SLOTS), address)
             worker.connect(CORE, core_end, address)
             workers.append(worker)
             return worker
@@ -100,12 +101,12 @@ def rig(world: int, jobs: dict[int, bool], *, segment: int = SEGMENT) -> Iterato
         for n, (job, deterministic) in enumerate(jobs.items()):
             cookie = 0xC0FFEE + job
             transports = [connected(r) for r in range(world)]
-            spec = JobSpec(job, cookie, world, 8, deterministic=deterministic,
+            spec = JobSpec(job, cookie, world, SLOTS, deterministic=deterministic,
                            endpoints=tuple(t.source_for(CORE) for t in transports),
                            hold_buffers=64 if deterministic else 0)
             assert loop.serve(Request(n + 1, AddJob(spec))).error is None
             info = JobInfo("roce", job, f"job{job}", world, segment, None, deterministic,
-                           TIMING.deadline, (EndpointInfo(0, *CORE, 8),), cookie=cookie)
+                           TIMING.deadline, (EndpointInfo(0, *CORE, SLOTS),), cookie=cookie)
             clients[job] = [ApplianceClient([info], r, timing=TIMING, transport=transports[r],
                                             lease=False) for r in range(world)]
             for client in clients[job]:  # closes its transport: the rig closes it again
@@ -130,8 +131,12 @@ def test_every_dtype_and_op_is_exact(dtype: str) -> None:
                 r.run(1, arrays, op)
                 for a in arrays:
                     assert np.array_equal(a.view(np.uint8), want.view(np.uint8)), (op, n)
-        assert r.loop.counters[Counter.ROCE_PEERS_LOST] == 0
-        assert r.loop.counters[Counter.ROCE_POST_SEND] == r.loop.counters[Counter.PACKETS_OUT]
+        k = r.loop.counters
+        assert k[Counter.ROCE_PEERS_LOST] == 0
+        assert k[Counter.ROCE_POST_SEND] == k[Counter.PACKETS_OUT]
+        # Results over 4 KiB were RDMA-written into landing entries; nothing was refused.
+        assert k[Counter.ROCE_RESULT_WRITES] > 0
+        assert k[Counter.ROCE_DROP_IMMEDIATE] == k[Counter.ROCE_UNSENDABLE] == 0
 
 
 def test_sixteen_mebibytes_in_quarter_mebibyte_segments() -> None:
@@ -144,9 +149,11 @@ def test_sixteen_mebibytes_in_quarter_mebibyte_segments() -> None:
             assert np.array_equal(a, want)
         segments = 16 * 1024 * 1024 // (256 * 1024)
         assert r.loop.counters[Counter.SEGMENTS_REDUCED] == segments
-        # One SEND per contribution and per result: nothing was lost, nothing retransmitted.
+        # One message per contribution and per result: nothing lost, nothing retransmitted.
         assert r.loop.counters[Counter.PACKETS_IN] == world * segments
         assert all(c.retransmissions == 0 for c in r.clients[1])
+        # Each result was written into its slot's landing entry, reused 8 times per worker.
+        assert r.loop.counters[Counter.ROCE_RESULT_WRITES] == world * segments
 
 
 def test_deterministic_mode_is_bitwise_rank_order() -> None:

@@ -11,12 +11,14 @@ import pytest
 
 from reduction_appliance.control.config import parse, to_toml
 from reduction_appliance.control.registry import JobRequest, Registry
+from reduction_appliance.control.service import _check_landings
 from reduction_appliance.dataplane.errors import BadRequest, ConfigError
 from reduction_appliance.dataplane.registration import JobDescription
-from reduction_appliance.dataplane.roce import ROCE_PORTS, DualCoreTransport
+from reduction_appliance.dataplane.roce import ROCE_PORTS, DualCoreTransport, RoceCoreTransport
 from reduction_appliance.dataplane.slots import RxPool
 from reduction_appliance.dataplane.transport import RxBatch, Send, TransportCounts
-from reduction_appliance.dataplane.verbs import QpEndpoint
+from reduction_appliance.dataplane.verbs import SEND_BYTES, Landing, QpEndpoint
+from reduction_appliance.dataplane.wire import HEADER_SIZE, DType, Header, Kind, Op, pack_into
 
 ROCE = {"device": "rxe1", "segment_bytes": 262144}
 
@@ -75,6 +77,55 @@ def test_queue_pair_endpoints_travel_as_json_and_bad_ones_are_named() -> None:
     assert QpEndpoint.from_json(end.as_json()) == end
     with pytest.raises(ValueError, match="not a queue-pair endpoint"):
         QpEndpoint.from_json({"device": "rxe1", "gid": "x", "qpn": "many"})
+
+
+def test_a_workers_end_names_its_landing_and_a_bad_landing_is_named() -> None:
+    gid = "0000:0000:0000:0000:0000:ffff:0a4d:0002"
+    end = QpEndpoint("rxe2", gid, 18, 7, 4096, Landing(0x7F0000000000, 0x1234, 32, 262208))
+    assert end.as_json()["landing"] == {"address": 0x7F0000000000, "rkey": 0x1234,
+                                        "slots": 32, "stride": 262208}
+    assert QpEndpoint.from_json(end.as_json()) == end
+    for bad in ({"slots": 0}, {"stride": 8}, {"rkey": "none"}, {"address": 0}):
+        d = end.as_json()
+        d["landing"] = {**end.landing.as_json(), **bad}  # type: ignore[union-attr]
+        with pytest.raises(ValueError, match="not a queue-pair endpoint"):
+            QpEndpoint.from_json(d)
+
+
+def test_the_control_plane_refuses_a_landing_that_cannot_take_every_slot() -> None:
+    gid = "0000:0000:0000:0000:0000:ffff:0a4d:0002"
+    need = HEADER_SIZE + 262144
+
+    def end(slots: int, stride: int) -> dict[str, Any]:
+        return QpEndpoint("rxe2", gid, 18, 7, 4096, Landing(4096, 1, slots, stride)).as_json()
+
+    _check_landings([end(32, need), end(40, need + 64)], 32, need)
+    with pytest.raises(BadRequest, match=r"queue_pairs\[0\] names no landing"):
+        _check_landings([QpEndpoint("rxe2", gid, 19, 7, 4096).as_json()], 32, need)
+    with pytest.raises(BadRequest, match=r"queue_pairs\[1\]: the landing holds 16 entries"):
+        _check_landings([end(32, need), end(16, need)], 32, need)
+    with pytest.raises(BadRequest, match="the job needs 32 of 262192"):
+        _check_landings([end(32, need - 64)], 32, need)
+    with pytest.raises(BadRequest, match="not a queue-pair endpoint"):
+        _check_landings([{"device": "rxe2"}], 32, need)
+
+
+def _header(kind: Kind, slot: int, length: int) -> bytearray:
+    buf = bytearray(HEADER_SIZE)
+    pack_into(buf, Header(kind, DType.FLOAT32, Op.SUM, 0, 7, 1, 1, 99, slot, 0, length, 1))
+    return buf
+
+
+def test_only_a_result_for_a_landing_slot_is_written_there() -> None:
+    landing = Landing(1 << 20, 5, 8, HEADER_SIZE + 65536)
+    where = RoceCoreTransport._landing_slot
+    assert where(landing, _header(Kind.RESULT, 3, 65536), HEADER_SIZE + 65536) == 3
+    assert where(landing, _header(Kind.RESULT, 7, 8192), HEADER_SIZE + 8192) == 7
+    assert where(landing, _header(Kind.RESULT, 8, 8192), HEADER_SIZE + 8192) == -1  # no slot 8
+    assert where(landing, _header(Kind.RESULT, 3, 65600), HEADER_SIZE + 65600) == -1  # too big
+    # Anything else that large has no landing entry (and no worker receive buffer takes it).
+    assert where(landing, _header(Kind.LIVENESS, 3, SEND_BYTES), HEADER_SIZE + SEND_BYTES) == -1
+    assert where(None, _header(Kind.RESULT, 3, 8192), HEADER_SIZE + 8192) == -1
 
 
 def test_roce_peer_ports_never_meet_an_ephemeral_udp_port() -> None:
