@@ -148,6 +148,7 @@ def _one(api: str, sock: str, transport: str, a: argparse.Namespace, run: int) -
         "bad_results": sum(r["bad"] for r in reports),
         "retransmissions": sum(r["retransmissions"] for r in reports),
         "segments_in": delta["packets_in"],
+        "result_writes": delta.get("roce_result_writes", 0),
         "verbs_calls_per_mib": (delta["roce_post_send"] + delta["roce_post_recv"] + busy_polls)
         / (a.workers * mib_per_worker),
         "empty_polls_per_mib": (delta["roce_polls"] - busy_polls) / (a.workers * mib_per_worker),
@@ -156,8 +157,8 @@ def _one(api: str, sock: str, transport: str, a: argparse.Namespace, run: int) -
 
 def _print(row: dict[str, Any]) -> None:
     verbs = (f", verbs calls {row['verbs_calls_per_mib']:.1f}/MiB per worker "
-             f"(+{row['empty_polls_per_mib']:.0f} empty polls)" if row["transport"] == "roce"
-             else "")
+             f"(+{row['empty_polls_per_mib']:.0f} empty polls), {row['result_writes']} results "
+             "RDMA-written" if row["transport"] == "roce" else "")
     print(f"  {row['transport']:>4}: appliance core {row['core_cpu_s_per_gb']:7.2f} CPU s/GB, "
           f"workers {row['worker_cpu_s_per_gb']:7.2f} CPU s/GB, {row['segments_in']} "
           f"segments in, {row['wall_s']:.1f} s, {row['retransmissions']} retransmissions"
