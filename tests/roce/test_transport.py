@@ -23,7 +23,7 @@ from reduction_appliance.dataplane.roce import RoceCoreTransport
 from reduction_appliance.dataplane.slots import SlotArena
 from reduction_appliance.dataplane.spec import AddJob, CoreConfig, JobSpec, Request
 from reduction_appliance.dataplane.verbs import RoceDevice
-from reduction_appliance.dataplane.wire import HEADER_SIZE
+from reduction_appliance.dataplane.wire import HEADER_SIZE, DType, Header, Kind, Op, pack_into
 from reduction_appliance.plugin.client import ApplianceClient
 from reduction_appliance.plugin.rendezvous import JobInfo
 from reduction_appliance.plugin.roce import RoceWorkerTransport
@@ -176,6 +176,29 @@ def test_two_jobs_at_once_share_the_core() -> None:
         r.run_jobs({3: (a3, "sum"), 4: (a4, "max")})
         assert all(np.array_equal(a, w3) for a in a3)
         assert all(np.array_equal(a, w4) for a in a4)
+
+
+def test_a_contribution_whose_immediate_names_another_slot_is_dropped_and_counted() -> None:
+    """A peer's fault: the core drops it before the aggregator sees it; the job carries on."""
+    world = 2
+    with rig(world, {6: False}) as r:
+        worker = r.workers[0]  # playing a broken worker: a valid contribution, a wrong immediate
+        core = worker._cores[CORE]
+        entry = worker._staging_entry(core)
+        assert entry is not None
+        pack_into(worker._staging.views[entry], Header(
+            Kind.CONTRIBUTION, DType.FLOAT32, Op.SUM, 0, 6, 0, 0xC0FFEE + 6, 0, 0, 0, 64, 1))
+        worker._post(core, HEADER_SIZE + 64, slot=3)
+        give_up = time.monotonic() + 60.0
+        while r.loop.counters[Counter.ROCE_DROP_IMMEDIATE] == 0:
+            assert time.monotonic() < give_up, "the core never took the message"
+            r.loop.receive_burst()
+        assert r.loop.counters[Counter.PACKETS_IN] == 0  # the aggregator never saw it
+        arrays = integers(world, 1000, np.float32, seed=6)
+        want = reference(arrays, "sum")
+        r.run(6, arrays, "sum")
+        assert all(np.array_equal(a, want) for a in arrays)
+        assert r.loop.counters[Counter.ROCE_DROP_IMMEDIATE] == 1
 
 
 def test_a_stopped_appliance_is_an_error_for_its_workers_not_a_hang() -> None:
