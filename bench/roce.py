@@ -1,7 +1,7 @@
 """The appliance's CPU per byte over RoCE against UDP, side by side on one machine.
 
     python -m reduction_appliance.bench.roce [--size 16MiB] [--workers 3] [--rounds 4]
-        [--segment 1MiB] [--repeat 3] [--json out.json]
+        [--segment 1MiB] [--repeat 3] [--multicast] [--json out.json]
 
 One reductiond (its core on rxe1) serves, in turn, a UDP job and a RoCE job of `--workers`
 worker processes (rxe2..), each allreducing `--size` of fp32 `--rounds` times (after one untimed
@@ -10,7 +10,8 @@ round); every result is checked. Per transport it reports the appliance core's C
 verbs calls per MiB each worker sent (posted sends and receives, and completion polls that
 found work; empty polls, the idle loop's, are listed apart). The ratio of the two CPU figures
 is the point: RoCE moves the bytes in the NIC (here: the rxe driver in the kernel, which is
-not the core's CPU) and leaves Python one completion per segment.
+not the core's CPU) and leaves Python one completion per segment. `--multicast` adds a third
+job per run whose results go as UD multicast chunks (`roce-mc`), for what that mode costs.
 
 Needs RDMA devices rxe1..rxe(workers + 1) on 10.77.0.1..: where there are none and we are
 root, the benchmark runs itself inside the soft-RoCE guest (deploy/roce/guest.sh). Figures
@@ -53,8 +54,9 @@ def _worker(a: argparse.Namespace) -> int:
     from reduction_appliance.plugin.client import ApplianceClient
     from reduction_appliance.plugin.rendezvous import leave, register
 
-    info = register(a.api, a.job, a.workers, secret="bench-" + a.job, multicast=False,
-                    transport=a.transport)
+    multicast = a.transport == "roce-mc"
+    info = register(a.api, a.job, a.workers, secret="bench-" + a.job, multicast=multicast,
+                    transport="roce" if multicast else a.transport)
     n = a.size // 4
     want = np.full(n, sum(range(1, a.workers + 1)), np.float32)
     with ApplianceClient([info], a.rank, local_address=a.ip) as client:
@@ -85,7 +87,7 @@ def _appliance(segment: int, workers: int) -> Iterator[tuple[str, str]]:
         "dataplane": {"address": "10.77.0.1", "kernels": "numpy",
                       "slot_memory_mb": max(64, 6 * segment * 8 >> 20), "rx_buffers": 256,
                       "core_start_timeout_s": START_S, "core_reply_timeout_s": 60.0},
-        "multicast": {"enabled": False}, "jobs": {"slots": 8},
+        "multicast": {"groups": "239.255.77.0/28"}, "jobs": {"slots": 8},
         "roce": {"device": "rxe1", "segment_bytes": segment, "queue_pairs": 4 * workers},
         "api": {"listen": "10.77.0.1:0"},
     }, ready_s=START_S) as daemon:
@@ -149,6 +151,7 @@ def _one(api: str, sock: str, transport: str, a: argparse.Namespace, run: int) -
         "retransmissions": sum(r["retransmissions"] for r in reports),
         "segments_in": delta["packets_in"],
         "result_writes": delta.get("roce_result_writes", 0),
+        "multicast_chunks": delta.get("roce_multicast_chunks", 0),
         "verbs_calls_per_mib": (delta["roce_post_send"] + delta["roce_post_recv"] + busy_polls)
         / (a.workers * mib_per_worker),
         "empty_polls_per_mib": (delta["roce_polls"] - busy_polls) / (a.workers * mib_per_worker),
@@ -158,8 +161,9 @@ def _one(api: str, sock: str, transport: str, a: argparse.Namespace, run: int) -
 def _print(row: dict[str, Any]) -> None:
     verbs = (f", verbs calls {row['verbs_calls_per_mib']:.1f}/MiB per worker "
              f"(+{row['empty_polls_per_mib']:.0f} empty polls), {row['result_writes']} results "
-             "RDMA-written" if row["transport"] == "roce" else "")
-    print(f"  {row['transport']:>4}: appliance core {row['core_cpu_s_per_gb']:7.2f} CPU s/GB, "
+             f"RDMA-written, {row['multicast_chunks']} multicast chunks"
+             if row["transport"] != "udp" else "")
+    print(f"  {row['transport']:>7}: appliance core {row['core_cpu_s_per_gb']:7.2f} CPU s/GB, "
           f"workers {row['worker_cpu_s_per_gb']:7.2f} CPU s/GB, {row['segments_in']} "
           f"segments in, {row['wall_s']:.1f} s, {row['retransmissions']} retransmissions"
           f"{verbs}", flush=True)
@@ -173,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--segment", default="1MiB", help="RoCE message size (config roce.segment)")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--multicast", action="store_true",
+                   help="also a RoCE job with UD multicast results (roce-mc)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--json-line", action="store_true", help=argparse.SUPPRESS)
     # internal: one worker process
@@ -218,24 +224,29 @@ def main(argv: list[str] | None = None) -> int:
           f"RoCE segments of {format_size(segment)}, {a.repeat} runs; relative figures only "
           "where the CPU is emulated", flush=True)
     runs: list[list[dict[str, Any]]] = []
-    progress = ProgressBar(2 * a.repeat)
+    cases = ("udp", "roce", "roce-mc") if a.multicast else ("udp", "roce")
+    progress = ProgressBar(len(cases) * a.repeat)
     with _appliance(segment, a.workers) as (api, sock):
         for run in range(a.repeat):
             rows = []
-            for transport in ("udp", "roce"):
+            for transport in cases:
                 progress.update(label=f"run {run + 1} {transport}")
                 rows.append(_one(api, sock, transport, a, run))
                 progress.advance()
             runs.append(rows)
     progress.close()
-    ratios = []
-    for i, (udp, roce) in enumerate(runs):
+    ratios, multicast_ratios = [], []
+    for i, rows in enumerate(runs):
+        udp, roce = rows[0], rows[1]
         print(f"run {i + 1}:")
-        _print(udp)
-        _print(roce)
+        for row in rows:
+            _print(row)
         ratio = roce["core_cpu_s_per_gb"] / udp["core_cpu_s_per_gb"]
         ratios.append(ratio)
         print(f"  appliance CPU per GB, RoCE / UDP: {ratio:.3f} (1/{1 / ratio:.1f})")
+        if len(rows) > 2:
+            multicast_ratios.append(rows[2]["core_cpu_s_per_gb"] / udp["core_cpu_s_per_gb"])
+            print(f"  appliance CPU per GB, RoCE multicast / UDP: {multicast_ratios[-1]:.3f}")
     bad = sum(r["bad_results"] for rows in runs for r in rows)
     verbs = [rows[1]["verbs_calls_per_mib"] for rows in runs]
     print(f"median appliance CPU per GB RoCE / UDP: {statistics.median(ratios):.3f} "
@@ -243,7 +254,11 @@ def main(argv: list[str] | None = None) -> int:
           f"verbs calls per MiB per worker: median {statistics.median(verbs):.1f} "
           f"(runs {', '.join(f'{v:.1f}' for v in verbs)}; target <= 8); "
           f"{'every result exact' if not bad else f'{bad} WRONG RESULTS'}")
-    report = json.dumps({"runs": runs, "ratios": ratios})
+    if multicast_ratios:
+        print(f"median appliance CPU per GB RoCE multicast / UDP: "
+              f"{statistics.median(multicast_ratios):.3f} "
+              f"(runs {', '.join(f'{r:.3f}' for r in multicast_ratios)})")
+    report = json.dumps({"runs": runs, "ratios": ratios, "multicast_ratios": multicast_ratios})
     if a.json is not None:
         a.json.write_text(report)
     if a.json_line:

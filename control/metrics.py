@@ -118,6 +118,10 @@ CORE_COUNTERS: dict[str, tuple[str, str]] = {
         "RoCE messages the core could not send: larger than a worker's receive buffers and no "
         "result for one of its landing slots.",
     ),
+    "roce_multicast_chunks": (
+        "core_roce_multicast_chunks",
+        "UD multicast chunks of results the core sent (RoCE jobs with multicast results).",
+    ),
     "heartbeats": (
         "core_heartbeats",
         "HEARTBEATs from joined ranks (workers send several per liveness timeout), answered.",

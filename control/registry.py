@@ -50,8 +50,10 @@ from reduction_appliance.dataplane.errors import (
     NotFound,
 )
 from reduction_appliance.dataplane.registration import EndpointInfo, JobDescription
+from reduction_appliance.dataplane.roce import ROCE_GROUP_PORT
 from reduction_appliance.dataplane.slots import holdable_buffers
 from reduction_appliance.dataplane.spec import Address, JobSpec
+from reduction_appliance.dataplane.verbs import ChunkTag
 
 from .config import ApplianceConfig
 
@@ -121,7 +123,9 @@ class JobRequest:
     name: str
     world_size: int
     deterministic: bool = False
-    multicast: bool = True
+    #: results to a multicast group; None: the transport's default (UDP: yes; RoCE: no, each
+    #: result is RDMA-written to every worker; yes: UD multicast chunks, `dataplane.roce`)
+    multicast: bool | None = None
     slots: int = 0  # slot pairs per core; 0 = the appliance's default (jobs.slots)
     transport: str = "udp"  # or "roce": every rank connects queue pairs (config [roce])
 
@@ -225,6 +229,9 @@ class Registry:
             raise BadRequest(f"slots must be >= 1 per core, got {slots}")
         if request.transport not in ("udp", "roce"):
             raise BadRequest(f"transport must be udp or roce, got {request.transport!r}")
+        if request.transport == "roce" and request.multicast and slots > ChunkTag.SLOTS:
+            raise BadRequest(f"a RoCE job with multicast results has at most {ChunkTag.SLOTS} "
+                             f"slots per core (a chunk's immediate names its slot), not {slots}")
         if request.transport == "roce" and not self.cfg.roce.enabled:
             raise BadRequest("this appliance has no RDMA device (config [roce] device): "
                              "create the job with transport udp")
@@ -247,9 +254,13 @@ class Registry:
                 f"{holdable} are unreserved (dataplane.rx_buffers = {dp.rx_buffers})")
         job_id = self._next_id
         multicast = None
-        if request.multicast and self.multicast and request.transport == "udp":
+        wanted = request.multicast if request.multicast is not None else (
+            request.transport == "udp")
+        if wanted and self.multicast:
             group = self._groups[(job_id - 1) % len(self._groups)]
-            multicast = (group, self.cfg.multicast.port)
+            # A RoCE job's group travels as UD (its port marks it for the core's RoCE half).
+            multicast = (group, self.cfg.multicast.port if request.transport == "udp"
+                         else ROCE_GROUP_PORT)
         spec = JobSpec(job_id, cookie, request.world_size, slots, request.deterministic,
                        multicast, hold_buffers=hold,
                        liveness_timeout=self.cfg.jobs.liveness_timeout_s)

@@ -392,8 +392,11 @@ def parse_request(body: dict[str, Any]) -> JobRequest:
     transport = body.get("transport", "udp")
     if transport not in ("udp", "roce"):
         raise BadRequest(f"transport must be \"udp\" or \"roce\", got {transport!r}")
-    return JobRequest(name, world, bool(body.get("deterministic", False)),
-                      bool(body.get("multicast", True)), slots, transport)
+    # Absent: the transport's default (UDP: multicast; RoCE: results RDMA-written to each
+    # rank), settled here so that ranks that say it and ranks that do not ask the same.
+    multicast = bool(body.get("multicast", transport == "udp"))
+    return JobRequest(name, world, bool(body.get("deterministic", False)), multicast, slots,
+                      transport)
 
 
 def _check_landings(remotes: list[dict[str, Any]], slots: int, message: int) -> None:

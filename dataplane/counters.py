@@ -58,6 +58,7 @@ class Counter(IntEnum):
     ROCE_RESULT_WRITES = 38  # results RDMA-written into workers' landing buffers (of POST_SEND)
     ROCE_DROP_IMMEDIATE = 39  # contributions whose immediate disagreed with their slot: dropped
     ROCE_UNSENDABLE = 40  # messages that fit neither the peer's landing nor its receive buffers
+    ROCE_MULTICAST_CHUNKS = 41  # UD multicast chunks of results sent (of POST_SEND)
 
 
 N_COUNTERS = len(Counter)

@@ -36,20 +36,37 @@ from .counters import Counter, Counters
 from .errors import ReductionError
 from .slots import SlotArena, receive_reserve
 from .transport import Address, RxBatch, Send, TransportCounts
-from .verbs import SEND_BYTES, Landing, QpEndpoint, RegisteredRing, RingWR, RoceDevice, enums
+from .verbs import (
+    MULTICAST_QKEY,
+    MULTICAST_QPN,
+    SEND_BYTES,
+    ChunkTag,
+    Landing,
+    QpEndpoint,
+    RegisteredRing,
+    RingWR,
+    RoceDevice,
+    enums,
+)
 from .wire import Kind
 
-__all__ = ["ROCE_PORTS", "DualCoreTransport", "RoceCoreTransport"]
+__all__ = ["ROCE_GROUP_PORT", "ROCE_PORTS", "DualCoreTransport", "RoceCoreTransport"]
 
 #: The ports of RoCE peers' addresses `(worker IP, port)`: the control plane hands them out,
 #: below 1024 so that no worker's UDP socket (an ephemeral port) can have the same address on
 #: a core that serves both transports.
-ROCE_PORTS = range(1, 1024)
+ROCE_PORTS = range(1, 1023)
+#: the port of a RoCE job's multicast group `(group IP, ROCE_GROUP_PORT)`: results sent there go
+#: as UD multicast chunks (`verbs.ChunkTag`)
+ROCE_GROUP_PORT = 1023
+UD_DEPTH = 4096  # chunks in flight on the core's UD queue pair (16 MiB of 4 KiB chunks)
+UD_SIGNAL_EVERY = 64
 
 SIGNAL_EVERY = 8  # one signalled send per this many: its completion retires them all
 _SEND_TAG = 1 << 62  # wr_id of a send: tag | sends it retires (of a receive: its buffer)
 _KIND_AT = 3  # header byte offsets (dataplane.wire): the kind, and the slot (4 bytes)
 _SLOT_AT = slice(28, 32)
+_USE_AT = slice(44, 48)
 
 
 @dataclass
@@ -110,6 +127,15 @@ class RoceCoreTransport:
         self._closed = False
         self._head_sge = _SGE(0, 0, self._staging.lkey)
         self._body_sge = _SGE(0, 0, self._lkey)
+        # Multicast results: one UD queue pair, one reused WR over one scatter entry (a chunk
+        # is a slice of the result in the arena), an address handle per group.
+        self._ud = device.ud_queue_pair(self._cq, UD_DEPTH)
+        self._ud_qpn = int(self._ud.qp_num)
+        self._ud_ring = RingWR(self.arena.address, 0, self._lkey)
+        self._ud_ring.wr.opcode = self._e.IBV_WR_SEND_WITH_IMM
+        self._ud_outstanding = 0
+        self._ud_unsignalled = 0
+        self._groups: dict[str, Any] = {}  # group IP -> address handle
 
     # ---- connections (the control plane, through the core's mailbox) ----
     def accept(self, remote: QpEndpoint, address: Address) -> QpEndpoint:
@@ -121,7 +147,7 @@ class RoceCoreTransport:
         index = self._free_index.pop()
         qp = self.device.rc_queue_pair(self._cq, self._srq, self._send_depth)
         try:
-            local = self.device.endpoint(qp)
+            local = self.device.endpoint(qp, multicast_qpn=self._ud_qpn)
             self.device.connect(qp, local, remote)
         except BaseException:
             qp.close()
@@ -136,7 +162,7 @@ class RoceCoreTransport:
         return local
 
     def serves(self, address: Address) -> bool:
-        return address in self._by_address
+        return address in self._by_address or address[1] == ROCE_GROUP_PORT
 
     def disconnect(self, address: Address) -> None:
         peer = self._by_address.pop(address, None)
@@ -206,6 +232,9 @@ class RoceCoreTransport:
                     continue
                 batch.add(wr_id, wc.byte_len, peer.address)
                 continue
+            if wc.qp_num == self._ud_qpn:
+                self._ud_outstanding -= wr_id & 0xFFFFF
+                continue  # a UD send cannot fail for a peer's sake
             sender = self._peers.get(wc.qp_num)
             if sender is None:
                 continue  # a queue pair since disconnected
@@ -230,7 +259,10 @@ class RoceCoreTransport:
         for s in sends:
             peer = self._by_address.get(s.dest)
             if peer is None or peer.lost:
-                counts.send_errors += 1
+                if s.dest[1] == ROCE_GROUP_PORT:
+                    self._multicast(s)
+                else:
+                    counts.send_errors += 1
                 continue
             if peer.outstanding >= self._send_depth:
                 counts.send_errors += 1
@@ -288,6 +320,50 @@ class RoceCoreTransport:
                 cells[Counter.ROCE_RESULT_WRITES] += 1
             counts.datagrams_sent += 1
             counts.bytes_sent += nhead + nbody
+
+    def _multicast(self, s: Send) -> None:
+        """A result to a job's group: chunks of the path MTU straight from the arena, each a
+        UD SEND_WITH_IMM to the group. A result that does not fit the send queue whole is
+        dropped (counted): the workers' queries repair it over their queue pairs."""
+        counts, cells = self._transport_counts, self._cells
+        header, nbytes = s.header, len(s.header) + len(s.payload)
+        start = self._contiguous(header, s.payload)
+        mtu = self.device.mtu
+        chunks = -(-nbytes // mtu)
+        if start is None or header[_KIND_AT] != Kind.RESULT or chunks > ChunkTag.CHUNKS:
+            counts.send_errors += 1
+            cells[Counter.ROCE_UNSENDABLE] += 1
+            return
+        if self._ud_outstanding + chunks > UD_DEPTH:
+            counts.send_errors += 1
+            cells[Counter.ROCE_SEND_QUEUE_FULL] += 1
+            return
+        ah = self._groups.get(s.dest[0])
+        if ah is None:
+            ah = self._groups[s.dest[0]] = self.device.multicast_ah(s.dest[0])
+        slot = int.from_bytes(header[_SLOT_AT], "big")
+        use = int.from_bytes(header[_USE_AT], "big")
+        ring = self._ud_ring
+        wr, sge = ring.wr, ring.sge
+        wr.set_wr_ud(ah, MULTICAST_QPN, MULTICAST_QKEY)
+        signal = self._e.IBV_SEND_SIGNALED
+        for c in range(chunks):
+            self._ud_unsignalled += 1
+            self._ud_outstanding += 1
+            if self._ud_unsignalled >= UD_SIGNAL_EVERY or c == chunks - 1:
+                wr.wr_id = _SEND_TAG | self._ud_unsignalled
+                wr.send_flags = signal
+                self._ud_unsignalled = 0
+            else:
+                wr.send_flags = 0
+            sge.addr = start + c * mtu
+            sge.length = min(mtu, nbytes - c * mtu)
+            wr.imm_data = ChunkTag.pack(slot, use, c)
+            self._ud.post_send(wr)
+        cells[Counter.ROCE_POST_SEND] += chunks
+        cells[Counter.ROCE_MULTICAST_CHUNKS] += chunks
+        counts.datagrams_sent += 1
+        counts.bytes_sent += nbytes
 
     @staticmethod
     def _landing_slot(landing: Landing | None, header: bytes | bytearray | memoryview,
@@ -364,6 +440,10 @@ class RoceCoreTransport:
             return
         self._closed = True
         self.close_peers()
+        self._ud.close()
+        for ah in self._groups.values():
+            ah.close()
+        self._ud_ring.close()
         self._head_sge.close()
         self._body_sge.close()
         for wr in self._recv_wrs:

@@ -34,8 +34,10 @@ import numpy as np
 from .errors import ConfigError
 
 __all__ = [
+    "MULTICAST_QKEY",
     "SEND_BYTES",
     "Backoff",
+    "ChunkTag",
     "Landing",
     "QpEndpoint",
     "RegisteredRing",
@@ -48,6 +50,10 @@ __all__ = [
 
 RETRY_COUNT = 6  # 7 is "forever" on rxe: a dead peer must surface as an error completion
 ACK_TIMEOUT = 14  # 4.096 us * 2**14 = 67 ms per retry: 6 retries ~ 0.4 s to declare a peer lost
+#: the Q_Key of UD multicast (rdma_cm's RDMA_UDP_QKEY: what a worker's join gives it)
+MULTICAST_QKEY = 0x01234567
+MULTICAST_QPN = 0xFFFFFF  # the destination QP number of a multicast send
+GRH_BYTES = 40  # a UD receive buffer starts with the packet's global route header
 #: the largest message that travels as a SEND (copied into a staging entry, received into a
 #: worker's receive buffer of this size); a larger one is a result, written into its landing
 SEND_BYTES = 4096
@@ -100,6 +106,34 @@ def device_for(ip: str, port: int = 1, gids: int = 16) -> tuple[str, int] | None
     return None
 
 
+class ChunkTag:
+    """The immediate of a UD multicast chunk: which result, and which part of it.
+
+    A result message (header, then payload, contiguous in the arena) is cut into chunks of the
+    path MTU; chunk c carries its bytes [c * mtu, (c + 1) * mtu), so chunk 0 starts with the
+    header and tells the total. The immediate names the slot (12 bits), the low 4 bits of the
+    slot's use (a late chunk of the use before is told from the next one's) and the chunk."""
+
+    SLOTS = 1 << 12
+    CHUNKS = 1 << 16
+
+    @staticmethod
+    def pack(slot: int, use: int, chunk: int) -> int:
+        return (slot & 0xFFF) << 20 | (use & 0xF) << 16 | chunk
+
+    @staticmethod
+    def unpack(imm: int) -> tuple[int, int, int]:
+        return imm >> 20, (imm >> 16) & 0xF, imm & 0xFFFF
+
+
+def multicast_gid(group: str) -> str:
+    """The RoCE v2 GID of IPv4 multicast group `group` (::ffff:a.b.c.d, written out)."""
+    import ipaddress
+
+    packed = ipaddress.IPv4Address(group).packed
+    return "0000:0000:0000:0000:0000:ffff:{:02x}{:02x}:{:02x}{:02x}".format(*packed)
+
+
 @dataclass(frozen=True)
 class Landing:
     """Where a worker takes a core's results: `slots` entries of `stride` bytes from `address`
@@ -134,12 +168,15 @@ class QpEndpoint:
     psn: int
     mtu: int  # the port's active MTU in bytes; a connection uses the smaller of two ends'
     landing: Landing | None = None
+    multicast_qpn: int = 0  # a core's UD queue pair (multicast results come from it); 0: none
 
     def as_json(self) -> dict[str, object]:
         out: dict[str, object] = {"device": self.device, "gid": self.gid, "qpn": self.qpn,
                                   "psn": self.psn, "mtu": self.mtu}
         if self.landing is not None:
             out["landing"] = self.landing.as_json()
+        if self.multicast_qpn:
+            out["multicast_qpn"] = self.multicast_qpn
         return out
 
     @classmethod
@@ -152,7 +189,7 @@ class QpEndpoint:
                 if landing.slots < 1 or landing.stride < 64 or landing.address <= 0:
                     raise ValueError("landing needs slots >= 1, stride >= 64 and an address")
             return cls(str(d["device"]), str(d["gid"]), int(d["qpn"]), int(d["psn"]),
-                       int(d["mtu"]), landing)
+                       int(d["mtu"]), landing, int(d.get("multicast_qpn", 0)))
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a queue-pair endpoint: {d!r} ({exc})") from exc
 
@@ -220,9 +257,29 @@ class RoceDevice:
         attr.qp_access_flags = _qp_access(e)
         return QP(self.pd, init, attr)
 
-    def endpoint(self, qp: Any, landing: Landing | None = None) -> QpEndpoint:
+    def endpoint(self, qp: Any, landing: Landing | None = None,
+                 multicast_qpn: int = 0) -> QpEndpoint:
         return QpEndpoint(self.name, self.gid, int(qp.qp_num), random.getrandbits(24), self.mtu,
-                          landing)
+                          landing, multicast_qpn)
+
+    def ud_queue_pair(self, cq: Any, send_depth: int) -> Any:
+        """A UD queue pair that sends multicast chunks (pyverbs takes it to RTS itself)."""
+        from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
+
+        e = enums()
+        cap = QPCap(max_send_wr=send_depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+        init = QPInitAttr(qp_type=e.IBV_QPT_UD, scq=cq, rcq=cq, cap=cap, sq_sig_all=0)
+        attr = QPAttr(port_num=self.port)
+        attr.qkey = MULTICAST_QKEY
+        return QP(self.pd, init, attr)
+
+    def multicast_ah(self, group: str) -> Any:
+        """An address handle for IPv4 multicast group `group` (a sender needs no join)."""
+        from pyverbs.addr import AH, GID, AHAttr, GlobalRoute
+
+        route = GlobalRoute(dgid=GID(multicast_gid(group)), sgid_index=self.gid_index,
+                            hop_limit=1)
+        return AH(self.pd, attr=AHAttr(port_num=self.port, is_global=1, gr=route))
 
     def connect(self, qp: Any, local: QpEndpoint, remote: QpEndpoint) -> None:
         """INIT -> RTR -> RTS towards `remote`."""

@@ -167,7 +167,7 @@ def register(
     *,
     secret: str | None = None,
     deterministic: bool = False,
-    multicast: bool = True,
+    multicast: bool | None = None,
     token: str | None = None,
     timeout_s: float = 30.0,
     transport: str = "udp",
@@ -178,7 +178,9 @@ def register(
     to the other ranks. `token` is the appliance's API token, if it requires one. `transport`
     "roce" asks for RDMA queue pairs (every rank then needs an RDMA device: `connect`); "auto"
     asks for them when this worker has an RDMA device on `local_address` and the appliance
-    serves RoCE, else takes UDP and says why once, at INFO."""
+    serves RoCE, else takes UDP and says why once, at INFO. `multicast` None takes the
+    transport's default for results: UDP multicasts them; RoCE writes each into every rank's
+    landing buffer, or (True) sends it once as UD multicast chunks."""
     if transport not in ("udp", "roce", "auto"):
         raise RendezvousError(f"transport must be udp, roce or auto, not {transport!r}")
     if transport == "auto":
@@ -197,8 +199,9 @@ def register(
         _say_fallback_once(why)
         transport = "udp"
     body: dict[str, object] = {"name": name, "world_size": world_size,
-                               "deterministic": deterministic, "multicast": multicast,
-                               "transport": transport}
+                               "deterministic": deterministic, "transport": transport}
+    if multicast is not None:  # else the transport's default: UDP yes, RoCE no
+        body["multicast"] = multicast
     if secret:
         body["secret"] = secret
     return _info(appliance, _call(appliance, "POST", "/v1/jobs", body, token, timeout_s),

@@ -43,6 +43,7 @@ from reduction_appliance.dataplane.verbs import (
 from reduction_appliance.dataplane.wire import HEADER_SIZE, pack_into, unpack
 
 from .rendezvous import JobInfo
+from .roce_multicast import MulticastReceiver
 from .transport import Handler, Outgoing
 
 __all__ = ["RoceWorkerTransport", "connect_jobs", "local_roce_unavailable"]
@@ -108,6 +109,7 @@ class RoceWorkerTransport:
         self._broken_cores: dict[Address, str] = {}  # core -> why its queue pair failed
         #: connects a core's job afresh (`connect_jobs` sets it); None: a failure is final
         self._reconnect: Callable[[Address], None] | None = None
+        self.multicast: MulticastReceiver | None = None  # a job's UD multicast results
 
     # ---- connections ----
     def open(self, core: Address, slots: int) -> QpEndpoint:
@@ -144,6 +146,16 @@ class RoceWorkerTransport:
         self.device.connect(c.qp, c.local, remote)
         c.connected = True
         c.source = source
+
+    def join_multicast(self, group: str, sources: dict[int, tuple[Address, int]],
+                       chunk_bytes: int) -> None:
+        """Take results from `group` too: `sources` maps each core's UD queue pair to its
+        address and slot count; the cores cut results into chunks of `chunk_bytes` (their
+        MTU: the MTU in their end) (`MulticastReceiver`)."""
+        if self.multicast is not None:
+            raise ReductionError("this transport takes one multicast group")
+        stride = (self.max_message + 63) // 64 * 64
+        self.multicast = MulticastReceiver(self.local_ip, group, chunk_bytes, stride, sources)
 
     def source_for(self, dest: Address) -> Address:
         c = self._cores.get(dest)
@@ -228,6 +240,9 @@ class RoceWorkerTransport:
         if not self._pending:
             self._poll()
         taken = 0
+        if self.multicast is not None:
+            self.multicast.poll()
+            taken += self.multicast.take(handle)
         success = self._e.IBV_WC_SUCCESS
         written = self._e.IBV_WC_RECV_RDMA_WITH_IMM
         while self._pending:
@@ -315,8 +330,9 @@ class RoceWorkerTransport:
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         backoff = self._backoff
         backoff.reset()
+        multicast = self.multicast
         while not self._pending:
-            if self._poll():
+            if self._poll() or (multicast is not None and multicast.poll()):
                 backoff.reset()
                 return
             if not backoff.pause(deadline, wake):
@@ -327,6 +343,8 @@ class RoceWorkerTransport:
         if self._closed:
             return
         self._closed = True
+        if self.multicast is not None:
+            self.multicast.close()
         for c in self._cores.values():
             c.qp.close()
             c.landing.close()
@@ -396,16 +414,24 @@ def connect_jobs(jobs: Sequence[JobInfo], rank: int, local_address: str,
         ours = [transport.reopen(c).as_json() for c in cores]
         source, theirs = connect(job, rank, ip, ours, timeout_s=job.deadline_s,
                                  unreachable_is_final=True)
-        for c, end in zip(cores, theirs, strict=True):
-            transport.connect(c, QpEndpoint.from_json(end), source)
+        for c, end in zip(cores, map(QpEndpoint.from_json, theirs), strict=True):
+            transport.connect(c, end, source)
+            if transport.multicast is not None:
+                transport.multicast.rebind(c, end.multicast_qpn)
 
     try:
         for job in jobs:
             cores = [(c.host, c.port) for c in job.cores]
             ours = [transport.open((c.host, c.port), c.slots).as_json() for c in job.cores]
             source, theirs = connect(job, rank, ip, ours)
-            for core, end in zip(cores, theirs, strict=True):
-                transport.connect(core, QpEndpoint.from_json(end), source)
+            ends = [QpEndpoint.from_json(end) for end in theirs]
+            for core, end in zip(cores, ends, strict=True):
+                transport.connect(core, end, source)
+            if job.multicast is not None:  # results come as UD multicast chunks too
+                transport.join_multicast(job.multicast[0], {
+                    end.multicast_qpn: (core, c.slots)
+                    for core, end, c in zip(cores, ends, job.cores, strict=True)},
+                    ends[0].mtu)
     except BaseException:
         transport.close()
         raise

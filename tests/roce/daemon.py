@@ -22,7 +22,7 @@ def appliance(base_port: int = 7000, liveness_s: float = 5.0,
                       # room for every test's jobs at once: failed ones stay until evicted
                       "slot_memory_mb": 64, "rx_buffers": 256, "core_start_timeout_s": START_S,
                       "core_reply_timeout_s": 60.0},
-        "multicast": {"enabled": False},
+        "multicast": {"groups": "239.255.77.0/28"},  # for RoCE jobs that ask (UD)
         "jobs": {"slots": 8, "liveness_timeout_s": liveness_s, "hold_buffers": 64,
                  "deadline_s": deadline_s},
         "roce": {"device": "rxe1", "segment_bytes": SEGMENT},

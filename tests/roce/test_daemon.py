@@ -4,6 +4,7 @@ status showing the queue pairs, a dead rank or a stopped appliance a clear error
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ import pytest
 
 from reduction_appliance.plugin.rendezvous import JobInfo, RendezvousError, connect, register
 from tests.roce.daemon import SEGMENT, START_S, Appliance, appliance
+from tests.roce.loss import multicast_loss
 from tests.roce.worker import DTYPES, inputs, reference
 from tests.waiting import wait_until
 
@@ -28,7 +30,7 @@ CTL = [sys.executable, "-m", "reduction_appliance.control.cli"]
 
 def workers(app: Appliance, out: Path, world: int, *, name: str, elements: int,
             dtype: str = "fp32", op: str = "sum", rounds: int = 1, deterministic: bool = False,
-            exit_after_join: tuple[int, ...] = (), stay: bool = False
+            exit_after_join: tuple[int, ...] = (), stay: bool = False, multicast: bool = False
             ) -> list[subprocess.Popen[str]]:
     """`world` rank processes on rxe2..rxe4 (10.77.0.2..4)."""
     procs = []
@@ -38,7 +40,7 @@ def workers(app: Appliance, out: Path, world: int, *, name: str, elements: int,
                "--elements", str(elements), "--dtype", dtype, "--op", op, "--rounds",
                str(rounds), "--out", str(out)]
         cmd += ["--deterministic"] * deterministic + ["--exit-after-join"] * (
-            rank in exit_after_join) + ["--stay"] * stay
+            rank in exit_after_join) + ["--stay"] * stay + ["--multicast"] * multicast
         procs.append(subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
     return procs
 
@@ -83,6 +85,42 @@ def test_worker_processes_reduce_exactly_over_roce(app: Appliance, tmp_path: Pat
         for rank in range(world):
             got = np.load(tmp_path / f"result-{rank}-{r}.npy").view(DTYPES[dtype])
             assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (rank, r)
+
+
+def core_counters(app: Appliance) -> dict[str, int]:
+    counters: dict[str, int] = status(app)["cores"][0]["counters"]
+    return counters
+
+
+@pytest.mark.parametrize("lossy", [False, True], ids=["lossless", "every-20th-chunk-lost"])
+def test_multicast_results_are_exact_and_lost_chunks_repaired(
+        app: Appliance, tmp_path: Path, lossy: bool) -> None:
+    """UD multicast mode: each result leaves the core once; on a lossy network a worker that
+    misses a chunk asks again and gets the whole result written to it."""
+    world, elements, dtype = 3, 100_003, "fp16"
+    name = f"multicast-{'lossy' if lossy else 'clean'}"
+    before = core_counters(app)
+    with multicast_loss(every=20) if lossy else contextlib.nullcontext():
+        procs = workers(app, tmp_path, world, name=name, elements=elements, dtype=dtype,
+                        rounds=2, multicast=True)
+        assert all(rc == 0 for rc, _ in finish(procs)), finish(procs)
+    for r in range(2):
+        want = reference([inputs(k, elements, dtype, False, r) for k in range(world)], "sum")
+        for rank in range(world):
+            got = np.load(tmp_path / f"result-{rank}-{r}.npy").view(DTYPES[dtype])
+            assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (rank, r)
+    after = core_counters(app)
+    moved = {k: after[k] - before[k] for k in after}
+    size = elements * 2
+    lengths = [min(SEGMENT, size - at) for at in range(0, size, SEGMENT)]
+    assert moved["segments_reduced"] == 2 * len(lengths)
+    # Each result left once (chunks of the 4096-byte MTU, header in the first), not per rank.
+    assert moved["roce_multicast_chunks"] == 2 * sum(-(-(48 + n) // 4096) for n in lengths)
+    if lossy:  # repaired: asked again, and written whole to the rank that asked
+        assert moved["results_resent"] > 0, moved
+        assert moved["roce_result_writes"] == moved["results_resent"], moved
+    else:
+        assert moved["roce_result_writes"] == moved["results_resent"] == 0, moved
 
 
 def test_deterministic_mode_is_bitwise_and_status_shows_the_queue_pairs(

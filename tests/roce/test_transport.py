@@ -19,7 +19,7 @@ from reduction_appliance.dataplane.counters import Counter, Counters
 from reduction_appliance.dataplane.errors import ReductionError
 from reduction_appliance.dataplane.loop import CoreLoop
 from reduction_appliance.dataplane.registration import EndpointInfo
-from reduction_appliance.dataplane.roce import RoceCoreTransport
+from reduction_appliance.dataplane.roce import ROCE_GROUP_PORT, RoceCoreTransport
 from reduction_appliance.dataplane.slots import SlotArena
 from reduction_appliance.dataplane.spec import AddJob, CoreConfig, JobSpec, Request
 from reduction_appliance.dataplane.verbs import RoceDevice
@@ -28,11 +28,13 @@ from reduction_appliance.plugin.client import ApplianceClient
 from reduction_appliance.plugin.rendezvous import JobInfo
 from reduction_appliance.plugin.roce import RoceWorkerTransport
 from reduction_appliance.plugin.session import Timing
+from tests.roce.loss import multicast_loss
 from tests.roce.worker import reference
 
 CORE = ("10.77.0.1", 7000)  # the core's identity for the clients (its UDP address elsewhere)
 SEGMENT = 64 * 1024
 SLOTS = 8  # slot pairs per job on the core: the landing entries of each worker
+GROUP = ("239.255.77.1", ROCE_GROUP_PORT)  # a RoCE job's multicast group, as the registry names it
 DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 # The guest emulates its CPU (Python runs 20-50x slower there): generous timers, no retries.
 TIMING = Timing(rto_initial=5.0, rto_min=5.0, rto_max=10.0, deadline=120.0)
@@ -67,9 +69,11 @@ class Rig:
 
 
 @contextmanager
-def rig(world: int, jobs: dict[int, bool], *, segment: int = SEGMENT) -> Iterator[Rig]:
+def rig(world: int, jobs: dict[int, bool], *, segment: int = SEGMENT, multicast: bool = False,
+        timing: Timing = TIMING) -> Iterator[Rig]:
     """A core on rxe1 and `world` workers on rxe2.. (each with one client per job: job id ->
-    deterministic), connected queue pair by queue pair as the control plane would."""
+    deterministic), connected queue pair by queue pair as the control plane would; with
+    `multicast`, results go to a group as UD chunks (each worker joins it)."""
     with ExitStack() as stack:
         ours, theirs = Pipe()
         stack.callback(ours.close)
@@ -94,6 +98,9 @@ def rig(world: int, jobs: dict[int, bool], *, segment: int = SEGMENT) -> Iterato
             address = (f"10.77.0.{2 + r % 3}", len(workers) + 1)  # as the control plane would
             core_end = core.accept(worker.open(CORE, SLOTS), address)
             worker.connect(CORE, core_end, address)
+            if multicast:
+                worker.join_multicast(GROUP[0], {core_end.multicast_qpn: (CORE, SLOTS)},
+                                      core_end.mtu)
             workers.append(worker)
             return worker
 
@@ -102,12 +109,14 @@ def rig(world: int, jobs: dict[int, bool], *, segment: int = SEGMENT) -> Iterato
             cookie = 0xC0FFEE + job
             transports = [connected(r) for r in range(world)]
             spec = JobSpec(job, cookie, world, SLOTS, deterministic=deterministic,
+                           multicast=GROUP if multicast else None,
                            endpoints=tuple(t.source_for(CORE) for t in transports),
                            hold_buffers=64 if deterministic else 0)
             assert loop.serve(Request(n + 1, AddJob(spec))).error is None
-            info = JobInfo("roce", job, f"job{job}", world, segment, None, deterministic,
-                           TIMING.deadline, (EndpointInfo(0, *CORE, SLOTS),), cookie=cookie)
-            clients[job] = [ApplianceClient([info], r, timing=TIMING, transport=transports[r],
+            info = JobInfo("roce", job, f"job{job}", world, segment,
+                           GROUP if multicast else None, deterministic, timing.deadline,
+                           (EndpointInfo(0, *CORE, SLOTS),), cookie=cookie)
+            clients[job] = [ApplianceClient([info], r, timing=timing, transport=transports[r],
                                             lease=False) for r in range(world)]
             for client in clients[job]:  # closes its transport: the rig closes it again
                 stack.callback(client.close)
@@ -214,3 +223,36 @@ def test_a_stopped_appliance_is_an_error_for_its_workers_not_a_hang() -> None:
                 for outcome in client.progress(timeout=0.1):
                     if outcome.error is not None:
                         raise outcome.error
+
+
+def test_multicast_results_are_exact_and_sent_once() -> None:
+    world = 3
+    with rig(world, {8: False}, multicast=True) as r:
+        for dtype, op, n in ((np.float32, "sum", 100_003), (np.float16, "max", 40_000)):
+            arrays = integers(world, n, dtype, seed=n)
+            want = reference(arrays, op)
+            r.run(8, arrays, op)
+            assert all(np.array_equal(a.view(np.uint8), want.view(np.uint8)) for a in arrays)
+        k = r.loop.counters
+        # Each result went out once, as chunks, whatever the number of workers.
+        assert k[Counter.ROCE_MULTICAST_CHUNKS] > 0
+        assert k[Counter.ROCE_RESULT_WRITES] == 0
+        assert all(w.multicast is not None and w.multicast.results > 0 for w in r.workers)
+
+
+def test_multicast_chunks_lost_in_the_network_are_repaired_exactly() -> None:
+    world = 2
+    quick = Timing(rto_initial=1.0, rto_min=1.0, rto_max=4.0, deadline=120.0)
+    # 8 segments of 17 chunks each: every 25th chunk lost on each worker's link leaves some
+    # results whole and costs others a chunk or two.
+    with multicast_loss(every=25), rig(world, {9: False}, multicast=True, timing=quick) as r:
+        arrays = integers(world, 8 * SEGMENT // 4, np.float32, seed=9)
+        want = reference(arrays, "sum")
+        r.run(9, arrays, "sum")
+        assert all(np.array_equal(a, want) for a in arrays)
+        for worker, client in zip(r.workers, r.clients[9], strict=True):
+            assert worker.multicast is not None
+            assert worker.multicast.chunks_in < r.loop.counters[Counter.ROCE_MULTICAST_CHUNKS]
+            assert worker.multicast.results > 0  # whole from multicast
+            assert client.retransmissions > 0  # the rest asked for again...
+        assert r.loop.counters[Counter.ROCE_RESULT_WRITES] > 0  # ...and written to them whole

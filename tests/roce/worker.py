@@ -49,12 +49,13 @@ def main() -> int:
         p.add_argument(name, type=int, required=True)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--multicast", action="store_true", help="results as UD multicast")
     p.add_argument("--exit-after-join", action="store_true")
     p.add_argument("--stay", action="store_true", help="do not leave the job at the end")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s: %(message)s")
     info = register(a.api, a.name, a.world, secret=a.secret, deterministic=a.deterministic,
-                    multicast=False, transport="roce")
+                    multicast=True if a.multicast else None, transport="roce")
     out = Path(a.out)
     try:
         with ApplianceClient([info], a.rank, local_address=a.ip) as client:

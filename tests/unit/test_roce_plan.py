@@ -11,13 +11,24 @@ import pytest
 
 from reduction_appliance.control.config import parse, to_toml
 from reduction_appliance.control.registry import JobRequest, Registry
-from reduction_appliance.control.service import _check_landings
+from reduction_appliance.control.service import _check_landings, parse_request
 from reduction_appliance.dataplane.errors import BadRequest, ConfigError
 from reduction_appliance.dataplane.registration import JobDescription
-from reduction_appliance.dataplane.roce import ROCE_PORTS, DualCoreTransport, RoceCoreTransport
+from reduction_appliance.dataplane.roce import (
+    ROCE_GROUP_PORT,
+    ROCE_PORTS,
+    DualCoreTransport,
+    RoceCoreTransport,
+)
 from reduction_appliance.dataplane.slots import RxPool
 from reduction_appliance.dataplane.transport import RxBatch, Send, TransportCounts
-from reduction_appliance.dataplane.verbs import SEND_BYTES, Landing, QpEndpoint
+from reduction_appliance.dataplane.verbs import (
+    SEND_BYTES,
+    ChunkTag,
+    Landing,
+    QpEndpoint,
+    multicast_gid,
+)
 from reduction_appliance.dataplane.wire import HEADER_SIZE, DType, Header, Kind, Op, pack_into
 
 ROCE = {"device": "rxe1", "segment_bytes": 262144}
@@ -130,6 +141,35 @@ def test_only_a_result_for_a_landing_slot_is_written_there() -> None:
 
 def test_roce_peer_ports_never_meet_an_ephemeral_udp_port() -> None:
     assert ROCE_PORTS.start >= 1 and ROCE_PORTS.stop <= 1024
+    assert ROCE_GROUP_PORT not in ROCE_PORTS and ROCE_GROUP_PORT < 1024
+
+
+def test_a_roce_job_multicasts_its_results_only_when_it_asks() -> None:
+    cfg = parse({"roce": ROCE, "dataplane": {"slot_memory_mb": 64}, "jobs": {"slots": 8}})
+    reg = Registry(cfg)
+    # The API settles an absent "multicast" by transport, so every rank asks the same.
+    roce, udp = (parse_request({"name": n, "world_size": 2, "transport": t})
+                 for n, t in (("r", "roce"), ("u", "udp")))
+    assert roce.multicast is False and udp.multicast is True
+    asked = parse_request({"name": "m", "world_size": 2, "transport": "roce", "multicast": True})
+    plans = [reg.plan(req, cookie=i, secret="s", now=0.0)
+             for i, req in enumerate((roce, udp, asked), start=1)]
+    assert plans[0].spec.multicast is None
+    assert plans[1].spec.multicast is not None
+    assert plans[1].spec.multicast[1] == cfg.multicast.port
+    group = plans[2].spec.multicast
+    assert group is not None and group[1] == ROCE_GROUP_PORT  # the core's RoCE half sends it
+    assert plans[2].describe(cfg).multicast == group  # and the workers join it
+
+
+def test_multicast_chunks_are_named_in_their_immediate() -> None:
+    for slot, use, chunk in ((0, 1, 0), (4095, 17, 65535), (31, 2, 256)):
+        assert ChunkTag.unpack(ChunkTag.pack(slot, use, chunk)) == (slot, use & 0xF, chunk)
+        assert 0 <= ChunkTag.pack(slot, use, chunk) < 2**32
+    assert multicast_gid("239.255.77.1") == "0000:0000:0000:0000:0000:ffff:efff:4d01"
+    core = QpEndpoint("rxe1", "0000:0000:0000:0000:0000:ffff:0a4d:0001", 17, 5, 4096,
+                      multicast_qpn=23)
+    assert QpEndpoint.from_json(core.as_json()).multicast_qpn == 23
 
 
 class FakeHalf:
