@@ -26,6 +26,7 @@ error and the message is dropped, which the worker's retransmission repairs like
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +49,7 @@ from .verbs import (
     RoceDevice,
     enums,
 )
-from .wire import Kind
+from .wire import HEADER_SIZE, Kind
 
 __all__ = ["ROCE_GROUP_PORT", "ROCE_PORTS", "DualCoreTransport", "RoceCoreTransport"]
 
@@ -59,8 +60,7 @@ ROCE_PORTS = range(1, 1023)
 #: the port of a RoCE job's multicast group `(group IP, ROCE_GROUP_PORT)`: results sent there go
 #: as UD multicast chunks (`verbs.ChunkTag`)
 ROCE_GROUP_PORT = 1023
-UD_DEPTH = 4096  # chunks in flight on the core's UD queue pair (16 MiB of 4 KiB chunks)
-UD_SIGNAL_EVERY = 64
+UD_DEPTH = 4096  # chunks in flight on the core's UD queue pair (at least two largest results)
 
 SIGNAL_EVERY = 8  # one signalled send per this many: its completion retires them all
 _SEND_TAG = 1 << 62  # wr_id of a send: tag | sends it retires (of a receive: its buffer)
@@ -127,14 +127,22 @@ class RoceCoreTransport:
         self._closed = False
         self._head_sge = _SGE(0, 0, self._staging.lkey)
         self._body_sge = _SGE(0, 0, self._lkey)
-        # Multicast results: one UD queue pair, one reused WR over one scatter entry (a chunk
-        # is a slice of the result in the arena), an address handle per group.
-        self._ud = device.ud_queue_pair(self._cq, UD_DEPTH)
+        # Multicast results: one UD queue pair and one prebuilt chain of work requests, each
+        # over its own scatter entry (a chunk is a slice of the result in the arena), as long
+        # as the largest result has chunks. A result of m chunks is the chain's last m, posted
+        # with one call; the chain's last is signalled. An address handle per group.
+        longest = -(-(HEADER_SIZE + arena.max_payload) // device.mtu)
+        self._ud_depth = max(UD_DEPTH, 2 * longest)
+        self._ud = device.ud_queue_pair(self._cq, self._ud_depth)
         self._ud_qpn = int(self._ud.qp_num)
-        self._ud_ring = RingWR(self.arena.address, 0, self._lkey)
-        self._ud_ring.wr.opcode = self._e.IBV_WR_SEND_WITH_IMM
+        self._ud_chain = [RingWR(arena.address, 0, self._lkey) for _ in range(longest)]
+        for ring, after in itertools.pairwise(self._ud_chain):
+            ring.wr.next_wr = after.wr  # a raw pointer: the list keeps both alive
+        for ring in self._ud_chain:
+            ring.wr.opcode = self._e.IBV_WR_SEND_WITH_IMM
+        self._ud_chain[-1].wr.send_flags = self._e.IBV_SEND_SIGNALED
         self._ud_outstanding = 0
-        self._ud_unsignalled = 0
+        self._ud_group = ""  # the group the chain is addressed to
         self._groups: dict[str, Any] = {}  # group IP -> address handle
 
     # ---- connections (the control plane, through the core's mailbox) ----
@@ -323,44 +331,45 @@ class RoceCoreTransport:
 
     def _multicast(self, s: Send) -> None:
         """A result to a job's group: chunks of the path MTU straight from the arena, each a
-        UD SEND_WITH_IMM to the group. A result that does not fit the send queue whole is
-        dropped (counted): the workers' queries repair it over their queue pairs."""
+        UD SEND_WITH_IMM to the group, posted as one chain. A result that does not fit the send
+        queue whole is dropped (counted): the workers' queries repair it over their queue
+        pairs."""
         counts, cells = self._transport_counts, self._cells
         header, nbytes = s.header, len(s.header) + len(s.payload)
         start = self._contiguous(header, s.payload)
         mtu = self.device.mtu
         chunks = -(-nbytes // mtu)
-        if start is None or header[_KIND_AT] != Kind.RESULT or chunks > ChunkTag.CHUNKS:
+        if start is None or header[_KIND_AT] != Kind.RESULT or chunks > len(self._ud_chain):
             counts.send_errors += 1
             cells[Counter.ROCE_UNSENDABLE] += 1
             return
-        if self._ud_outstanding + chunks > UD_DEPTH:
+        if self._ud_outstanding + chunks > self._ud_depth:
             counts.send_errors += 1
             cells[Counter.ROCE_SEND_QUEUE_FULL] += 1
             return
-        ah = self._groups.get(s.dest[0])
-        if ah is None:
-            ah = self._groups[s.dest[0]] = self.device.multicast_ah(s.dest[0])
+        chain = self._ud_chain[-chunks:]
+        if s.dest[0] != self._ud_group:
+            ah = self._groups.get(s.dest[0])
+            if ah is None:
+                ah = self._groups[s.dest[0]] = self.device.multicast_ah(s.dest[0])
+            for ring in self._ud_chain:
+                ring.wr.set_wr_ud(ah, MULTICAST_QPN, MULTICAST_QKEY)
+            self._ud_group = s.dest[0]
         slot = int.from_bytes(header[_SLOT_AT], "big")
-        use = int.from_bytes(header[_USE_AT], "big")
-        ring = self._ud_ring
-        wr, sge = ring.wr, ring.sge
-        wr.set_wr_ud(ah, MULTICAST_QPN, MULTICAST_QKEY)
-        signal = self._e.IBV_SEND_SIGNALED
-        for c in range(chunks):
-            self._ud_unsignalled += 1
-            self._ud_outstanding += 1
-            if self._ud_unsignalled >= UD_SIGNAL_EVERY or c == chunks - 1:
-                wr.wr_id = _SEND_TAG | self._ud_unsignalled
-                wr.send_flags = signal
-                self._ud_unsignalled = 0
-            else:
-                wr.send_flags = 0
+        tag = ChunkTag.pack(slot, int.from_bytes(header[_USE_AT], "big"), 0)
+        for c, ring in enumerate(chain):
+            sge = ring.sge
             sge.addr = start + c * mtu
             sge.length = min(mtu, nbytes - c * mtu)
-            wr.imm_data = ChunkTag.pack(slot, use, c)
-            self._ud.post_send(wr)
-        cells[Counter.ROCE_POST_SEND] += chunks
+            ring.wr.imm_data = tag | c
+        chain[-1].wr.wr_id = _SEND_TAG | chunks
+        try:
+            self._ud.post_send(chain[0].wr)
+        except Exception:  # the device refused (ours, not a peer's): like a loss, which the
+            counts.send_errors += 1  # workers' queries repair; nothing signalled went
+            return
+        self._ud_outstanding += chunks
+        cells[Counter.ROCE_POST_SEND] += 1
         cells[Counter.ROCE_MULTICAST_CHUNKS] += chunks
         counts.datagrams_sent += 1
         counts.bytes_sent += nbytes
@@ -443,7 +452,8 @@ class RoceCoreTransport:
         self._ud.close()
         for ah in self._groups.values():
             ah.close()
-        self._ud_ring.close()
+        for ring in self._ud_chain:
+            ring.close()
         self._head_sge.close()
         self._body_sge.close()
         for wr in self._recv_wrs:

@@ -21,7 +21,9 @@ context and protection domain the receive buffers then have to use.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,19 +78,24 @@ class MulticastReceiver:
         self.results = 0
         self._e = e
         self._pending: list[Any] = []
+        # Undone in list order: leave the group, destroy the identifier (and its QP), then
+        # what the QP used, the event channel last.
         self._closers: list[Callable[[], None]] = []
         try:
+            opened = _rdma_cm_fds()
             self._channel = CMEventChannel()
+            self._closers.append(self._channel.close)
+            _nonblocking(_rdma_cm_fds() - opened)
             self._cm = CMID(creator=self._channel, port_space=ce.RDMA_PS_UDP)
-            self._closers.append(self._cm.close)
+            self._closers.insert(0, self._cm.close)
             self._cm.bind_addr(AddrInfo(src=ip, port_space=ce.RDMA_PS_UDP))
             self._cm.resolve_addr(AddrInfo(src=ip, dst=group, port_space=ce.RDMA_PS_UDP))
             self._expect(ce.RDMA_CM_EVENT_ADDR_RESOLVED, "resolve the group")
             pd = self._cm.pd
             self._cq = CQ(self._cm.context, depth + 16, None, None, 0)
-            self._closers.insert(0, self._cq.close)  # after the identifier (its QP uses them)
+            self._closers.insert(1, self._cq.close)  # after the identifier (its QP uses it)
             self._srq = SRQ(pd, SrqInitAttr(SrqAttr(max_wr=depth, max_sge=1)))
-            self._closers.insert(0, self._srq.close)
+            self._closers.insert(1, self._srq.close)
             self._cm.create_qp(QPInitAttr(qp_type=e.IBV_QPT_UD, scq=self._cq, rcq=self._cq,
                                           srq=self._srq,
                                           cap=QPCap(max_send_wr=1, max_recv_wr=0,
@@ -97,7 +104,7 @@ class MulticastReceiver:
             self._map = mmap.mmap(-1, depth * entry)
             base = int(np.frombuffer(self._map, np.uint8).ctypes.data)
             self._mr = MR(pd, depth * entry, e.IBV_ACCESS_LOCAL_WRITE, address=base)
-            self._closers.insert(0, self._mr.close)
+            self._closers.insert(1, self._mr.close)
             self._views = [memoryview(self._map)[i * entry + GRH_BYTES:(i + 1) * entry]
                            for i in range(depth)]
             self._wrs = [RecvWR(wr_id=i, num_sge=1, sg=[SGE(base + i * entry, entry,
@@ -123,15 +130,9 @@ class MulticastReceiver:
 
     def _expect(self, event_type: int, what: str) -> None:
         """The next rdma_cm event, which must be `event_type`; never waits past the timeout
-        (the channel's descriptor is not exposed in pyverbs 44: poll it non-blocking)."""
-        import fcntl
-        import os
-
+        (the channel is non-blocking: pyverbs 44 would wait in C, holding the GIL)."""
         from pyverbs.cmid import CMEvent
 
-        fd = _channel_fd()
-        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
         give_up = time.monotonic() + JOIN_TIMEOUT_S
         while True:
             try:
@@ -220,15 +221,21 @@ class MulticastReceiver:
         self._wrs = []
 
 
-def _channel_fd() -> int:
-    """The rdma_cm event channel's descriptor (pyverbs 44 does not expose it)."""
-    import os
-
+def _rdma_cm_fds() -> set[int]:
+    """This process's open rdma_cm event channels (pyverbs 44 does not expose a channel's)."""
+    found = set()
     for name in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):
             if os.readlink(f"/proc/self/fd/{name}") == "/dev/infiniband/rdma_cm":
-                return int(name)
-        except OSError:
-            continue
-    raise ReductionError("RoCE multicast: no rdma_cm event channel is open")
+                found.add(int(name))
+    return found
 
+
+def _nonblocking(new: set[int]) -> int:
+    """The one channel just opened, made non-blocking so that waiting for an event can end."""
+    if len(new) != 1:
+        raise ReductionError("RoCE multicast: cannot tell the rdma_cm event channel just opened "
+                             f"({len(new)} new descriptors)")
+    fd = new.pop()
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
+    return fd
