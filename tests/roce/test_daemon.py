@@ -123,6 +123,24 @@ def test_multicast_results_are_exact_and_lost_chunks_repaired(
         assert moved["roce_result_writes"] == moved["results_resent"] == 0, moved
 
 
+def test_sixteen_mebibytes_and_four_kibibytes_as_two_jobs_at_once(
+        app: Appliance, tmp_path: Path) -> None:
+    """The sizes' two ends, as two jobs whose ranks run at the same time on the same core."""
+    jobs = {"big": (16 * 2**20 // 4, "fp32", "sum"), "small": (4096 // 2, "bf16", "avg")}
+    procs = {}
+    for name, (elements, dtype, op) in jobs.items():
+        (tmp_path / name).mkdir()
+        procs[name] = workers(app, tmp_path / name, 2, name=f"at-once-{name}",
+                              elements=elements, dtype=dtype, op=op)
+    for name, (elements, dtype, op) in jobs.items():
+        results = finish(procs[name])
+        assert all(rc == 0 for rc, _ in results), results
+        want = reference([inputs(k, elements, dtype, False, 0) for k in range(2)], op)
+        for rank in range(2):
+            got = np.load(tmp_path / name / f"result-{rank}-0.npy")
+            assert np.array_equal(got, want.view(np.uint8)), (name, rank)
+
+
 def test_deterministic_mode_is_bitwise_and_status_shows_the_queue_pairs(
         app: Appliance, tmp_path: Path) -> None:
     world, elements = 3, 40_000
