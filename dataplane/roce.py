@@ -12,7 +12,8 @@ A result leaves in place as one RDMA WRITE_WITH_IMM of the arena (its header sit
 it, `SlotArena.header_before`) into the worker's landing entry for its slot (`verbs.Landing`),
 the immediate naming the slot: no copy, no receive buffer of a segment's size on the worker.
 Notices, PENDING, LIVENESS and small results are copied into a staging entry and SENT (at most
-`verbs.SEND_BYTES`).
+`verbs.SEND_BYTES`). A job that asked for multicast results has a group `(IP, ROCE_GROUP_PORT)`:
+its results go once, as UD chunks of the MTU from the core's UD queue pair (`_multicast`).
 
 The control plane connects a worker by handing `accept` the worker's `QpEndpoint` and the
 address the worker joined from (`(its IP, its QP number)`); the core's end goes back to the
