@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, cast
 
+from reduction_appliance.control.pathmtu import data_path_mtu
 from reduction_appliance.dataplane.errors import ConfigError
 from reduction_appliance.dataplane.slots import holdable_buffers
 from reduction_appliance.dataplane.spec import KERNEL_BACKENDS
@@ -73,7 +74,10 @@ class DataplaneConfig:
     cpus: tuple[int, ...] = ()  # CPU each core is pinned to; () = unpinned
     poll: Literal["busy", "adaptive"] = "adaptive"
     spin_us: int = 200
-    mtu: int = 9000  # of the data network; sizes segments so datagrams never fragment
+    # Of the data path; sizes segments so datagrams never fragment. 0 = the data interface's
+    # own (control/pathmtu.py), read when the file is parsed: jumbo frames give 8.9 KB
+    # segments, loopback 64 KB.
+    mtu: int = 0
     segment_bytes: int = 0  # 0 = the largest that fits the MTU
     slot_memory_mb: int = 64  # per core: accumulators and results of every admitted job
     rx_buffers: int = 512
@@ -84,6 +88,15 @@ class DataplaneConfig:
     # request before it counts as failed or stalled: raise both on an emulated machine.
     core_start_timeout_s: float = 30.0
     core_reply_timeout_s: float = 10.0
+    # Where `mtu` came from ("" = the file or the caller): derived, never read from a file.
+    mtu_from: str = field(default="", metadata={"derived": True})
+
+    @property
+    def segment_origin(self) -> str:
+        """How the segment size was chosen, for check-config and status."""
+        if self.segment_bytes:
+            return "dataplane.segment_bytes"
+        return f"MTU {self.mtu} of {self.mtu_from}" if self.mtu_from else f"MTU {self.mtu}"
 
     @property
     def max_payload(self) -> int:
@@ -208,7 +221,7 @@ def _section(raw: dict[str, Any], name: str, cls: type[Any]) -> dict[str, Any]:
     section = raw.get(name, {})
     if not isinstance(section, dict):
         raise ConfigError(f"[{name}] must be a table")
-    known = {f.name: f for f in fields(cls)}
+    known = {f.name: f for f in fields(cls) if not f.metadata.get("derived")}
     for key in section:
         if key not in known:
             raise ConfigError(f"{name}.{key}: unknown key (known: {', '.join(sorted(known))})")
@@ -264,12 +277,15 @@ def parse(raw: dict[str, Any], source: str = "<memory>") -> ApplianceConfig:
     _check(dp["kernels"] in KERNEL_CHOICES, "dataplane.kernels",
            f"must be one of {', '.join(KERNEL_CHOICES)}, got {dp['kernels']!r}")
     _check(1 <= dp["base_port"] <= 65535 - dp["cores"], "dataplane.base_port", "out of range")
-    _check(576 <= dp["mtu"] <= 65535, "dataplane.mtu", "must be 576..65535")
+    _check(dp["mtu"] == 0 or 576 <= dp["mtu"] <= 65536, "dataplane.mtu",
+           "must be 576..65536 (loopback's), or 0 for the data interface's own")
     _check(dp["spin_us"] >= 0, "dataplane.spin_us", "must be >= 0")
     _check(dp["slot_memory_mb"] >= 1, "dataplane.slot_memory_mb", "must be >= 1")
     _check(0 <= dp["dscp"] <= 63, "dataplane.dscp", "must be 0..63")
     _check(dp["rx_buffers"] >= 16, "dataplane.rx_buffers", "must be >= 16")
     _ip(dp["address"], "dataplane.address")
+    if dp["mtu"] == 0:
+        dp["mtu"], dp["mtu_from"] = data_path_mtu(dp["address"], dp["interface"])
     dataplane = DataplaneConfig(**dp)
     payload = dataplane.max_payload
     fits = min(dataplane.mtu - _IP_UDP_HEADERS, _MAX_UDP_PAYLOAD) - HEADER_SIZE
@@ -343,7 +359,7 @@ def to_toml(cfg: ApplianceConfig) -> str:
         section = getattr(cfg, name)
         lines.append(f"[{name}]")
         lines.extend(f"{f.name} = {_toml_value(getattr(section, f.name))}"
-                     for f in fields(section))
+                     for f in fields(section) if not f.metadata.get("derived"))
         lines.append("")
     return "\n".join(lines)
 

@@ -45,6 +45,8 @@ def _age(seconds: float | None) -> str:
 
 def render_status(s: dict[str, Any]) -> str:
     lines = [f"reductiond {s['version']}  up {s['uptime_s']:.0f}s  config {s['config']}"]
+    if s.get("segment_bytes"):
+        lines.append(f"UDP segments of {s['segment_bytes']} bytes ({s['segment_origin']})")
     if s.get("janitor_errors"):
         lines.append(f"! janitor: {s['janitor_errors']} periodic chore(s) failed since start "
                      "(each logged by reductiond)")
@@ -177,6 +179,7 @@ def check_config(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     dp = cfg.dataplane
     summary = {"config": cfg.source, "cores": dp.cores, "segment_bytes": dp.max_payload,
+               "segments_from": dp.segment_origin,
                "slot_pairs_per_core": cfg.slot_capacity, "jobs_at_default_slots":
                cfg.slot_capacity // cfg.jobs.slots, "multicast": cfg.multicast.enabled,
                "roce": (f"{cfg.roce.device} port {cfg.roce.port} GID {cfg.roce.gid_index}, "

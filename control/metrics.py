@@ -7,7 +7,7 @@ scrape asks for a fresh snapshot, so counters reset only when a core or a job do
 
 Families (all prefixed `reduction_`):
 
-- `appliance_info{version, config}`, `appliance_uptime_seconds`;
+- `appliance_info{version, config}`, `appliance_uptime_seconds`, `appliance_segment_bytes`;
 - per core, labelled `core`: `core_info{cpu, pid, port}`, `core_state{state}`, the traffic
   counters of `CORE_COUNTERS`, `core_drops_total{reason}` (one sample per `drop_*` counter:
   reason is the counter name without `drop_`), `core_slots_in_use`, `core_poll_busy_ratio`,
@@ -237,6 +237,12 @@ def _appliance_families(snap: ApplianceSnapshot) -> Iterator[Metric]:
         "Things the appliance gave up on this host (slower kernels, unicast instead of "
         "multicast, no GSO); `reductionctl status` and the log say which and why.",
         value=len(snap.fallbacks),
+    )
+    yield GaugeMetricFamily(
+        PREFIX + "appliance_segment_bytes",
+        "Payload bytes of one UDP segment: the largest datagram the data path's MTU carries "
+        "without fragmenting, less the headers (status says where the MTU came from).",
+        value=snap.segment_bytes,
     )
     yield GaugeMetricFamily(
         PREFIX + "appliance_uptime_seconds",

@@ -315,6 +315,8 @@ class Appliance:
             steering_notes=notes, rdma_devices=rdma,
             fallbacks=self.supervisor.fallbacks.describe(),
             janitor_errors=self.janitor_errors + self.supervisor.errors,
+            segment_bytes=self.cfg.dataplane.max_payload,
+            segment_origin=self.cfg.dataplane.segment_origin,
         )
 
 

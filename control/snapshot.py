@@ -76,6 +76,8 @@ class ApplianceSnapshot:
     rdma_devices: tuple[str, ...] = ()
     janitor_errors: int = 0  # the daemon's periodic chores that failed (each logged once)
     fallbacks: tuple[str, ...] = ()  # what the appliance gave up on this host, and why
+    segment_bytes: int = 0  # a UDP job's segment: the largest payload the path carries
+    segment_origin: str = ""  # how that was chosen ("MTU 9000 of interface eth1, ...")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -46,6 +46,7 @@ __all__ = ["ApplianceClient", "dtype_of", "op_of"]
 _log = logging.getLogger(__name__)
 RELIABLE_RTO_S = 1.0  # first retransmission timeout over a reliable transport (RoCE)
 _GRO_REFUSALS_LOGGED: set[str] = set()
+_FRAGMENTING_LOGGED: set[str] = set()
 
 
 _NO_PAYLOAD = memoryview(b"")
@@ -148,6 +149,19 @@ class ApplianceClient:
         self.endpoints: tuple[Endpoint, ...] = tuple(
             replace(e, appliance=a) for a, j in enumerate(self.jobs) for e in j.endpoints)
         self.segment_bytes = min(j.segment_bytes for j in self.jobs)
+        #: routes to cores that fragment this job's datagrams (the appliance's MTU is larger
+        #: than this host's path): each named once at WARNING
+        self.fragmenting: list[str] = []
+        if isinstance(self.transport, UdpWorkerTransport):
+            self.fragmenting = self.transport.fragmenting_routes(
+                [e.address for e in self.endpoints], self.segment_bytes)
+            fresh = [r for r in self.fragmenting if r not in _FRAGMENTING_LOGGED]
+            if fresh:
+                _FRAGMENTING_LOGGED.update(fresh)
+                _log.warning("rank %d: this host's route to %s is narrower than the job's "
+                             "segments: they travel as IP fragments (slower; a lost fragment "
+                             "loses the segment). Give the path one MTU end to end, or set the "
+                             "appliance's dataplane.mtu to this path's.", rank, ", ".join(fresh))
         timing = timing or Timing(deadline=min(j.deadline_s for j in self.jobs))
         if self.transport.reliable:
             # RC loses nothing in transit: a timer only repairs what the appliance dropped on

@@ -42,6 +42,8 @@ __all__ = [
     "WorkerTransport",
 ]
 
+_IP_MTU = getattr(socket, "IP_MTU", 14)  # Linux: a connected socket's route MTU
+_IP_UDP_HEADERS = 28
 _SOCKET_BUFFER = 32 * 1024 * 1024
 _TRANSIENT = {errno.ENOBUFS, errno.EAGAIN, errno.EWOULDBLOCK}  # a full queue: like a loss
 _RECEIVE_BUFFER = GRO_BUFFER  # the largest datagram, or the most one coalesced receive brings
@@ -148,6 +150,29 @@ class UdpWorkerTransport:
                 probe.connect(dest)
                 host = str(probe.getsockname()[0])
         return host, port
+
+    def route_mtu(self, dest: Address) -> int | None:
+        """The MTU of this host's route to `dest` (where the kernel would fragment a datagram
+        from our address), or None when the kernel does not say."""
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.bind((self.local[0], 0))
+                probe.connect(dest)
+                return int(probe.getsockopt(socket.IPPROTO_IP, _IP_MTU))
+            except OSError:
+                return None
+
+    def fragmenting_routes(self, dests: Sequence[Address], payload_bytes: int) -> list[str]:
+        """For each destination whose route cannot carry a datagram of `payload_bytes` (plus
+        our header) whole: why, in words. Such datagrams still arrive, as IP fragments: slower,
+        and a lost fragment loses the whole datagram."""
+        datagram = HEADER_SIZE + payload_bytes + _IP_UDP_HEADERS
+        found = []
+        for dest in dict.fromkeys(dests):
+            mtu = self.route_mtu(dest)
+            if mtu is not None and mtu < datagram:
+                found.append(f"{dest[0]}:{dest[1]} (route MTU {mtu}, datagrams {datagram})")
+        return found
 
     def send(self, datagrams: Sequence[Outgoing]) -> None:
         batcher = self._batcher

@@ -40,7 +40,7 @@ def _free_port() -> int:
 @pytest.fixture
 def supervisor() -> Iterator[Supervisor]:
     cfg = parse({"dataplane": {"address": "127.0.0.1", "base_port": _free_port(),
-                               "kernels": "numpy", "slot_memory_mb": 4},
+                               "kernels": "numpy", "slot_memory_mb": 4, "mtu": 9000},
                  "api": {"listen": "", "unix_socket": "/tmp/unused.sock"}})
     with Supervisor(cfg) as sup:
         yield sup

@@ -74,7 +74,7 @@ def running_daemon(api: dict[str, Any] | None = None,
     try:
         sock = str(Path(tmp) / "api.sock")
         cfg = parse({"dataplane": {"address": "127.0.0.1", "base_port": _free_udp_port(),
-                                   "kernels": "numpy", "slot_memory_mb": 4},
+                                   "kernels": "numpy", "slot_memory_mb": 4, "mtu": 9000},
                      "multicast": {"enabled": False},
                      "api": {"listen": "127.0.0.1:0", "unix_socket": sock, **(api or {})}})
         path = Path(tmp) / "appliance.toml"
@@ -198,7 +198,9 @@ def test_body_caps_are_answered_from_the_headers_and_peak_rss_stays(
             status, body = _answer(sock)
             assert status == 400 and b"Content-Length" in body
             flooder.join(30)
-        assert daemon.get("/v1/status")["janitor_errors"] == 0  # and it still serves
+        status = daemon.get("/v1/status")
+        assert status["janitor_errors"] == 0  # and it still serves
+        assert (status["segment_bytes"], status["segment_origin"]) == (8896, "MTU 9000")
         after = _proc_status(daemon.pid, "VmHWM")
         with capsys.disabled():
             print(f"\nVmHWM before {before} kB, after {after} kB "

@@ -147,3 +147,14 @@ def test_the_harness_drains_a_chatty_child_and_keeps_its_tail() -> None:
     err.join()
     assert err.done and err.text().endswith("err 00019999\n")
     assert len(err.text()) <= 4096
+
+
+def test_status_shows_the_segment_size_and_where_it_came_from() -> None:
+    snapshot = {"version": "0.1.0", "uptime_s": 5.0, "config": "a.toml", "cores": [],
+                "jobs": [], "interfaces": [], "steering": [], "steering_notes": [],
+                "rdma_devices": [], "janitor_errors": 0, "segment_bytes": 8896,
+                "segment_origin": "MTU 9000 of interface eth1, which holds 198.18.0.1"}
+    shown = render_status(snapshot)
+    assert shown.split("\n\n")[0].splitlines()[1] == (
+        "UDP segments of 8896 bytes (MTU 9000 of interface eth1, which holds 198.18.0.1)")
+    assert shown.split("\n\n")[2] == "jobs: none"

@@ -192,3 +192,54 @@ def test_multicast_is_unroutable_from_a_wildcard_socket_without_a_route(ns: str)
     assert unroutable_in(ns, "10.9.0.1", "10.9.0.1") == "None"
     with Steering(the_plan().plan, netns=ns):  # a data interface: steering adds the route
         assert unroutable_in(ns, "0.0.0.0", "0.0.0.0") == "None"
+
+
+def run_in(ns_name: str, code: str) -> str:
+    """Python `code` run inside the namespace (netlink and sockets then see its interfaces);
+    its standard output, stripped."""
+    done = subprocess.run(["ip", "netns", "exec", ns_name, sys.executable, "-c", code],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+_SEGMENTS = ("from reduction_appliance.control.config import parse; from "
+             "reduction_appliance.dataplane.errors import ConfigError\n"
+             "for dp in {cases}:\n"
+             "    try:\n"
+             "        d = parse({{'dataplane': dp}}).dataplane\n"
+             "        print(d.mtu, d.max_payload, d.segment_origin, sep='|')\n"
+             "    except ConfigError as e:\n"
+             "        print('error', e, sep='|')\n")
+
+
+def test_segments_follow_the_data_interface_mtu_when_mtu_is_0(ns: str) -> None:
+    cases = [{"address": "10.9.0.1"}, {"address": "0.0.0.0"},
+             {"address": "10.9.0.1", "interface": "v1"}, {"address": "10.9.0.1", "mtu": 1500},
+             {"address": "10.9.0.2"}, {"address": "10.9.0.1", "interface": "nope0"}]
+    lines = run_in(ns, _SEGMENTS.format(cases=cases)).splitlines()
+    assert lines[0] == "9000|8896|MTU 9000 of interface v0, which holds 10.9.0.1"
+    # The wildcard: the smallest MTU of the interfaces up with an address (v0, not lo).
+    assert lines[1] == "9000|8896|MTU 9000 of interface v0, the smallest of those up for 0.0.0.0"
+    assert lines[2] == "1500|1408|MTU 1500 of interface v1 (dataplane.interface)"
+    assert lines[3] == "1500|1408|MTU 1500"  # a configured MTU is taken as it is
+    assert lines[4].startswith("error|dataplane.mtu: 0 asks for the MTU of the interface "
+                               "holding dataplane.address 10.9.0.2, and no interface here")
+    assert lines[5] == ("error|dataplane.mtu: 0 asks for the MTU of dataplane.interface "
+                        "nope0, which does not exist here")
+
+
+def test_a_worker_names_a_route_narrower_than_the_jobs_segments(ns: str) -> None:
+    subprocess.run(["ip", "-n", ns, "route", "add", "10.20.0.0/24", "dev", "v0", "mtu", "1500"],
+                   check=True)
+    code = ("from reduction_appliance.plugin.transport import UdpWorkerTransport\n"
+            "with UdpWorkerTransport('10.9.0.1') as t:\n"
+            "    print(t.route_mtu(('10.9.0.7', 7000)), t.route_mtu(('10.20.0.5', 7000)))\n"
+            "    print(t.fragmenting_routes([('10.9.0.7', 7000), ('10.20.0.5', 7000),"
+            " ('10.20.0.5', 7000)], 8896))\n"
+            "    print(t.fragmenting_routes([('10.20.0.5', 7000)], 1408))\n")
+    assert run_in(ns, code).splitlines() == [
+        "9000 1500",
+        "['10.20.0.5:7000 (route MTU 1500, datagrams 8972)']",  # once, however often named
+        "[]",  # 1408 + 48 + 28 = 1484 fits
+    ]

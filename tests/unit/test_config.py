@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,21 @@ def test_a_malformed_registration_answer_names_the_field() -> None:
     with pytest.raises(SchemaError, match=r"endpoints\[0\]: 'port'"):
         JobDescription.from_json(wire | {"endpoints": [{"core": 0, "host": "h", "port": True,
                                                         "slots": 1}]})
+
+
+def test_mtu_0_takes_the_data_interfaces_and_says_so() -> None:
+    cfg = parse({"dataplane": {"address": "127.0.0.1"}})
+    # Loopback's MTU is 65536: the segment is what one UDP datagram can carry, in cache lines.
+    assert cfg.dataplane.mtu == 65536 and cfg.dataplane.max_payload == 65408
+    assert cfg.dataplane.segment_origin == "MTU 65536 of interface lo, which holds 127.0.0.1"
+    configured = parse({"dataplane": {"address": "127.0.0.1", "mtu": 9000}}).dataplane
+    assert (configured.max_payload, configured.segment_origin) == (8896, "MTU 9000")
+    fixed = parse({"dataplane": {"mtu": 9000, "segment_bytes": 4096}}).dataplane
+    assert fixed.segment_origin == "dataplane.segment_bytes"
+    # The origin is derived: never written to a file, never read from one.
+    assert "mtu_from" not in to_toml(cfg) and parse(tomllib.loads(to_toml(cfg))) == replace(
+        cfg, dataplane=replace(cfg.dataplane, mtu_from=""))
+    with pytest.raises(ConfigError, match=r"dataplane\.mtu_from: unknown key"):
+        parse({"dataplane": {"mtu_from": "x"}})
+    with pytest.raises(ConfigError, match=r"dataplane\.address 198\.18\.9\.9, and no interface"):
+        parse({"dataplane": {"address": "198.18.9.9"}})

@@ -232,6 +232,7 @@ def test_empty_appliance_renders() -> None:
     empty = ApplianceSnapshot(version="0.1.0", uptime_s=0.0, config="", cores=(), jobs=())
     names = {s.name for s in samples(empty)}
     assert names == {"reduction_appliance_info", "reduction_appliance_uptime_seconds",
+                     "reduction_appliance_segment_bytes",
                      "reduction_appliance_janitor_errors_total", "reduction_appliance_fallbacks"}
 
 

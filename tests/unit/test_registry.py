@@ -19,7 +19,7 @@ SECRET = "s3cret-of-the-job"
 
 def registry(**jobs: object) -> Registry:
     jobs.setdefault("slots", 4)
-    return Registry(parse({"dataplane": {"slot_memory_mb": 2}, "jobs": jobs}))
+    return Registry(parse({"dataplane": {"slot_memory_mb": 2, "mtu": 9000}, "jobs": jobs}))
 
 
 def admit(reg: Registry, name: str, world: int = 2, slots: int = 0, now: float = 0.0,

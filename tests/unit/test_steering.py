@@ -93,7 +93,7 @@ def test_plan_is_pure_and_describable() -> None:
 
 def test_group_range_from_the_config_is_normalised() -> None:
     cfg = parse({"multicast": {"groups": "239.1.0.0/255.255.0.0"},
-                 "dataplane": {"interface": "eth1"}})
+                 "dataplane": {"interface": "eth1", "mtu": 9000}})
     assert plan(SteeringInputs.from_config(cfg, rx_queues=1)).rules[0] == MulticastRoute(
         "239.1.0.0/16", "eth1")
 

@@ -1,0 +1,68 @@
+"""The MTU of the data path: what sizes an appliance's segments when `dataplane.mtu` is 0.
+
+A segment travels as one datagram (header + payload + IP and UDP headers), so the largest
+segment that never fragments is set by the smallest MTU on the path. The appliance knows its
+own end: the interface that holds the data address (jumbo frames on a rack NIC, 65536 on
+loopback). Workers check their end when they join (`plugin.pathcheck`) and say so when a
+job's datagrams would not fit their route.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from pyroute2 import IPRoute
+
+from reduction_appliance.dataplane.errors import ConfigError
+
+__all__ = ["PathMtu", "data_path_mtu"]
+
+_AF_INET = 2
+_IFF_UP = 0x1
+_IFF_LOOPBACK = 0x8
+
+
+class PathMtu(NamedTuple):
+    mtu: int
+    where: str  # how it was found, for check-config and status
+
+
+def _links(ipr: Any) -> dict[int, tuple[str, int, int]]:
+    """index -> (name, MTU, flags) of every interface in this network namespace."""
+    return {int(link["index"]): (str(link.get_attr("IFLA_IFNAME")), int(link.get_attr("IFLA_MTU")),
+                                 int(link["flags"]))
+            for link in ipr.get_links()}
+
+
+def data_path_mtu(address: str, interface: str = "") -> PathMtu:
+    """The MTU of the appliance's end of the data path: the named data `interface`, else the
+    interface holding `address`; for the wildcard address the smallest MTU among the interfaces
+    that are up with an IPv4 address (no datagram then fragments whichever one a worker uses).
+    `ConfigError` when there is none to read."""
+    with IPRoute() as ipr:
+        links = _links(ipr)
+        if interface:
+            for name, mtu, _ in links.values():
+                if name == interface:
+                    return PathMtu(mtu, f"interface {interface} (dataplane.interface)")
+            raise ConfigError(f"dataplane.mtu: 0 asks for the MTU of dataplane.interface "
+                              f"{interface}, which does not exist here")
+        holders = {int(msg["index"]) for msg in ipr.get_addr(family=_AF_INET)
+                   if address in (msg.get_attr("IFA_ADDRESS"), msg.get_attr("IFA_LOCAL"))
+                   or address == "0.0.0.0"}
+    if address != "0.0.0.0":
+        for index in holders:
+            name, mtu, _ = links[index]
+            return PathMtu(mtu, f"interface {name}, which holds {address}")
+        raise ConfigError(f"dataplane.mtu: 0 asks for the MTU of the interface holding "
+                          f"dataplane.address {address}, and no interface here holds it: "
+                          "assign the address, or set dataplane.mtu")
+    up = [links[index] for index in holders if links[index][2] & _IFF_UP]
+    # Loopback carries only this host's workers: a real interface decides when there is one.
+    real = [(mtu, name) for name, mtu, flags in up if not flags & _IFF_LOOPBACK]
+    candidates = real or [(mtu, name) for name, mtu, _ in up]
+    if not candidates:
+        raise ConfigError("dataplane.mtu: 0 asks for the MTU of the interfaces serving "
+                          "dataplane.address 0.0.0.0, and none is up with an IPv4 address")
+    mtu, name = min(candidates)
+    return PathMtu(mtu, f"interface {name}, the smallest of those up for 0.0.0.0")
