@@ -298,6 +298,12 @@ class ApplianceClient:
     def _send_due(self) -> None:
         views = self._views
         addresses = self._addresses
+        if self.pipeline.timer_expired(self._clock()):
+            # Take in what already came before retransmitting: a timer that ran out while this
+            # process was not running (two cores shared by many processes: often) usually has
+            # its answer waiting in the socket. Asking again would only cost a query and the
+            # appliance's resending that whole result.
+            self.transport.receive(self._on_datagram)
         # Grouped by endpoint so consecutive segments to one core leave in one GSO send.
         due = sorted(self.pipeline.due(self._clock()), key=_by_endpoint)
         if due:

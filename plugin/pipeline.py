@@ -198,6 +198,10 @@ class RoundPipeline:
         silence = min(self._heard) + self.liveness_timeout
         return min(silence, min(rnd.wakeup() for rnd in self._active.values()))
 
+    def timer_expired(self, now: float) -> bool:
+        """Has a retransmission timer of a round in flight run out by `now`?"""
+        return any(rnd.next_timer() <= now for rnd in self._active.values())
+
     # ---- liveness ----
     def heard(self, appliance: int, now: float) -> None:
         """A datagram of ours came from one of that appliance's cores."""

@@ -23,6 +23,7 @@ clock: time is passed in, so tests run thousands of lossy rounds in milliseconds
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -287,11 +288,14 @@ class AllreduceRound:
         """The time `due` next has work, unless a result arrives first."""
         if self._ready or self._nudged:
             return 0.0
+        return min(self.next_timer(), self._deadline)
+
+    def next_timer(self) -> float:
+        """When the earliest live retransmission timer expires (inf: none is armed)."""
         timers = self._timers
         while timers and (self._done[timers[0][1]] or timers[0][0] != self._timer[timers[0][1]]):
             heapq.heappop(timers)  # answered, or superseded by a later timer
-        nxt = self._timers[0][0] if self._timers else self._deadline
-        return min(nxt, self._deadline)
+        return timers[0][0] if timers else math.inf
 
     # ---- what comes back ----
     def accept(self, h: Header, source: Address | None = None) -> int | None:
