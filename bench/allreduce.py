@@ -146,6 +146,12 @@ def _report_appliance(plan: SweepPlan, pairs: list[dict[str, Any]]) -> None:
             line += f"; worker CPU {a['worker_cpu_s_per_gb']:.2f} s per GB allreduced"
         if a.get("retx_share") is not None:
             line += f"; retransmissions {a['retx_share']:.2%} of segments"
+        if (a.get("machine_kernel_share") is not None
+                and g.get("machine_kernel_share") is not None):
+            line += (f"; machine CPU per GB allreduced (all processes and the kernel, per rank's "
+                     f"GB): appliance {a['machine_cpu_s_per_gb']:.2f} s "
+                     f"({a['machine_kernel_share']:.0%} kernel), gloo "
+                     f"{g['machine_cpu_s_per_gb']:.2f} s ({g['machine_kernel_share']:.0%} kernel)")
         if a.get("link_rx_util") is not None:
             line += (f"; w0 link utilisation: appliance rx {a['link_rx_util']:.0%} / tx "
                      f"{a['link_tx_util']:.0%}, gloo rx {g.get('link_rx_util') or 0:.0%} / tx "

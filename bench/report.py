@@ -50,8 +50,8 @@ CSV_FIELDS = [
     "network", "rate", "workers", "system", "mode", "size", "dtype", "op", "iters", "time_s",
     "algbw_gbps", "busbw_gbps", "speedup", "link_rx_util", "link_tx_util", "link_rx_per_byte",
     "link_tx_per_byte", "appliance_cpu_cores", "appliance_out_per_byte", "retransmissions",
-    "retx_share", "ingress_gbps_per_core", "worker_cpu_s_per_gb", "window_s", "checked", "ok",
-    "skipped", "error",
+    "retx_share", "ingress_gbps_per_core", "worker_cpu_s_per_gb", "machine_cpu_s_per_gb",
+    "machine_kernel_share", "window_s", "checked", "ok", "skipped", "error",
 ]
 
 
@@ -107,13 +107,16 @@ def _check(row: Row) -> str:
 
 _HEAD = (f"{'system':<9} {'mode':<9} {'size':>9} {'dtype':>8} {'op':>3} | {'time':>9} "
          f"{'algbw':>10} {'busbw':>10} | {'w0 rx':>5} {'w0 tx':>5} | {'appl CPU':>10} "
-         f"{'in/core':>10} {'wkr s/GB':>8} | {'retx':>11} | check")
+         f"{'in/core':>10} {'wkr s/GB':>8} {'mach s/GB':>14} | {'retx':>11} | check")
 
 
 def format_row(row: Row) -> str:
     cpu, ingress = row.get("appliance_cpu_cores"), row.get("ingress_gbps_per_core")
     worker, share = row.get("worker_cpu_s_per_gb"), row.get("retx_share")
     retx = row.get("retransmissions")
+    machine, kernel = row.get("machine_cpu_s_per_gb"), row.get("machine_kernel_share")
+    machine_text = "-" if machine is None else (
+        f"{machine:.2f}" if kernel is None else f"{machine:.2f} {kernel:.0%}kern")
     retx_text = "-" if retx is None else (
         f"{retx}" if share is None else f"{retx} {share:.1%}")
     return (f"{row['system']:<9} {row['mode']:<9} {format_size(row['size']):>9} {row['dtype']:>8} "
@@ -122,7 +125,7 @@ def format_row(row: Row) -> str:
             f"{_pct(row.get('link_tx_util')):>5} | "
             f"{'-' if cpu is None else f'{cpu:.2f} cores':>10} "
             f"{'-' if ingress is None else f'{ingress:.2f}GB/s':>10} "
-            f"{'-' if worker is None else f'{worker:.2f}':>8} | "
+            f"{'-' if worker is None else f'{worker:.2f}':>8} {machine_text:>14} | "
             f"{retx_text:>11} | {_check(row)}")
 
 

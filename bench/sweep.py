@@ -106,7 +106,7 @@ def _case_options(plan: SweepPlan, size: int, dtype: str, op: str) -> list[str]:
 
 def _probe_options(net: _Net, pids: tuple[int, ...]) -> list[str]:
     link = ["--probe-link", net.net.worker_interface(0)] if net.links else []
-    return link + (["--probe-pids", ",".join(map(str, pids))] if pids else [])
+    return ["--probe-machine", *link, *(["--probe-pids", ",".join(map(str, pids))] if pids else [])]
 
 
 def summarize(plan: SweepPlan, net: _Net, workers: int, outputs: list[list[Row]]) -> Row:
@@ -135,6 +135,10 @@ def summarize(plan: SweepPlan, net: _Net, workers: int, outputs: list[list[Row]]
         row["appliance_cpu_cores"] = first["appliance_cpu_s"] / probed
         if first["appliance_cpu_s"] > 0:  # every rank's contributions per CPU-second
             row["ingress_gbps_per_core"] = len(cases) * moved / first["appliance_cpu_s"] / 1e9
+    if "machine_cpu_s" in first:  # every process and the kernel, per GB one rank allreduced
+        user, kernel = first["machine_cpu_s"]["user"], first["machine_cpu_s"]["kernel"]
+        row["machine_cpu_s_per_gb"] = (user + kernel) / (moved / 1e9)
+        row["machine_kernel_share"] = kernel / (user + kernel) if user + kernel else None
     if "segments" in first and "retransmissions" in row:
         row["retx_share"] = row["retransmissions"] / max(1, sum(c["segments"] for c in cases))
     if "worker_cpu_s" in first:  # the median rank's CPU per GB it allreduced

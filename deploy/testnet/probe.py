@@ -1,10 +1,15 @@
-"""What a worker samples around each timed allreduce: its link's byte counters and the
-appliance's CPU time.
+"""What a worker samples around each timed allreduce: its link's byte counters, the
+appliance's CPU time, and the whole machine's CPU time split into user space and the kernel.
 
 The sampling lives in the worker, not the driver, so that numerator and denominator cover the
 same interval: bytes and CPU seconds are summed over exactly the timed calls, divided by exactly
 their durations. Sampled from the driver before and after a case they would also count process
 start-up, registration, warmup iterations and the reference checks, and overstate utilisation.
+
+The machine's split (/proc/stat: every process and interrupt, in 10 ms ticks) is what compares
+systems on one emulated network: every host shares these cores, so the CPU a system spends per
+allreduced byte, and how much of it the kernel's network path takes, decides its speed once
+the links are fast.
 
 Link counters come from /sys/class/net inside the worker's own namespace (`ip netns exec`
 mounts that namespace's sysfs). CPU time comes from /proc, whose pids are global here: the lab
@@ -18,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Probe", "Sample", "cpu_seconds", "descendants", "link_bytes"]
+__all__ = ["Probe", "Sample", "cpu_seconds", "descendants", "link_bytes", "machine_cpu"]
 
 _TICK_HZ = os.sysconf("SC_CLK_TCK")
 
@@ -27,6 +32,16 @@ def link_bytes(ifname: str) -> tuple[int, int]:
     """(rx, tx) bytes of an interface of this process's network namespace."""
     base = Path("/sys/class/net", ifname, "statistics")
     return int((base / "rx_bytes").read_text()), int((base / "tx_bytes").read_text())
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(user, kernel) seconds every CPU of the machine has spent so far: user + nice, and
+    system + irq + softirq (the network path of every namespace: sockets, veths, the bridge,
+    qdiscs)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq = (
+            int(v) for v in f.readline().split()[1:8])
+    return (user + nice) / _TICK_HZ, (system + irq + softirq) / _TICK_HZ
 
 
 def _task_seconds(pid: int) -> float:
@@ -84,6 +99,7 @@ class Sample:
     tx: int
     cpu_s: float
     at: float  # monotonic midpoint of the reads: they take a while, and the counters move
+    machine: tuple[float, float] = (0.0, 0.0)  # machine_cpu(), when probed
 
 
 @dataclass
@@ -102,6 +118,9 @@ class Probe:
     rx: int = 0
     tx: int = 0
     cpu_s: float = 0.0
+    machine: bool = False  # also sum the machine's user and kernel CPU seconds
+    machine_user_s: float = 0.0
+    machine_kernel_s: float = 0.0
     window: list[float] = field(default_factory=list)  # monotonic [first start, last end]
     _start: Sample | None = None
 
@@ -109,7 +128,8 @@ class Probe:
         start = time.monotonic()
         rx, tx = link_bytes(self.ifname) if self.ifname else (0, 0)
         cpu = cpu_seconds(self.pids) if self.pids else 0.0
-        return Sample(rx, tx, cpu, (start + time.monotonic()) / 2)
+        machine = machine_cpu() if self.machine else (0.0, 0.0)
+        return Sample(rx, tx, cpu, (start + time.monotonic()) / 2, machine)
 
     def before(self) -> None:
         self._start = self._sample()
@@ -125,6 +145,8 @@ class Probe:
         self.rx += end.rx - self._start.rx
         self.tx += end.tx - self._start.tx
         self.cpu_s += end.cpu_s - self._start.cpu_s
+        self.machine_user_s += end.machine[0] - self._start.machine[0]
+        self.machine_kernel_s += end.machine[1] - self._start.machine[1]
 
     def report(self) -> dict[str, object]:
         """What the worker prints: the window always, the sums only for what was probed."""
@@ -134,4 +156,6 @@ class Probe:
             out["link"] = {"ifname": self.ifname, "rx": self.rx, "tx": self.tx}
         if self.pids:
             out["appliance_cpu_s"] = self.cpu_s
+        if self.machine:
+            out["machine_cpu_s"] = {"user": self.machine_user_s, "kernel": self.machine_kernel_s}
         return out

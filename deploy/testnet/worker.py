@@ -68,10 +68,12 @@ def add_probe_arguments(p: argparse.ArgumentParser) -> None:
                    help="sum this interface's rx/tx bytes over the timed calls")
     p.add_argument("--probe-pids", type=_list(int), default=[], metavar="PID,..",
                    help="sum these processes' CPU seconds over the timed calls")
+    p.add_argument("--probe-machine", action="store_true",
+                   help="sum the machine's user and kernel CPU seconds over the timed calls")
 
 
 def probe_of(args: argparse.Namespace) -> Probe:
-    return Probe(args.probe_link, tuple(args.probe_pids))
+    return Probe(args.probe_link, tuple(args.probe_pids), machine=args.probe_machine)
 
 
 def inputs(seed: int, case: int, rank: int, n: int, dtype: DType,

@@ -37,4 +37,7 @@ def test_allreduce_bench_runs_both_systems_exactly(tmp_path: Path) -> None:
         assert not result.get("skipped"), result
         assert result["checked"] and result["ok"], result
         assert result["time_s"] > 0 and len(result["times"]) == 1
+        # The machine's CPU over the timed call (10 ms ticks: a 64 KiB call may read 0).
+        assert result["machine_cpu_s_per_gb"] >= 0
+        assert result["machine_kernel_share"] is None or 0 <= result["machine_kernel_share"] <= 1
     assert row["speedup"] > 0

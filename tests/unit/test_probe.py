@@ -1,0 +1,43 @@
+"""The bench's probe: the machine's CPU split into user space and the kernel."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from reduction_appliance.deploy.testnet.probe import Probe, machine_cpu
+
+
+def _spin(seconds: float) -> None:
+    # time.monotonic is read in user space (vDSO); process_time would be a system call.
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def _syscalls(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        os.stat("/")
+
+
+def test_a_busy_loop_shows_as_user_time_and_syscalls_as_kernel_time() -> None:
+    probe = Probe(machine=True)
+    probe.before()
+    _spin(0.3)
+    probe.after(0.3)
+    report = probe.report()["machine_cpu_s"]
+    assert isinstance(report, dict)
+    # Most of the spin (other processes can only add; 10 ms ticks; the spin may be preempted).
+    assert report["user"] >= 0.15, report
+    user, kernel = machine_cpu()
+    _syscalls(0.3)
+    user2, kernel2 = machine_cpu()
+    assert kernel2 - kernel >= 0.05 and user2 >= user, (user, kernel, user2, kernel2)
+
+
+def test_without_machine_the_report_has_no_split() -> None:
+    probe = Probe()
+    probe.before()
+    probe.after(0.0)
+    assert "machine_cpu_s" not in probe.report()
