@@ -332,13 +332,7 @@ class AllreduceRound:
         self.remaining -= 1
         e = k % len(self.endpoints)
         self._heard_at[e] = now
-        if not self._retransmitted[k] or (self._waits_for_peers[k]
-                                          and self._payload_sent[k] == self._sent_at[k]):
-            # Karn's rule skips retransmitted segments, whose answer may belong to either copy.
-            # A segment whose payload left once and whose last query the core answered "I hold
-            # yours, waiting for a slower rank" is unambiguous: its result came after that one
-            # payload and was not a resend. Skipping those would leave out exactly the long
-            # round trips (a slow rank), so the timers would keep firing at the short ones.
+        if not self._retransmitted[k]:
             self._rtt.sample(e, now - self._sent_at[k])
         if self._seq[k] > self._acked_seq[e]:
             self._acked_seq[e] = self._seq[k]

@@ -118,34 +118,6 @@ def test_a_segment_waiting_for_a_slower_rank_backs_off() -> None:
     assert times == [0.1, 0.3, 0.7, 1.5, 2.3]
 
 
-def test_a_round_trip_spent_waiting_for_a_slower_rank_is_sampled() -> None:
-    rnd, sent = one_segment(Timing(rto_initial=0.1, rto_min=0.01, rto_max=0.8, deadline=5.0))
-    (query,) = rnd.due(rnd.wakeup())  # at 0.1: "the result, or say what you lack"
-    rnd.on_pending(query.header._replace(kind=Kind.PENDING), bytes([0b01]), 0.11)
-    assert rnd.accept(sent.header._replace(kind=Kind.RESULT)) == 0
-    rnd.stored(0, 0.3)
-    # The one payload left at 0: the result came 0.3 later (rank 1 was slow), not a resend.
-    assert rnd._rtt.srtt(0) == 0.3
-
-
-def test_no_sample_once_the_payload_went_twice_or_the_last_query_went_unanswered() -> None:
-    for lacking in (True, False):
-        rnd, sent = one_segment(Timing(rto_initial=0.1, rto_min=0.01, rto_max=0.8,
-                                       deadline=5.0))
-        (query,) = rnd.due(rnd.wakeup())
-        if lacking:  # ours never came: the payload goes again
-            rnd.on_pending(query.header._replace(kind=Kind.PENDING), bytes([0b10]), 0.11)
-            (again,) = rnd.due(0.11)
-            assert again.header.kind is Kind.CONTRIBUTION
-        else:  # "waiting for rank 1", then a query that nobody answered
-            rnd.on_pending(query.header._replace(kind=Kind.PENDING), bytes([0b01]), 0.11)
-            (query,) = rnd.due(rnd.wakeup())
-            assert query.header.kind is Kind.QUERY
-        assert rnd.accept(sent.header._replace(kind=Kind.RESULT)) == 0
-        rnd.stored(0, 0.9)
-        assert rnd._rtt.srtt(0) is None  # ambiguous: Karn's rule
-
-
 def test_no_backoff_while_the_core_answers_others_and_lacks_an_answer_for_ours() -> None:
     # Two segments on one core: segment 1's result comes back at 0.05, segment 0's never. The
     # core is alive and answering: segment 0 was lost, and its timer keeps the base pace.
