@@ -176,10 +176,6 @@ class AllreduceRound:
         # appliance says our contribution never came; then, once, the payload.
         self._payload_sent = [0.0] * n
         self._lacks_ours = bytearray(n)
-        # The core's last word on the segment was a PENDING that holds our contribution: the
-        # round waits for a slower rank, and asking again at the round-trip pace only brings
-        # the same PENDING back (one per stuck slot per RTO, for as long as that rank lags).
-        self._waits_for_peers = bytearray(n)
         self._nudged: deque[int] = deque()  # a PENDING said ours never came: resend at once
         self.fast_retransmissions = 0
         self.nudged_retransmissions = 0  # resent because a PENDING said ours never came
@@ -251,13 +247,7 @@ class AllreduceRound:
             if self._done[k] or when != self._timer[k]:
                 continue  # answered, or superseded by a later timer
             e = k % n_ep
-            if self._waits_for_peers[k]:
-                # Back off as for a silent core: the result comes when the late rank's
-                # contribution does, and a lost result shows first by later results (fast
-                # retransmit); the appliance nudges the late rank itself.
-                self._waits_for_peers[k] = 0
-                self._rto[k] = min(max(self._rto[k] * 2, self._rtt.rto(e)), rto_max)
-            elif self._heard_at[e] >= self._last_sent[k]:
+            if self._heard_at[e] >= self._last_sent[k]:
                 # The core answered since and lacks something of ours: a random loss, not an
                 # overloaded or dead core, so waiting longer would only idle the slot.
                 self._rto[k] = self._rtt.rto(e)
@@ -347,11 +337,10 @@ class AllreduceRound:
     def on_pending(self, h: Header, bitmap: bytes, now: float,
                    source: Address | None = None) -> None:
         """The appliance says a segment still waits, and which ranks it has (remembered for a
-        timeout's error message). Ours among them: the slot waits for a slower rank, and the
-        segment's next timer backs off. Ours not among them: resend the payload now. When the
-        PENDING answers our own query, that is certain (the query left after the payload, on
-        the same path); when a peer's query caused it, ours may still be on its way, so only if
-        it left longer than a round trip ago."""
+        timeout's error message). Ours not among them: resend the payload now. When the PENDING
+        answers our own query, that is certain (the query left after the payload, on the same
+        path); when a peer's query caused it, ours may still be on its way, so only if it left
+        longer than a round trip ago."""
         if h.kind is not Kind.PENDING or h.round != self.round or h.epoch != self.epoch:
             return
         k, rest = divmod(h.offset, self.segment_bytes)
@@ -365,10 +354,7 @@ class AllreduceRound:
         self._pending[e] = (have.bit_count(), bytes(bitmap))
         if self._done[k] or h.use != self._use[k]:
             return
-        if have >> self.rank & 1:
-            self._waits_for_peers[k] = 1
-            return
-        if self._lacks_ours[k]:
+        if have >> self.rank & 1 or self._lacks_ours[k]:
             return
         # A result's round trip includes the wait for the slowest rank: a generous bound on
         # how long our payload may still be on its way.
