@@ -29,12 +29,18 @@ class CopyState(Enum):
     FILLING = "filling"
     COMPLETE = "complete"
 
+    # Members are singletons: hash by identity in C. Enum's own __hash__ is a Python call,
+    # and `move` hashes two members per contribution.
+    __hash__ = object.__hash__
+
 
 class Event(Enum):
     START = "start"  # first contribution of the slot's next use
     ADD = "add"  # one more contribution, not the last
     LAST = "last"  # the contribution that makes it whole
     RESET = "reset"  # a new epoch
+
+    __hash__ = object.__hash__  # as CopyState's
 
 
 COPY_TRANSITIONS: dict[tuple[CopyState, Event], CopyState] = {

@@ -205,8 +205,10 @@ class RoundPipeline:
     # ---- liveness ----
     def heard(self, appliance: int, now: float) -> None:
         """A datagram of ours came from one of that appliance's cores."""
-        self._heard[appliance] = max(self._heard[appliance], now)
-        self._silent_appliances.pop(appliance, None)
+        if now > self._heard[appliance]:  # (once per datagram: no max(), no pop() unless needed)
+            self._heard[appliance] = now
+        if self._silent_appliances:
+            self._silent_appliances.pop(appliance, None)
 
     def _check_appliances(self, now: float) -> bool:
         """Fail the rounds that need an appliance silent past the liveness timeout."""

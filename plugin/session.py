@@ -198,16 +198,19 @@ class AllreduceRound:
         return min(self.segment_bytes, self.nbytes - k * self.segment_bytes)
 
     def _header(self, k: int, retransmit: bool) -> Header:
-        e = k % len(self.endpoints)
+        n_ep = len(self.endpoints)
+        e = k % n_ep
         ep = self.endpoints[e]
-        slot = ep.slot_base + (k // len(self.endpoints)) % ep.slots
+        slot = ep.slot_base + (k // n_ep) % ep.slots
         if not retransmit:
             self._use[k] = self._uses.take(e, slot)
         kind = Kind.QUERY if retransmit and not self._lacks_ours[k] else Kind.CONTRIBUTION
+        offset = k * self.segment_bytes
         return Header(
             kind, self.dtype, self.op,
             Flags.RETRANSMIT if retransmit else Flags.NONE, ep.job_id, self.rank, ep.cookie,
-            self.round, slot, self.offset(k), self.length(k), self._use[k], self.epoch,
+            self.round, slot, offset, min(self.segment_bytes, self.nbytes - offset),
+            self._use[k], self.epoch,
         )
 
     @property
@@ -254,17 +257,26 @@ class AllreduceRound:
             else:  # a silent core, or one waiting for late ranks: ask less and less often
                 self._rto[k] = min(max(self._rto[k] * 2, self._rtt.rto(e)), rto_max)
             self._resend(k, now, out)
-        while self._ready:
-            k = self._ready.popleft()
+        ready = self._ready
+        if not ready:
+            return out
+        # First transmissions: the per-segment work of a fast link, so the timer is armed in
+        # line and each core's RTO is worked out once per call, not once per segment.
+        rto_of = [self._rtt.rto(e) for e in range(n_ep)]
+        sent_at, rto, timer, last_sent = self._sent_at, self._rto, self._timer, self._last_sent
+        sent_seq, seq, unanswered = self._sent_seq, self._seq, self._unanswered
+        header, ticket, push = self._header, self.ticket, heapq.heappush
+        while ready:
+            k = ready.popleft()
             e = k % n_ep
-            self._sent_at[k] = now
-            self._rto[k] = self._rtt.rto(e)
-            self._sent_seq[e] += 1
-            self._seq[k] = self._sent_seq[e]
-            self._unanswered[e].append(k)
-            self._arm(k, now)
-            self._payload_sent[k] = now
-            out.append(Transmit(e, k, self._header(k, False), self.ticket))
+            sent_at[k] = last_sent[k] = self._payload_sent[k] = now
+            rto[k] = rto_of[e]
+            timer[k] = when = now + rto_of[e]
+            push(timers, (when, k))
+            sent_seq[e] += 1
+            seq[k] = sent_seq[e]
+            unanswered[e].append(k)
+            out.append(Transmit(e, k, header(k, False), ticket))
         return out
 
     def _resend(self, k: int, now: float, out: list[Transmit]) -> None:
@@ -305,7 +317,8 @@ class AllreduceRound:
                 or h.epoch != self.epoch):
             return None
         k, rest = divmod(h.offset, self.segment_bytes)
-        if (rest or k >= self.segments or self._done[k] or h.length != self.length(k)
+        if (rest or k >= self.segments or self._done[k]
+                or h.length != min(self.segment_bytes, self.nbytes - h.offset)
                 or h.use != self._use[k]):
             return None
         ep = self.endpoints[k % len(self.endpoints)]
