@@ -3,8 +3,8 @@
 A segment travels as one datagram (header + payload + IP and UDP headers), so the largest
 segment that never fragments is set by the smallest MTU on the path. The appliance knows its
 own end: the interface that holds the data address (jumbo frames on a rack NIC, 65536 on
-loopback). Workers check their end when they join (`plugin.pathcheck`) and say so when a
-job's datagrams would not fit their route.
+loopback). Workers check their end when they join (`UdpWorkerTransport.fragmenting_routes`,
+asked by `ApplianceClient`) and say so when a job's datagrams would not fit their route.
 """
 
 from __future__ import annotations
