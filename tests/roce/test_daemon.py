@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from reduction_appliance.dataplane.verbs import SEND_BYTES
 from reduction_appliance.plugin.rendezvous import JobInfo, RendezvousError, connect, register
 from tests.roce.daemon import SEGMENT, START_S, Appliance, appliance
 from tests.roce.loss import multicast_loss
@@ -97,7 +98,10 @@ def test_multicast_results_are_exact_and_lost_chunks_repaired(
         app: Appliance, tmp_path: Path, lossy: bool) -> None:
     """UD multicast mode: each result leaves the core once; on a lossy network a worker that
     misses a chunk asks again and gets the whole result written to it."""
-    world, elements, dtype = 3, 100_003, "fp16"
+    # An odd size whose last segment (36166 bytes) is still larger than a SEND: then every
+    # repaired result is a write, whichever chunk is lost (a result that fits in a SEND, such
+    # as a 3.4 KB tail, is repaired by a SEND and would not count as a write).
+    world, elements, dtype = 3, 116_387, "fp16"
     name = f"multicast-{'lossy' if lossy else 'clean'}"
     before = core_counters(app)
     with multicast_loss(every=20) if lossy else contextlib.nullcontext():
@@ -113,6 +117,7 @@ def test_multicast_results_are_exact_and_lost_chunks_repaired(
     moved = {k: after[k] - before[k] for k in after}
     size = elements * 2
     lengths = [min(SEGMENT, size - at) for at in range(0, size, SEGMENT)]
+    assert all(48 + n > SEND_BYTES for n in lengths)  # every repair is a write (see above)
     assert moved["segments_reduced"] == 2 * len(lengths)
     # Each result left once (chunks of the 4096-byte MTU, header in the first), not per rank.
     assert moved["roce_multicast_chunks"] == 2 * sum(-(-(48 + n) // 4096) for n in lengths)
