@@ -21,13 +21,12 @@ from reduction_appliance.control.pathmtu import data_path_mtu
 from reduction_appliance.dataplane.errors import ConfigError
 from reduction_appliance.dataplane.slots import holdable_buffers
 from reduction_appliance.dataplane.spec import KERNEL_BACKENDS
-from reduction_appliance.dataplane.wire import HEADER_SIZE
+from reduction_appliance.dataplane.wire import HEADER_SIZE, IP_UDP_HEADERS
 
 __all__ = ["KERNEL_CHOICES", "ApiConfig", "ApplianceConfig", "DataplaneConfig", "HostPort",
            "JobDefaults", "MetricsConfig", "MulticastConfig", "load", "parse", "read_token",
            "to_toml"]
 
-_IP_UDP_HEADERS = 28
 _MAX_UDP_PAYLOAD = 65507
 KERNEL_CHOICES = ("auto", *KERNEL_BACKENDS)
 
@@ -102,7 +101,7 @@ class DataplaneConfig:
     def max_payload(self) -> int:
         if self.segment_bytes:
             return self.segment_bytes
-        fit = min(self.mtu - _IP_UDP_HEADERS, _MAX_UDP_PAYLOAD) - HEADER_SIZE
+        fit = min(self.mtu - IP_UDP_HEADERS, _MAX_UDP_PAYLOAD) - HEADER_SIZE
         return fit // 64 * 64  # whole cache lines: aligned kernels on every segment
 
     @property
@@ -288,7 +287,7 @@ def parse(raw: dict[str, Any], source: str = "<memory>") -> ApplianceConfig:
         dp["mtu"], dp["mtu_from"] = data_path_mtu(dp["address"], dp["interface"])
     dataplane = DataplaneConfig(**dp)
     payload = dataplane.max_payload
-    fits = min(dataplane.mtu - _IP_UDP_HEADERS, _MAX_UDP_PAYLOAD) - HEADER_SIZE
+    fits = min(dataplane.mtu - IP_UDP_HEADERS, _MAX_UDP_PAYLOAD) - HEADER_SIZE
     _check(64 <= payload <= fits and payload % 64 == 0, "dataplane.segment_bytes",
            f"must be a multiple of 64 between 64 and {fits} (what MTU {dataplane.mtu} carries)")
     for key in ("core_start_timeout_s", "core_reply_timeout_s"):

@@ -5,6 +5,7 @@ segment that never fragments is set by the smallest MTU on the path. The applian
 own end: the interface that holds the data address (jumbo frames on a rack NIC, 65536 on
 loopback). Workers check their end when they join (`UdpWorkerTransport.fragmenting_routes`,
 asked by `ApplianceClient`) and say so when a job's datagrams would not fit their route.
+Also here, since both need it: which interface holds an address (steering checks that one).
 """
 
 from __future__ import annotations
@@ -15,16 +16,31 @@ from pyroute2 import IPRoute
 
 from reduction_appliance.dataplane.errors import ConfigError
 
-__all__ = ["PathMtu", "data_path_mtu"]
+__all__ = ["PathMtu", "data_path_mtu", "interface_for_address", "netlink"]
 
 _AF_INET = 2
 _IFF_UP = 0x1
 _IFF_LOOPBACK = 0x8
+_WILDCARD = "0.0.0.0"
 
 
 class PathMtu(NamedTuple):
     mtu: int
     where: str  # how it was found, for check-config and status
+
+
+def netlink(netns: str | None = None) -> Any:
+    """A pyroute2 IPRoute in `netns` (None: this process's namespace); a context manager."""
+    # flags=0: never create a namespace implicitly (pyroute2's default is O_CREAT).
+    return IPRoute() if netns is None else IPRoute(netns=netns, flags=0)
+
+
+def _holding(ipr: Any, address: str) -> list[int]:
+    """Indices of the interfaces holding IPv4 `address`; of every one with an IPv4 address
+    for the wildcard."""
+    return [int(msg["index"]) for msg in ipr.get_addr(family=_AF_INET)
+            if address == _WILDCARD
+            or address in (msg.get_attr("IFA_ADDRESS"), msg.get_attr("IFA_LOCAL"))]
 
 
 def _links(ipr: Any) -> dict[int, tuple[str, int, int]]:
@@ -34,23 +50,33 @@ def _links(ipr: Any) -> dict[int, tuple[str, int, int]]:
             for link in ipr.get_links()}
 
 
+def interface_for_address(address: str, netns: str | None = None) -> str | None:
+    """The interface holding IPv4 ``address`` (the data address), or None when none does."""
+    if address == _WILDCARD:
+        return None
+    with netlink(netns) as ipr:
+        for index in _holding(ipr, address):
+            for link in ipr.get_links(index):
+                name = link.get_attr("IFLA_IFNAME")
+                return str(name) if name is not None else None
+    return None
+
+
 def data_path_mtu(address: str, interface: str = "") -> PathMtu:
     """The MTU of the appliance's end of the data path: the named data `interface`, else the
     interface holding `address`; for the wildcard address the smallest MTU among the interfaces
     that are up with an IPv4 address (no datagram then fragments whichever one a worker uses).
     `ConfigError` when there is none to read."""
-    with IPRoute() as ipr:
+    with netlink() as ipr:
         links = _links(ipr)
-        if interface:
-            for name, mtu, _ in links.values():
-                if name == interface:
-                    return PathMtu(mtu, f"interface {interface} (dataplane.interface)")
-            raise ConfigError(f"dataplane.mtu: 0 asks for the MTU of dataplane.interface "
-                              f"{interface}, which does not exist here")
-        holders = {int(msg["index"]) for msg in ipr.get_addr(family=_AF_INET)
-                   if address in (msg.get_attr("IFA_ADDRESS"), msg.get_attr("IFA_LOCAL"))
-                   or address == "0.0.0.0"}
-    if address != "0.0.0.0":
+        holders = _holding(ipr, address)
+    if interface:
+        for name, mtu, _ in links.values():
+            if name == interface:
+                return PathMtu(mtu, f"interface {interface} (dataplane.interface)")
+        raise ConfigError(f"dataplane.mtu: 0 asks for the MTU of dataplane.interface "
+                          f"{interface}, which does not exist here")
+    if address != _WILDCARD:
         for index in holders:
             name, mtu, _ = links[index]
             return PathMtu(mtu, f"interface {name}, which holds {address}")

@@ -34,13 +34,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from reduction_appliance.control.config import ApplianceConfig
+from reduction_appliance.control.pathmtu import interface_for_address, netlink
 from reduction_appliance.control.snapshot import InterfaceSnapshot
 from reduction_appliance.dataplane.errors import ConfigError, ReductionError
-from reduction_appliance.dataplane.wire import HEADER_SIZE
+from reduction_appliance.dataplane.wire import HEADER_SIZE, IP_UDP_HEADERS
 
 __all__ = [
     "IP_UDP_HEADERS",
@@ -62,7 +62,6 @@ __all__ = [
     "remove",
 ]
 
-IP_UDP_HEADERS = 28  # IPv4 header without options (20) + UDP header (8)
 _TABLE_MAIN = 254  # RT_TABLE_MAIN
 _SCOPE_LINK = 253  # RT_SCOPE_LINK: the range is reached directly on the interface
 _IFF_UP = 0x1
@@ -203,11 +202,6 @@ class InterfaceState:
     multicast: bool  # IFF_MULTICAST: can send and receive multicast
 
 
-def _ipr(netns: str | None) -> Any:
-    # flags=0: never create a namespace implicitly (pyroute2's default is O_CREAT).
-    return IPRoute() if netns is None else IPRoute(netns=netns, flags=0)
-
-
 def _where(netns: str | None) -> str:
     return "" if netns is None else f" in network namespace {netns}"
 
@@ -246,21 +240,10 @@ def _state(ipr: Any, ifname: str, netns: str | None) -> InterfaceState | None:
     )
 
 
-def interface_for_address(address: str, netns: str | None = None) -> str | None:
-    """The interface holding IPv4 ``address`` (the data address), or None when none does."""
-    with _ipr(netns) as ipr:
-        for msg in ipr.get_addr(family=_AF_INET):
-            if msg.get_attr("IFA_ADDRESS") == address or msg.get_attr("IFA_LOCAL") == address:
-                for link in ipr.get_links(int(msg["index"])):
-                    name = link.get_attr("IFLA_IFNAME")
-                    return str(name) if name is not None else None
-    return None
-
-
 def check_interface(ifname: str, mtu_needed: int, netns: str | None = None, *,
                     need_multicast: bool = False) -> InterfaceState:
     """The data interface's state; ConfigError when it cannot carry the data plane's traffic."""
-    with _ipr(netns) as ipr:
+    with netlink(netns) as ipr:
         state = _state(ipr, ifname, netns)
     if state is None:
         raise ConfigError(f"interface {ifname} does not exist{_where(netns)}: check the data "
@@ -296,7 +279,7 @@ def _describe_route(prefix: str, ifname: str) -> str:
 def current(ifname: str, groups: ipaddress.IPv4Network, netns: str | None = None) -> list[str]:
     """Descriptions of the installed rules for ``ifname`` that concern ``groups``: the
     multicast routes in the main table inside the range, on that interface."""
-    with _ipr(netns) as ipr:
+    with netlink(netns) as ipr:
         index = _index(ipr, ifname)
         if index is None:
             return []
@@ -312,7 +295,7 @@ def interfaces_snapshot(ifnames: Sequence[str], netns: str | None = None
                         ) -> list[InterfaceSnapshot]:
     """Status of each interface; a missing one reads as MTU 0, down, no routes."""
     out: list[InterfaceSnapshot] = []
-    with _ipr(netns) as ipr:
+    with netlink(netns) as ipr:
         routes = [_route_key(msg) for msg in _main_routes(ipr)]
         for name in ifnames:
             state = _state(ipr, name, netns)
@@ -400,7 +383,7 @@ class Steering:
             raise SteeringError("a Steering can be entered once")
         self._entered = True
         try:
-            with _ipr(self.netns) as ipr:
+            with netlink(self.netns) as ipr:
                 index = _index(ipr, self.plan.ifname)
                 if index is None:
                     raise ConfigError(f"interface {self.plan.ifname} does not exist"
@@ -445,7 +428,7 @@ class Steering:
         if index is None or (not owned and not displaced):
             return
         errors: list[str] = []
-        with _ipr(self.netns) as ipr:
+        with netlink(self.netns) as ipr:
             for rule in reversed(owned):
                 try:
                     _delete_route(ipr, rule.prefix, index)
@@ -476,7 +459,7 @@ def remove(steering_plan: SteeringPlan, netns: str | None = None) -> list[str]:
     the Steering that displaced them knew them.
     """
     removed: list[str] = []
-    with _ipr(netns) as ipr:
+    with netlink(netns) as ipr:
         index = _index(ipr, steering_plan.ifname)
         if index is None:  # the interface's routes went with it
             return removed

@@ -60,6 +60,7 @@ from .errors import PeerError
 __all__ = [
     "HEADER",
     "HEADER_SIZE",
+    "IP_UDP_HEADERS",
     "ITEMSIZE",
     "MAGIC",
     "SILENT",
@@ -82,6 +83,7 @@ VERSION = 3  # 3: QUERY, and PENDING sent to the ranks a segment waits for
 
 HEADER = struct.Struct("!HBBBBBxIHHQIIQII")
 HEADER_SIZE = HEADER.size
+IP_UDP_HEADERS = 28  # what a datagram adds to its payload on the wire: IPv4 (20) + UDP (8)
 assert HEADER_SIZE == 48
 SILENT = struct.Struct("!HH4sI")
 

@@ -32,7 +32,13 @@ from reduction_appliance.dataplane.udp import (
     enlarge_buffers,
     segment_size,
 )
-from reduction_appliance.dataplane.wire import HEADER_SIZE, Header, pack_into, unpack
+from reduction_appliance.dataplane.wire import (
+    HEADER_SIZE,
+    IP_UDP_HEADERS,
+    Header,
+    pack_into,
+    unpack,
+)
 
 __all__ = [
     "Handler",
@@ -43,7 +49,6 @@ __all__ = [
 ]
 
 _IP_MTU = getattr(socket, "IP_MTU", 14)  # Linux: a connected socket's route MTU
-_IP_UDP_HEADERS = 28
 _SOCKET_BUFFER = 32 * 1024 * 1024
 _TRANSIENT = {errno.ENOBUFS, errno.EAGAIN, errno.EWOULDBLOCK}  # a full queue: like a loss
 _RECEIVE_BUFFER = GRO_BUFFER  # the largest datagram, or the most one coalesced receive brings
@@ -166,7 +171,7 @@ class UdpWorkerTransport:
         """For each destination whose route cannot carry a datagram of `payload_bytes` (plus
         our header) whole: why, in words. Such datagrams still arrive, as IP fragments: slower,
         and a lost fragment loses the whole datagram."""
-        datagram = HEADER_SIZE + payload_bytes + _IP_UDP_HEADERS
+        datagram = HEADER_SIZE + payload_bytes + IP_UDP_HEADERS
         found = []
         for dest in dict.fromkeys(dests):
             mtu = self.route_mtu(dest)
