@@ -9,11 +9,12 @@ counted alike by every rank), which the appliance checks against its window. Res
 accepted only from the core the segment went to, for its use and epoch.
 
 Loss recovery at rack speed: every appliance core has its own round-trip estimate (RFC 6298,
-Karn's rule) with a floor in the rack's time scale (`Timing.rto_min`), and only the lost
-segment's own timer backs off: one loss never slows the rest. A gap is repaired without
-waiting for a timer when it shows: once results came back for `FAST_RETRANSMIT` segments sent
-to the same core after one that is still unanswered, that one goes again at once (fast
-retransmit). A lost segment holds only its own slot: the other slots keep the pipe full.
+Karn's rule, its gains divided by the segments in flight as RFC 7323 has them for a window's
+worth of samples per round trip) with a floor in the rack's time scale (`Timing.rto_min`), and
+only the lost segment's own timer backs off: one loss never slows the rest. A gap is repaired
+without waiting for a timer when it shows: once results came back for `FAST_RETRANSMIT`
+segments sent to the same core after one that is still unanswered, that one goes again at once
+(fast retransmit). A lost segment holds only its own slot: the other slots keep the pipe full.
 
 The transport asks `due(now)` what to send, offers each received RESULT header to `accept`, and
 reports `stored` once the payload sits in the output array. Nothing here touches a socket or a
@@ -69,13 +70,21 @@ class RttEstimator:
     _srtt: dict[int, float] = field(default_factory=dict)
     _rttvar: dict[int, float] = field(default_factory=dict)
 
-    def sample(self, dest: int, rtt: float) -> None:
+    def sample(self, dest: int, rtt: float, per_rtt: int = 1) -> None:
+        """One round trip to `dest`. `per_rtt`: how many samples a round trip brings (the
+        segments in flight to it). RFC 6298's gains assume one; with a window of them, the
+        unscaled gains would forget within a fraction of a round trip, and since neighbouring
+        segments' round trips are alike, RTTVAR collapses to the last few segments' spread
+        and the timer fires inside the ordinary spread (RFC 7323, appendix G: divide the gains
+        by the samples per round trip)."""
         srtt = self._srtt.get(dest)
         if srtt is None:
             self._srtt[dest], self._rttvar[dest] = rtt, rtt / 2
         else:
-            self._rttvar[dest] = 0.75 * self._rttvar[dest] + 0.25 * abs(srtt - rtt)
-            self._srtt[dest] = 0.875 * srtt + 0.125 * rtt
+            scale = 1.0 / per_rtt if per_rtt > 1 else 1.0
+            rttvar = self._rttvar[dest]
+            self._rttvar[dest] = rttvar + 0.25 * scale * (abs(srtt - rtt) - rttvar)
+            self._srtt[dest] = srtt + 0.125 * scale * (rtt - srtt)
 
     def srtt(self, dest: int) -> float | None:
         return self._srtt.get(dest)
@@ -171,6 +180,7 @@ class AllreduceRound:
         self._sent_seq = [0] * len(endpoints)
         self._acked_seq = [0] * len(endpoints)
         self._unanswered: list[deque[int]] = [deque() for _ in endpoints]
+        self._in_flight = [0] * len(endpoints)  # sent, unanswered: RTT samples per round trip
         self._fast = bytearray(n)
         # Retransmissions are QUERYs (48 bytes: "the result, or say what you lack") until the
         # appliance says our contribution never came; then, once, the payload.
@@ -265,6 +275,7 @@ class AllreduceRound:
         rto_of = [self._rtt.rto(e) for e in range(n_ep)]
         sent_at, rto, timer, last_sent = self._sent_at, self._rto, self._timer, self._last_sent
         sent_seq, seq, unanswered = self._sent_seq, self._seq, self._unanswered
+        in_flight = self._in_flight
         header, ticket, push = self._header, self.ticket, heapq.heappush
         while ready:
             k = ready.popleft()
@@ -274,6 +285,7 @@ class AllreduceRound:
             timer[k] = when = now + rto_of[e]
             push(timers, (when, k))
             sent_seq[e] += 1
+            in_flight[e] += 1
             seq[k] = sent_seq[e]
             unanswered[e].append(k)
             out.append(Transmit(e, k, header(k, False), ticket))
@@ -336,7 +348,8 @@ class AllreduceRound:
         e = k % len(self.endpoints)
         self._heard_at[e] = now
         if not self._retransmitted[k]:
-            self._rtt.sample(e, now - self._sent_at[k])
+            self._rtt.sample(e, now - self._sent_at[k], self._in_flight[e])
+        self._in_flight[e] -= 1
         if self._seq[k] > self._acked_seq[e]:
             self._acked_seq[e] = self._seq[k]
         waiting = self._unanswered[e]

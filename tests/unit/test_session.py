@@ -63,6 +63,40 @@ def test_unanswered_segments_are_retransmitted_with_backoff() -> None:
     assert times == [0.1, 0.3, 0.7, 1.1]  # 0.1, 0.2, 0.4, then capped at 0.4
 
 
+def test_a_window_of_alike_samples_does_not_collapse_the_timer() -> None:
+    """Neighbouring segments' round trips are alike: with a window of 32 in flight, 32 short
+    ones in a row are one round trip's worth of evidence, not four RTOs' worth. Scaled gains
+    keep the timer above the long round trips seen a moment before; RFC 6298's per-sample
+    gains would have let it fall to about the short ones."""
+    estimator = RttEstimator(Timing(rto_min=0.001))
+    for burst in range(20):  # bursts of short and long round trips, 32 samples each
+        for rtt in (0.005, 0.015):
+            for _ in range(32):
+                estimator.sample(0, rtt, 32)
+                if burst:  # from the second burst on, when both kinds were seen
+                    assert estimator.rto(0) > 0.015
+    lone = RttEstimator(Timing(rto_min=0.001))
+    lone.sample(0, 0.015)
+    for _ in range(32):
+        lone.sample(0, 0.005, 1)  # one sample per round trip: the gains as RFC 6298 has them
+    assert lone.rto(0) < 0.01
+
+
+def test_a_round_samples_with_its_window_in_flight() -> None:
+    """Results of one round trip move the estimate as one sample would, not as 16 would."""
+    estimator = RttEstimator(Timing(rto_min=0.001))
+    estimator.sample(0, 0.010)
+    rnd = AllreduceRound(endpoints(1, 32), 0, 2, 1, DType.FLOAT32, Op.SUM, 32 * 64, 64,
+                         estimator, 0.0)
+    sent = rnd.due(0.0)
+    assert len(sent) == 32
+    for t in sent[:16]:
+        assert rnd.accept(t.header._replace(kind=Kind.RESULT)) == t.segment
+        rnd.stored(t.segment, 0.001)
+    srtt = estimator.srtt(0)
+    assert srtt is not None and 0.008 < srtt < 0.010
+
+
 def one_segment(timing: Timing, rtt: float | None = None) -> tuple[AllreduceRound, Transmit]:
     """Rank 0 of 2, one segment, one core (with a round trip of `rtt` measured); sent at t=0."""
     estimator = RttEstimator(timing)
