@@ -113,6 +113,9 @@ class DatagramBatcher:
         self.send_errors = 0
         self.last_error: OSError | None = None
         self.gso_refused = ""  # why the kernel refused UDP_SEGMENT, once it has
+        # Destinations whose route is narrower than our datagrams: the kernel segments only
+        # datagrams that fit one frame (EMSGSIZE), while one sent alone leaves as IP fragments.
+        self._unsegmentable: set[Address] = set()
 
     def take_counts(self) -> tuple[int, int, int]:
         """(datagrams, bytes, failed datagrams) since the last call."""
@@ -139,6 +142,8 @@ class DatagramBatcher:
             self.flush()
         if not self._count:
             self._dest, self._size = dest, size
+            if dest in self._unsegmentable:
+                self._closed_group = True  # nothing joins it: one datagram per call
         elif size < self._size:
             self._closed_group = True
         self._iov.append(header)
@@ -174,10 +179,18 @@ class DatagramBatcher:
         try:
             return self.sock.sendmsg(iov, [(_SOL_UDP, UDP_SEGMENT, _SIZE.pack(size))], 0, dest)
         except OSError as exc:
-            if exc.errno not in _GSO_UNSUPPORTED:
+            if exc.errno == errno.EMSGSIZE:  # this route only: others may still segment
+                self._unsegmentable.add(dest)
+                self.gso_refused = (
+                    f"EMSGSIZE: datagrams of {size} bytes are wider than the route to "
+                    f"{dest[0]}:{dest[1]} carries in one frame; sent one per call, as IP "
+                    "fragments")
+            elif exc.errno in _GSO_UNSUPPORTED:
+                self.gso_refused = (
+                    f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}")
+                self.gso = False  # this kernel cannot segment: one datagram per call from now
+            else:
                 raise
-            self.gso_refused = f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
-        self.gso = False  # this kernel or route cannot segment: one datagram per call from now
         return sum(self.sock.sendmsg(iov[i:i + 2], (), 0, dest) for i in range(0, len(iov), 2))
 
 
@@ -293,7 +306,8 @@ class UdpCoreTransport:
         found = []
         if refused := self.batcher.gso_refused:
             found.append(f"UDP GSO refused by the kernel ({refused}): one sendmsg per result "
-                         "datagram")
+                         "datagram" if not self.batcher.gso else
+                         f"UDP GSO refused for a route ({refused})")
         if self.gro_refused:
             found.append(f"UDP GRO off ({self.gro_refused}): one receive call per "
                          "contribution")

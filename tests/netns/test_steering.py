@@ -243,3 +243,24 @@ def test_a_worker_names_a_route_narrower_than_the_jobs_segments(ns: str) -> None
         "['10.20.0.5:7000 (route MTU 1500, datagrams 8972)']",  # once, however often named
         "[]",  # 1408 + 48 + 28 = 1484 fits
     ]
+
+
+def test_datagrams_wider_than_the_route_leave_one_per_call_as_fragments(ns: str) -> None:
+    """The kernel refuses to segment datagrams wider than the route's frames (EMSGSIZE), yet
+    sends each alone as IP fragments: the batcher falls back for that route only, nothing is
+    lost, and the reason is kept for status."""
+    subprocess.run(["ip", "-n", ns, "route", "add", "10.20.0.0/24", "dev", "v0", "mtu", "1500"],
+                   check=True)
+    code = ("import socket\n"
+            "from reduction_appliance.dataplane.udp import DatagramBatcher\n"
+            "with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:\n"
+            "    b = DatagramBatcher(s)\n"
+            "    for dest in [('10.20.0.5', 7000)] * 3 + [('10.9.0.7', 7000)] * 3:\n"
+            "        b.add(dest, b'h' * 48, b'p' * 4000)\n"
+            "    b.flush()\n"
+            "    print(b.take_counts(), b.gso)\n"
+            "    print(b.gso_refused)\n")
+    counts, reason = run_in(ns, code).splitlines()
+    assert counts == "(6, 24288, 0) True"  # all sent; GSO still on for the wide route
+    assert reason == ("EMSGSIZE: datagrams of 4048 bytes are wider than the route to "
+                      "10.20.0.5:7000 carries in one frame; sent one per call, as IP fragments")

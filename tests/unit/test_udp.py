@@ -14,15 +14,18 @@ B = ("198.18.0.2", 7000)
 
 
 class RecordingSocket:
-    def __init__(self, refuse_gso: bool = False) -> None:
+    def __init__(self, refuse_gso: bool = False, narrow: tuple[str, int] | None = None) -> None:
         self.calls: list[tuple[list[bytes], list[Any], tuple[str, int]]] = []
         self.refuse_gso = refuse_gso
+        self.narrow = narrow  # a destination whose route MTU is below our datagrams
 
     def sendmsg(self, iov: list[Any], ancdata: Any = (), flags: int = 0,
                 dest: tuple[str, int] | None = None) -> int:
         assert dest is not None
         if ancdata and self.refuse_gso:
             raise OSError(errno.EIO, "no GSO here")
+        if ancdata and dest == self.narrow:
+            raise OSError(errno.EMSGSIZE, "Message too long")
         self.calls.append(([bytes(b) for b in iov], list(ancdata), dest))
         return sum(len(b) for b in iov)
 
@@ -68,3 +71,26 @@ def test_without_gso_every_datagram_is_sent_alone() -> None:
     assert [len(iov) for iov, _, _ in sock.calls] == [2, 2, 2]
     assert not b.gso and b.take_counts() == (3, 153, 0)
     assert b.gso_refused == "EIO: no GSO here"  # the core reports it as a fallback
+
+
+def test_a_route_too_narrow_to_segment_gets_one_datagram_per_call_and_only_it() -> None:
+    """The kernel segments only datagrams that fit one frame of the route (EMSGSIZE
+    otherwise); alone, each leaves as IP fragments. Other destinations keep GSO."""
+    sock = RecordingSocket(narrow=B)
+    b = batcher(sock)
+    for _ in range(3):
+        b.add(B, b"h", b"p" * 50)
+    b.flush()
+    assert [len(iov) for iov, _, _ in sock.calls] == [2, 2, 2]
+    assert b.take_counts() == (3, 153, 0)
+    assert b.gso_refused.startswith("EMSGSIZE: datagrams of 51 bytes are wider than the route "
+                                    "to 198.18.0.2:7000")
+    sock.calls.clear()
+    for _ in range(3):
+        b.add(B, b"h", b"p" * 50)  # known narrow: not even tried as one GSO send
+    for _ in range(3):
+        b.add(A, b"h", b"p" * 50)
+    b.flush()
+    assert [(len(iov), cmsg != [], dest) for iov, cmsg, dest in sock.calls] == [
+        (2, False, B), (2, False, B), (2, False, B), (6, True, A)]
+    assert b.gso and b.take_counts() == (6, 306, 0)
