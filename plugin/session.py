@@ -180,7 +180,10 @@ class AllreduceRound:
         self._sent_seq = [0] * len(endpoints)
         self._acked_seq = [0] * len(endpoints)
         self._unanswered: list[deque[int]] = [deque() for _ in endpoints]
-        self._in_flight = [0] * len(endpoints)  # sent, unanswered: RTT samples per round trip
+        # Sent and unanswered, per core: the RTT samples a round trip brings. This round's
+        # only: rounds of other lanes (pipeline.py) share the estimator, so with L lanes the
+        # gains are up to L times larger than one window's worth of samples would ask for.
+        self._in_flight = [0] * len(endpoints)
         self._fast = bytearray(n)
         # Retransmissions are QUERYs (48 bytes: "the result, or say what you lack") until the
         # appliance says our contribution never came; then, once, the payload.
