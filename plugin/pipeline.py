@@ -98,6 +98,7 @@ class RoundPipeline:
         self._lane_endpoints = lane_endpoints(endpoints, lanes)
         self._addresses = frozenset(ep.address for ep in endpoints)
         self._busy: list[AllreduceRound | None] = [None] * lanes
+        self._in_flight = [0] * len(endpoints)  # per core, over every active round
         self._active: dict[int, AllreduceRound] = {}  # wire round number -> round
         self._requests: dict[int, _Request] = {}  # ticket -> what was asked, while active
         self._queued: deque[_Request] = deque()
@@ -154,7 +155,8 @@ class RoundPipeline:
                 rnd = AllreduceRound(self._lane_endpoints[lane], self.rank, self.world_size,
                                      self._next_round, req.dtype, req.op, req.nbytes,
                                      self.segment_bytes, self.rtt, now, uses=self.uses,
-                                     epoch=self.epoch, ticket=req.ticket)
+                                     epoch=self.epoch, ticket=req.ticket,
+                                     in_flight=self._in_flight)
             except ReductionError as exc:
                 self._finished.append(Outcome(req.ticket, exc, 0))
                 continue
@@ -167,6 +169,7 @@ class RoundPipeline:
             self.most_in_flight = max(self.most_in_flight, len(self._active))
 
     def _finish(self, rnd: AllreduceRound, error: ReductionError | None) -> None:
+        rnd.release()
         del self._active[rnd.round]
         del self._requests[rnd.ticket]
         self._busy[rnd.round % self.lanes] = None
@@ -333,6 +336,7 @@ class RoundPipeline:
         self._queued.extendleft(reversed(restart))
 
     def _finish_silently(self, rnd: AllreduceRound) -> None:
+        rnd.release()
         del self._active[rnd.round]
         del self._requests[rnd.ticket]
         self._busy[rnd.round % self.lanes] = None

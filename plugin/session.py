@@ -143,6 +143,7 @@ class AllreduceRound:
         uses: SlotUses | None = None,
         epoch: int = 1,
         ticket: int | None = None,
+        in_flight: list[int] | None = None,
     ) -> None:
         if not endpoints:
             raise ReductionError("an allreduce needs at least one appliance endpoint")
@@ -180,10 +181,11 @@ class AllreduceRound:
         self._sent_seq = [0] * len(endpoints)
         self._acked_seq = [0] * len(endpoints)
         self._unanswered: list[deque[int]] = [deque() for _ in endpoints]
-        # Sent and unanswered, per core: the RTT samples a round trip brings. This round's
-        # only: rounds of other lanes (pipeline.py) share the estimator, so with L lanes the
-        # gains are up to L times larger than one window's worth of samples would ask for.
-        self._in_flight = [0] * len(endpoints)
+        # Sent and unanswered, per core: how many RTT samples a round trip brings. Rounds in
+        # flight together (the lanes of pipeline.py) share one estimator, so they share these
+        # counts too (`in_flight`); `_mine` is this round's part of them, for `release`.
+        self._in_flight = [0] * len(endpoints) if in_flight is None else in_flight
+        self._mine = [0] * len(endpoints)
         self._fast = bytearray(n)
         # Retransmissions are QUERYs (48 bytes: "the result, or say what you lack") until the
         # appliance says our contribution never came; then, once, the payload.
@@ -278,7 +280,7 @@ class AllreduceRound:
         rto_of = [self._rtt.rto(e) for e in range(n_ep)]
         sent_at, rto, timer, last_sent = self._sent_at, self._rto, self._timer, self._last_sent
         sent_seq, seq, unanswered = self._sent_seq, self._seq, self._unanswered
-        in_flight = self._in_flight
+        in_flight, mine = self._in_flight, self._mine
         header, ticket, push = self._header, self.ticket, heapq.heappush
         while ready:
             k = ready.popleft()
@@ -289,6 +291,7 @@ class AllreduceRound:
             push(timers, (when, k))
             sent_seq[e] += 1
             in_flight[e] += 1
+            mine[e] += 1
             seq[k] = sent_seq[e]
             unanswered[e].append(k)
             out.append(Transmit(e, k, header(k, False), ticket))
@@ -353,6 +356,7 @@ class AllreduceRound:
         if not self._retransmitted[k]:
             self._rtt.sample(e, now - self._sent_at[k], self._in_flight[e])
         self._in_flight[e] -= 1
+        self._mine[e] -= 1
         if self._seq[k] > self._acked_seq[e]:
             self._acked_seq[e] = self._seq[k]
         waiting = self._unanswered[e]
@@ -362,6 +366,13 @@ class AllreduceRound:
         nxt = k + ep.slots * len(self.endpoints)
         if nxt < self.segments:
             self._ready.append(nxt)
+
+    def release(self) -> None:
+        """The round is over, answered or not: its unanswered segments leave the shared
+        in-flight counts."""
+        for e, count in enumerate(self._mine):
+            self._in_flight[e] -= count
+            self._mine[e] = 0
 
     def on_pending(self, h: Header, bitmap: bytes, now: float,
                    source: Address | None = None) -> None:

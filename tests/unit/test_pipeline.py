@@ -61,6 +61,42 @@ def test_rounds_overlap_in_their_own_slots_and_start_in_order() -> None:
     assert p.due(0.001) == [] and p.in_flight() == 1  # lane 0 is free, yet round 3 waits
 
 
+class CountingEstimator(RttEstimator):
+    """Records how many samples a round trip was said to bring, with each sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.per_rtt: list[int] = []
+
+    def sample(self, dest: int, rtt: float, per_rtt: int = 1) -> None:
+        self.per_rtt.append(per_rtt)
+        super().sample(dest, rtt, per_rtt)
+
+
+def test_rounds_of_several_lanes_share_the_in_flight_count_and_give_it_back() -> None:
+    """Two rounds' segments are on the wire at once: each RTT sample counts both rounds'
+    (4, not 2), and a round that ends unanswered takes its share out (a timeout here)."""
+    rtt = CountingEstimator()
+    p = RoundPipeline(endpoints(1, 4), 0, 2, 64, rtt, lanes=2)
+    for _ in range(2):
+        p.submit(DType.FLOAT32, Op.SUM, 2 * 64)
+    sent = p.due(0.0)
+    assert len(sent) == 4
+    for t in sent[:3]:
+        wanted = p.accept(t.header._replace(kind=Kind.RESULT))
+        assert wanted is not None
+        p.stored(*wanted, 0.001)
+    assert rtt.per_rtt == [4, 3, 2]
+    p.due(61.0)  # past the deadline: the round still waiting for one result fails
+    assert [type(o.error) for o in p.finished()] == [type(None), AllreduceTimeout]
+    p.submit(DType.FLOAT32, Op.SUM, 64)
+    (t,) = p.due(61.0)
+    wanted = p.accept(t.header._replace(kind=Kind.RESULT))
+    assert wanted is not None
+    p.stored(*wanted, 61.001)
+    assert rtt.per_rtt[-1] == 1  # the failed round's unanswered segment is not counted
+
+
 def test_an_abort_fails_rounds_in_flight_and_rounds_started_later() -> None:
     p = RoundPipeline(endpoints(2, 2), 0, 2, 64, RttEstimator(), lanes=2)
     rounds = [p.submit(DType.FLOAT32, Op.SUM, 256) for _ in range(3)]
