@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from pyroute2 import netns as namespaces
+
 from reduction_appliance.control.apiclient import UnixApi
 from reduction_appliance.control.config import (
     ApiConfig,
@@ -37,7 +39,7 @@ from reduction_appliance.control.config import (
     to_toml,
 )
 
-from .lab import Lab
+from .lab import Lab, remove_namespaces
 from .topology import Topology
 
 __all__ = [
@@ -196,7 +198,8 @@ class LoopbackNetwork:
             finally:
                 _stop_all(net._procs)
             return
-        name = f"ra-lo-{os.getpid()}"
+        remove_orphaned_loopback_namespaces()
+        name = f"{_LOOPBACK_NS_PREFIX}{os.getpid()}"
         commands = [
             ["ip", "netns", "add", name],
             ["ip", "-n", name, "link", "set", "lo", "up"],
@@ -211,6 +214,31 @@ class LoopbackNetwork:
         finally:
             _stop_all(net._procs)
             subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+
+
+_LOOPBACK_NS_PREFIX = "ra-lo-"  # + the pid of the process that made it
+
+
+def remove_orphaned_loopback_namespaces() -> list[str]:
+    """Remove loopback namespaces whose maker is gone. A run killed outright (SIGKILL, an OOM
+    kill) cannot run its cleanup, and its namespace would stay for good; the next run removes
+    it. Returns the names removed."""
+    orphans = []
+    for name in namespaces.listnetns():
+        pid = name.removeprefix(_LOOPBACK_NS_PREFIX)
+        if pid != name and pid.isdigit() and not _alive(int(pid)):
+            orphans.append(name)
+    return remove_namespaces(orphans)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: alive
+        return True
+    return True
 
 
 def _stop_all(procs: list[subprocess.Popen[Any]]) -> None:

@@ -124,7 +124,7 @@ def _kill_pids(pids: Sequence[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _remove_namespaces(names: Sequence[str]) -> list[str]:
+def remove_namespaces(names: Sequence[str]) -> list[str]:
     """Kill whatever still runs in the namespaces (it would keep them alive), then unmount them."""
     existing = set(netns.listnetns())
     targets = [n for n in names if n in existing]
@@ -164,7 +164,7 @@ def clean(prefix: str) -> list[str]:
     """
     if not prefix:
         raise ValueError("empty prefix would match everything")
-    removed = _remove_namespaces([n for n in netns.listnetns() if n.startswith(prefix)])
+    removed = remove_namespaces([n for n in netns.listnetns() if n.startswith(prefix)])
     links = _root_links(prefix)
     if links:
         with IPRoute() as ipr:
@@ -178,7 +178,7 @@ def clean(prefix: str) -> list[str]:
 def teardown(topology: Topology) -> list[str]:
     """Remove exactly the namespaces of ``topology`` (and so its interfaces): what a Lab's
     exit does, and what ``reductionctl lab down`` does for a lab left up with detach()."""
-    return _remove_namespaces(
+    return remove_namespaces(
         [topology.switch_netns, *(topology.netns_name(h.name) for h in topology.hosts)]
     )
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +25,7 @@ from reduction_appliance.deploy.testnet import (
     leftovers,
     unique_prefix,
 )
+from reduction_appliance.deploy.testnet.harness import remove_orphaned_loopback_namespaces
 from reduction_appliance.deploy.testnet.shaping import egress_ruleset
 from tests.waiting import wait_until
 
@@ -465,3 +468,21 @@ def test_duplicate_and_reorder_need_no_netem() -> None:
     assert "< 100000 meta priority set 1:20" in script
     # With a delay, netem does all three (and nftables none).
     assert not Link(delay_ms=1.0, duplicate_pct=1.0, reorder_pct=1.0).nft_impaired
+
+
+def test_a_loopback_namespace_whose_maker_died_is_removed_and_a_living_ones_kept() -> None:
+    """A loopback run killed outright leaves its namespace (ra-lo-<pid>); the next run removes
+    it, but never one whose maker still runs."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan, living = f"ra-lo-{dead.pid}", f"ra-lo-{os.getppid()}"
+    for name in (orphan, living):
+        subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+    try:
+        removed = remove_orphaned_loopback_namespaces()
+        assert orphan in removed and living not in removed
+        assert orphan not in netns.listnetns() and living in netns.listnetns()
+    finally:
+        for name in (orphan, living):
+            with contextlib.suppress(OSError):
+                netns.remove(name)
