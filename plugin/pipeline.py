@@ -125,6 +125,24 @@ class RoundPipeline:
         return self.submitted
 
     @property
+    def lane_window(self) -> int:
+        """Segments one round may have on the wire at once: its lane's slots on every core
+        (the narrowest lane's, where the slots do not divide evenly)."""
+        return min(sum(ep.slots for ep in lane) for lane in self._lane_endpoints)
+
+    def rounds_for(self, nbytes: int) -> int:
+        """How many rounds to cut one `nbytes` collective into. A round has only its lane's
+        share of the job's slots, so a tensor wider than that window, sent as one round,
+        would crawl through a fraction of it (measured on loopback, 16 MiB fp32, 2 ranks:
+        4 lanes uncut 47.6 ms, cut 30.6 ms, 1 lane 31.1 ms). Cut into rounds of about a
+        window each, up to `lanes` of them, it uses every slot. This matters most for DDP's
+        last bucket, on the wire alone while the step waits for it: at 1 Gbit/s with 4 lanes
+        of 8 slots, a 0.25 MiB bucket is 30 segments, four round trips as one round. A
+        function of the size and the job alone, so every rank cuts alike."""
+        segments = -(-nbytes // self.segment_bytes)
+        return max(1, min(self.lanes, -(-segments // self.lane_window)))
+
+    @property
     def idle(self) -> bool:
         return not self._active and not self._queued
 

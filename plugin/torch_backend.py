@@ -23,9 +23,10 @@ Configuration comes from the environment:
 ``REDUCTION_DETERMINISTIC``
     ``1``/``true``/``yes``: register the job as deterministic (bitwise identical results).
 ``REDUCTION_LANES``
-    how many allreduces may be on the wire at once (default 4; the job's slots on each core are
-    split between them, so it may not exceed the appliance's ``jobs.slots``). Every rank of a
-    job must use the same value.
+    how many allreduces may be on the wire at once (default 1; the job's slots on each core are
+    split between them, so it may not exceed the appliance's ``jobs.slots``). More than one
+    lets several small async all_reduces overlap their round trips; DDP's buckets ran fastest
+    with 1 (see ``DEFAULT_LANES``). Every rank of a job must use the same value.
 ``REDUCTION_TRANSPORT``
     ``udp`` (default), ``roce`` (RDMA queue pairs: every rank needs an RDMA device on its
     ``REDUCTION_LOCAL_ADDRESS``, the appliance a ``[roce]`` device; docs/roce.md) or ``auto``
@@ -45,7 +46,7 @@ What goes where:
 
 Appliance work runs on one background thread per process group (`plugin.torch_pump`), started
 in the order it was issued, with up to ``REDUCTION_LANES`` rounds on the wire at once:
-``async_op=True`` returns at once, several outstanding all_reduces (DDP's buckets) overlap, and
+``async_op=True`` returns at once, outstanding all_reduces queue (or overlap, with lanes), and
 the returned Work's ``wait()`` / ``get_future()`` finish when that call's rounds do. An
 appliance error (`AllreduceTimeout`, `JobAborted`, any `ReductionError`) is set on the future
 and raised from ``wait()``, never a hang.
@@ -91,7 +92,12 @@ __all__ = [
 ]
 
 BACKEND_NAME = "reduction"
-DEFAULT_LANES = 4
+# One round on the wire at a time by default: measured on the 4-rank rack (bench.ddp_steps,
+# 1 Gbit/s, three interleaved runs per value), DDP steps were fastest with 1 lane (1.26-1.32x
+# Gloo), then 2 (1.20-1.29x), then 4 (1.19-1.25x), and alike at 500 Mbit/s: every round costs
+# CPU on both ends, and a lone collective has every slot anyway (`RoundPipeline.rounds_for`).
+# More lanes let several small all_reduces wait out their round trips together.
+DEFAULT_LANES = 1
 _JOB_KEY = "reduction_appliance/job"
 _SECRET_KEY = "reduction_appliance/secret"
 

@@ -4,12 +4,14 @@ on the wire at once.
 `RoundPump.submit(tensors, op)` returns a `torch.futures.Future` at once. One daemon thread per
 pump takes submissions in order (so every rank numbers its rounds alike), starts one appliance
 round per tensor, and keeps up to the client's `lanes` rounds in flight while it waits for
-results: DDP's gradient buckets overlap on the wire instead of queueing behind each other. A
+results (with more than one lane, outstanding all_reduces overlap on the wire instead of
+queueing behind each other). A
 future completes with its tensor list when all its rounds are done, or fails with the first
 `ReductionError` (`AllreduceTimeout`, `JobAborted`, ...) once none of its rounds is still
-writing into the tensors. A large tensor is cut into up to `lanes` rounds, so that alone it
-still uses every slot the job has. If the thread itself dies, every pending and later future
-fails with the reason: a caller never waits on a future nobody will complete.
+writing into the tensors. A tensor wider than one lane's window is cut into up to `lanes`
+rounds (`RoundPipeline.rounds_for`), so that alone it still uses every slot the job has. If
+the thread itself dies, every pending and later future fails with the reason: a caller never
+waits on a future nobody will complete.
 
 Tensors are reduced in place. CPU tensors that are contiguous go straight to the wire; others
 are staged through a contiguous copy, and CUDA tensors through pinned host buffers taken from a
@@ -39,7 +41,6 @@ from .pipeline import Outcome
 __all__ = ["APPLIANCE_DTYPES", "PinnedPool", "RoundPump", "numpy_view"]
 
 APPLIANCE_DTYPES = tuple(getattr(torch, d.name) for d in DTYPES)  # what the appliance reduces
-MIN_CHUNK_BYTES = 256 * 1024
 
 
 def numpy_view(t: torch.Tensor) -> NDArray[Any]:
@@ -194,7 +195,8 @@ class RoundPump:
                 else:
                     host = t.detach()
                 flat = numpy_view(host.reshape(-1))
-                for chunk in np.array_split(flat, self._chunks(flat.nbytes)):
+                for chunk in np.array_split(
+                        flat, self._client.pipeline.rounds_for(flat.nbytes)):
                     round_no = self._client.start(chunk, coll.op)
                     coll.rounds.add(round_no)
                     active[round_no] = coll
@@ -202,15 +204,6 @@ class RoundPump:
             coll.error = exc
         if not coll.rounds:
             self._complete(coll)
-
-    def _chunks(self, nbytes: int) -> int:
-        """How many rounds to cut a tensor into. A lane has only its share of the job's slots,
-        so one big tensor in one round would crawl through a fraction of the window; cut into
-        `lanes` rounds it uses all of it (measured on loopback, 16 MiB fp32, 2 ranks: 4 lanes
-        uncut 47.6 ms, cut 30.6 ms, 1 lane 31.1 ms). Pieces stay >= MIN_CHUNK_BYTES, where the
-        cost of a round outweighs its window. A function of the size alone: every rank cuts
-        alike."""
-        return max(1, min(self._client.pipeline.lanes, nbytes // MIN_CHUNK_BYTES))
 
     def _complete(self, coll: _Collective) -> None:
         for t, host, buf in coll.staged:

@@ -62,12 +62,18 @@ def test_deterministic_mode_is_bitwise_the_rank_order_reference(
 
 
 def test_async_buckets_overlap_on_the_wire(rack: Rack, env: pytest.MonkeyPatch) -> None:
+    env.setenv("REDUCTION_LANES", "4")
     outputs = run_ranks(rack[0], "overlap", WORLD)
     for rank, (record,) in enumerate(outputs):
         assert record["ok"], f"rank {rank}: wrong results"
         # Eight outstanding all_reduces, four lanes: all four were on the wire together.
         assert record["most_in_flight"] == record["lanes"] == 4, (rank, record)
-        assert record["rounds"] == 8 + 4 + 4  # 4 MiB and 2 MiB: one round per lane each
+        # Each tensor is cut into as many rounds as it needs to have every segment on the
+        # wire at once, one lane's window each, at most one per lane: a 256 KiB one into 2
+        # (30 segments of 8.9 KB, lanes of 8 slots on each of 2 cores), 4 MiB and 2 MiB ones
+        # into 4.
+        assert (record["segment_bytes"], record["lane_window"]) == (8896, 16), record
+        assert record["rounds"] == 8 * 2 + 4 + 4, (rank, record)
 
 
 def test_an_abort_raises_jobaborted_in_the_training_process(

@@ -78,7 +78,7 @@ def test_missing_appliance_names_the_variable() -> None:
     config = config_from_env({"REDUCTION_APPLIANCE": " a:1, b:2 ", "REDUCTION_DETERMINISTIC": "1"})
     assert config.appliances == ("a:1", "b:2") and config.deterministic
     assert config.local_address == "0.0.0.0" and config.job is None and config.token is None
-    assert config.lanes == 4
+    assert config.lanes == 1
     assert config_from_env({"REDUCTION_APPLIANCE": "a:1", "REDUCTION_LANES": "2"}).lanes == 2
     with pytest.raises(ReductionError, match=r"REDUCTION_LANES.*'zero'"):
         config_from_env({"REDUCTION_APPLIANCE": "a:1", "REDUCTION_LANES": "zero"})

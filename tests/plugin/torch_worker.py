@@ -139,7 +139,7 @@ def overlap(rank: int, world: int, store: str) -> None:
     for ref in refs:
         dist.all_reduce(ref, group=gloo)
     ok = all(torch.equal(t, r) for t, r in zip(ts, refs, strict=True))
-    # Large tensors are cut into one round per lane: the pieces land where they belong.
+    # Large tensors are cut into up to one round per lane: the pieces land where they belong.
     for dtype, n in ((torch.float32, 1 << 20), (torch.bfloat16, (1 << 20) + 7)):
         t = inputs(rank, n, dtype, salt=5)
         ref = inputs(rank, n, dtype, salt=5).float()
@@ -147,7 +147,9 @@ def overlap(rank: int, world: int, store: str) -> None:
         dist.all_reduce(ref, group=gloo)
         ok = ok and torch.equal(t, ref.to(dtype))
     emit(check="overlap", ok=bool(ok), most_in_flight=pg.client.pipeline.most_in_flight,
-         lanes=pg.client.pipeline.lanes, rounds=pg.client.pipeline.submitted)
+         lanes=pg.client.pipeline.lanes, rounds=pg.client.pipeline.submitted,
+         segment_bytes=pg.client.pipeline.segment_bytes,
+         lane_window=pg.client.pipeline.lane_window)
     dist.destroy_process_group()
 
 

@@ -61,6 +61,27 @@ def test_rounds_overlap_in_their_own_slots_and_start_in_order() -> None:
     assert p.due(0.001) == [] and p.in_flight() == 1  # lane 0 is free, yet round 3 waits
 
 
+@pytest.mark.parametrize(("nbytes", "rounds"), [
+    (64, 1),  # one segment
+    (4 * 64, 1),  # exactly one lane's window (2 cores x 2 slots): one round has it all
+    (4 * 64 + 1, 2),  # one byte more: a round alone would need a second round trip
+    (30 * 64, 4),  # wider than every lane's window together: one round per lane, no more
+    (10**6, 4),
+])
+def test_a_collective_is_cut_into_rounds_of_about_one_lane_window(nbytes: int,
+                                                                    rounds: int) -> None:
+    """4 lanes of 2 cores x 2 slots: a lane's window is 4 segments. A collective gets as many
+    rounds as it needs to have all its segments on the wire at once, up to every lane, so
+    a small one on its own (DDP's last bucket) is not throttled to one lane's slots."""
+    p = RoundPipeline(endpoints(2, 8), 0, 2, 64, RttEstimator(), lanes=4)
+    assert p.lane_window == 4
+    assert p.rounds_for(nbytes) == rounds
+    # Slots that do not divide evenly: the narrowest lane decides (5 slots, 2 lanes: 2 and 3).
+    uneven = RoundPipeline(endpoints(1, 5), 0, 2, 64, RttEstimator(), lanes=2)
+    assert uneven.lane_window == 2 and uneven.rounds_for(3 * 64) == 2
+    assert RoundPipeline(endpoints(2, 8), 0, 2, 64, RttEstimator()).rounds_for(10**6) == 1
+
+
 class CountingEstimator(RttEstimator):
     """Records how many samples a round trip was said to bring, with each sample."""
 
