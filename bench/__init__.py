@@ -1,1 +1,1 @@
-"""Shipped benchmarks, runnable as ``python -m bench.<name>``."""
+"""Shipped benchmarks, runnable as ``python -m reduction_appliance.bench.<name>``."""
