@@ -96,6 +96,9 @@ class RoundPipeline:
         self.epoch = epoch
         self.uses = SlotUses()
         self._lane_endpoints = lane_endpoints(endpoints, lanes)
+        # Segments one round may have on the wire at once: its lane's slots on every core (the
+        # narrowest lane's, where the slots do not divide evenly).
+        self.lane_window = min(sum(ep.slots for ep in lane) for lane in self._lane_endpoints)
         self._addresses = frozenset(ep.address for ep in endpoints)
         self._busy: list[AllreduceRound | None] = [None] * lanes
         self._in_flight = [0] * len(endpoints)  # per core, over every active round
@@ -123,12 +126,6 @@ class RoundPipeline:
         self.submitted += 1
         self._queued.append(_Request(self.submitted, dtype, op, nbytes))
         return self.submitted
-
-    @property
-    def lane_window(self) -> int:
-        """Segments one round may have on the wire at once: its lane's slots on every core
-        (the narrowest lane's, where the slots do not divide evenly)."""
-        return min(sum(ep.slots for ep in lane) for lane in self._lane_endpoints)
 
     def rounds_for(self, nbytes: int) -> int:
         """How many rounds to cut one `nbytes` collective into. A round has only its lane's
@@ -187,10 +184,7 @@ class RoundPipeline:
             self.most_in_flight = max(self.most_in_flight, len(self._active))
 
     def _finish(self, rnd: AllreduceRound, error: ReductionError | None) -> None:
-        rnd.release()
-        del self._active[rnd.round]
-        del self._requests[rnd.ticket]
-        self._busy[rnd.round % self.lanes] = None
+        self._finish_silently(rnd)
         self._finished.append(Outcome(rnd.ticket, error, rnd.retransmissions))
 
     # ---- what to send ----

@@ -236,8 +236,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # someone else's: alive
-        return True
+    except PermissionError:  # someone else's process: alive
+        pass
     return True
 
 

@@ -229,9 +229,14 @@ def test_segments_follow_the_data_interface_mtu_when_mtu_is_0(ns: str) -> None:
                         "nope0, which does not exist here")
 
 
-def test_a_worker_names_a_route_narrower_than_the_jobs_segments(ns: str) -> None:
+def _narrow_route(ns: str) -> None:
+    """10.20.0.0/24 through v0 with frames of 1500 bytes (the link's are 9000)."""
     subprocess.run(["ip", "-n", ns, "route", "add", "10.20.0.0/24", "dev", "v0", "mtu", "1500"],
                    check=True)
+
+
+def test_a_worker_names_a_route_narrower_than_the_jobs_segments(ns: str) -> None:
+    _narrow_route(ns)
     code = ("from reduction_appliance.plugin.transport import UdpWorkerTransport\n"
             "with UdpWorkerTransport('10.9.0.1') as t:\n"
             "    print(t.route_mtu(('10.9.0.7', 7000)), t.route_mtu(('10.20.0.5', 7000)))\n"
@@ -249,8 +254,7 @@ def test_datagrams_wider_than_the_route_leave_one_per_call_as_fragments(ns: str)
     """The kernel refuses to segment datagrams wider than the route's frames (EMSGSIZE), yet
     sends each alone as IP fragments: the batcher falls back for that route only, nothing is
     lost, and the reason is kept for status."""
-    subprocess.run(["ip", "-n", ns, "route", "add", "10.20.0.0/24", "dev", "v0", "mtu", "1500"],
-                   check=True)
+    _narrow_route(ns)
     code = ("import socket\n"
             "from reduction_appliance.dataplane.udp import DatagramBatcher\n"
             "with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:\n"

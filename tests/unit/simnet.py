@@ -137,13 +137,24 @@ class SimNet:
         if self.adversary is not None:
             self.adversary(self.net)
         self.net.advance(min(wake, self.net.next_arrival()))
-        for agg, transport in zip(self.aggregators, self.core_transports, strict=True):
-            while transport.receive(agg.pool, self._batch, 64):
-                transport.send(agg.on_batch(self._batch, self.now))
+        self._cores_take_in()
         for rank, end in enumerate(self.worker_ends):
             while (got := end.recv()) is not None:
                 datagram, source = got
                 receive(rank, unpack(datagram), datagram[HEADER_SIZE:], source)
+
+    def _cores_take_in(self) -> None:
+        """Every core takes in what has arrived, and sends what it decides."""
+        for agg, transport in zip(self.aggregators, self.core_transports, strict=True):
+            while transport.receive(agg.pool, self._batch, 64):
+                transport.send(agg.on_batch(self._batch, self.now))
+
+    def drain(self) -> None:
+        """Deliver everything still in flight and let the cores take it in (what a round over
+        before it arrived never saw: an adversary's late datagrams, say); workers ignore it."""
+        while (arrival := self.net.next_arrival()) != float("inf"):
+            self.net.advance(arrival)
+            self._cores_take_in()
 
     def allreduce(self, arrays: list[NDArray[np.generic]], dtype: DType, op: Op,
                   order: list[int] | None = None) -> list[AllreduceRound]:
