@@ -5,13 +5,12 @@ on the wire at once.
 pump takes submissions in order (so every rank numbers its rounds alike), starts one appliance
 round per tensor, and keeps up to the client's `lanes` rounds in flight while it waits for
 results (with more than one lane, outstanding all_reduces overlap on the wire instead of
-queueing behind each other). A
-future completes with its tensor list when all its rounds are done, or fails with the first
-`ReductionError` (`AllreduceTimeout`, `JobAborted`, ...) once none of its rounds is still
-writing into the tensors. A tensor wider than one lane's window is cut into up to `lanes`
-rounds (`RoundPipeline.rounds_for`), so that alone it still uses every slot the job has. If
-the thread itself dies, every pending and later future fails with the reason: a caller never
-waits on a future nobody will complete.
+queueing behind each other). A future completes with its tensor list when all its rounds are
+done, or fails with the first `ReductionError` (`AllreduceTimeout`, `JobAborted`, ...) once
+none of its rounds is still writing into the tensors. A tensor wider than one lane's window is
+cut into up to `lanes` rounds (`RoundPipeline.rounds_for`), so that alone it still uses every
+slot the job has. If the thread itself dies, every pending and later future fails with the
+reason: a caller never waits on a future nobody will complete.
 
 Tensors are reduced in place. CPU tensors that are contiguous go straight to the wire; others
 are staged through a contiguous copy, and CUDA tensors through pinned host buffers taken from a
