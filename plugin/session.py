@@ -15,6 +15,8 @@ only the lost segment's own timer backs off: one loss never slows the rest. A ga
 without waiting for a timer when it shows: once results came back for `FAST_RETRANSMIT`
 segments sent to the same core after one that is still unanswered, that one goes again at once
 (fast retransmit). A lost segment holds only its own slot: the other slots keep the pipe full.
+While a round is clean, a segment's timer restarts with each answer its core gives to an earlier
+segment (RFC 6298's 5.3, per core): one that waits its turn behind them is not presumed lost.
 
 The transport asks `due(now)` what to send, offers each received RESULT header to `accept`, and
 reports `stored` once the payload sits in the output array. Nothing here touches a socket or a
@@ -170,6 +172,7 @@ class AllreduceRound:
         self._sent_at = [0.0] * n  # first transmission (RTT samples)
         self._last_sent = [0.0] * n  # latest transmission
         self._heard_at = [-1.0] * len(endpoints)  # latest answer from each endpoint
+        self._progress_at = [-1.0] * len(endpoints)  # latest result of a first transmission
         self._rto = [0.0] * n
         self._timer = [0.0] * n  # retransmission time of an outstanding segment
         self._retransmitted = bytearray(n)
@@ -265,6 +268,12 @@ class AllreduceRound:
             if self._done[k] or when != self._timer[k]:
                 continue  # answered, or superseded by a later timer
             e = k % n_ep
+            if self._waits_its_turn(k, e):
+                # RFC 6298's 5.3, per core: the timer restarts with each answer.
+                self._timer[k] = when = self._progress_at[e] + self._rtt.rto(e)
+                if now < when:
+                    heapq.heappush(timers, (when, k))
+                    continue
             if self._heard_at[e] >= self._last_sent[k]:
                 # The core answered since and lacks something of ours: a random loss, not an
                 # overloaded or dead core, so waiting longer would only idle the slot.
@@ -296,6 +305,20 @@ class AllreduceRound:
             unanswered[e].append(k)
             out.append(Transmit(e, k, header(k, False), ticket))
         return out
+
+    def _waits_its_turn(self, k: int, e: int) -> bool:
+        """Is unanswered segment k queued behind earlier ones rather than lost? Yes when
+        nothing sent to its core after k has been answered (else k is a hole: a loss, for
+        fast retransmit or its timer), the core has answered an earlier segment's first
+        transmission since k last left (the pipeline moves; k's turn has not come), and this
+        round has repaired no loss yet (then recovery runs as before, so that no repair waits
+        behind another). On a clean network a late rank or a busy host stalls every segment
+        in flight at once: each one's own timer would send a query, and the appliance would
+        resend every result that was already on its way (at n=8, every resent result arrived
+        as a duplicate)."""
+        return (not self.fast_retransmissions and not self.nudged_retransmissions
+                and self._acked_seq[e] < self._seq[k]
+                and self._progress_at[e] > self._last_sent[k])
 
     def _resend(self, k: int, now: float, out: list[Transmit]) -> None:
         self._retransmitted[k] = 1
@@ -354,6 +377,7 @@ class AllreduceRound:
         e = k % len(self.endpoints)
         self._heard_at[e] = now
         if not self._retransmitted[k]:
+            self._progress_at[e] = now
             self._rtt.sample(e, now - self._sent_at[k], self._in_flight[e])
         self._in_flight[e] -= 1
         self._mine[e] -= 1
