@@ -270,9 +270,10 @@ class AllreduceRound:
             e = k % n_ep
             if self._waits_its_turn(k, e):
                 # RFC 6298's 5.3, per core: the timer restarts with each answer.
-                self._timer[k] = when = self._progress_at[e] + self._rtt.rto(e)
-                if now < when:
-                    heapq.heappush(timers, (when, k))
+                restart = self._progress_at[e] + self._rtt.rto(e)
+                if now < restart:
+                    self._timer[k] = restart
+                    heapq.heappush(timers, (restart, k))
                     continue
             if self._heard_at[e] >= self._last_sent[k]:
                 # The core answered since and lacks something of ours: a random loss, not an

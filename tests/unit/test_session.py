@@ -150,11 +150,11 @@ def test_no_backoff_while_the_core_answers_and_backoff_when_it_is_silent() -> No
     # the next is the base 0.1 again; silence since: doubled.
     assert times == [0.1, 0.3, 0.7, 0.8, 1.0]
 
-FIXED_RTO = Timing(rto_initial=0.1, rto_min=0.1, rto_max=0.1, deadline=5.0)
 
-
-def stalled_window(timing: Timing) -> tuple[AllreduceRound, list[Transmit]]:
-    """Rank 0 of 2, one core with 4 slots, 8 segments; the first 4 sent at t=0."""
+def stalled_window() -> tuple[AllreduceRound, list[Transmit]]:
+    """Rank 0 of 2, one core with 4 slots, 8 segments, an RTO of 0.1 whatever the samples;
+    the first 4 segments sent at t=0."""
+    timing = Timing(rto_initial=0.1, rto_min=0.1, rto_max=0.1, deadline=5.0)
     rnd = AllreduceRound(endpoints(1, 4), 0, 2, 1, DType.FLOAT32, Op.SUM, 8 * 64, 64,
                          RttEstimator(timing), 0.0)
     sent = rnd.due(0.0)
@@ -170,7 +170,7 @@ def answer(rnd: AllreduceRound, t: Transmit, now: float) -> None:
 def test_a_segment_waiting_its_turn_behind_answered_ones_is_not_queried() -> None:
     """Results come back in order while the core waits for a late rank: each answer restarts
     the timers of the segments behind it, and only a core silent for a whole RTO is asked."""
-    rnd, sent = stalled_window(FIXED_RTO)
+    rnd, sent = stalled_window()
     answer(rnd, sent[0], 0.09)
     assert [t.segment for t in rnd.due(0.09)] == [4]  # the slot's next segment
     assert rnd.due(0.1) == []  # 1, 2, 3's timers ran out, but 0 was answered after they left
@@ -184,7 +184,7 @@ def test_a_segment_waiting_its_turn_behind_answered_ones_is_not_queried() -> Non
 
 def test_a_hole_is_queried_at_its_own_timer() -> None:
     """An answer to a segment sent after k means k was lost: no waiting for its turn."""
-    rnd, sent = stalled_window(FIXED_RTO)
+    rnd, sent = stalled_window()
     answer(rnd, sent[1], 0.05)
     rnd.due(0.05)  # segment 5 goes out
     (query,) = [t for t in rnd.due(0.1) if t.segment == 0]
@@ -194,7 +194,7 @@ def test_a_hole_is_queried_at_its_own_timer() -> None:
 def test_a_round_that_repaired_a_loss_queries_at_each_timer() -> None:
     """Once a round has repaired a loss, answers to earlier segments no longer hold the
     timers back: repairs never queue behind one another."""
-    rnd, sent = stalled_window(FIXED_RTO)
+    rnd, sent = stalled_window()
     rnd.on_pending(sent[3].header._replace(kind=Kind.PENDING), bytes([0b10]), 0.02)
     (nudged,) = rnd.due(0.02)  # the core said ours never came: resent with its payload
     assert nudged.segment == 3 and nudged.header.kind is Kind.CONTRIBUTION
