@@ -158,14 +158,15 @@ class Header(NamedTuple):
 _KINDS = {int(k): k for k in Kind}
 _DTYPES = {int(d): d for d in DType}
 _OPS = {int(o): o for o in Op}
+_new_tuple = tuple.__new__
 
 
 def pack_into(buf: bytearray | memoryview, h: Header, at: int = 0) -> None:
     """Write `h` into `buf[at:at + HEADER_SIZE]`."""
-    HEADER.pack_into(
-        buf, at, MAGIC, VERSION, h.kind, h.dtype, h.op, h.flags, h.job_id, h.rank, h.epoch,
-        h.cookie, h.round, h.slot, h.offset, h.length, h.use,
-    )
+    # One unpacking, not thirteen field lookups: this runs once per datagram sent.
+    kind, dtype, op, flags, job_id, rank, cookie, rnd, slot, offset, length, use, epoch = h
+    HEADER.pack_into(buf, at, MAGIC, VERSION, kind, dtype, op, flags, job_id, rank, epoch,
+                     cookie, rnd, slot, offset, length, use)
 
 
 def unpack(buf: bytes | bytearray | memoryview, at: int = 0) -> Header:
@@ -181,7 +182,10 @@ def unpack(buf: bytes | bytearray | memoryview, at: int = 0) -> Header:
     k, d, o = _KINDS.get(kind), _DTYPES.get(dtype), _OPS.get(op)
     if k is None or d is None or o is None:
         raise WireError(f"unknown kind/dtype/op {kind}/{dtype}/{op}")
-    return Header(k, d, o, flags, job_id, rank, cookie, rnd, slot, offset, length, use, epoch)
+    # tuple.__new__ with the fields in order: a NamedTuple's keyword-capable __new__ costs
+    # 0.3 us more, once per datagram at both ends.
+    return _new_tuple(Header, (k, d, o, flags, job_id, rank, cookie, rnd, slot, offset, length,
+                               use, epoch))
 
 
 class SilentRank(NamedTuple):

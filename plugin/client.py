@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import socket
 import time
 from collections.abc import Callable
@@ -50,10 +51,11 @@ _FRAGMENTING_LOGGED: set[str] = set()
 
 
 _NO_PAYLOAD = memoryview(b"")
+_new_tuple = tuple.__new__
 
 
-def _by_endpoint(t: Transmit) -> tuple[int, int]:
-    return (t.endpoint, t.segment)
+# (endpoint, segment): Transmit's first two fields, picked in C (the key runs per segment).
+_by_endpoint: Callable[[Transmit], tuple[int, int]] = operator.itemgetter(0, 1)
 
 
 def dtype_of(array: NDArray[Any]) -> DType:
@@ -281,8 +283,15 @@ class ApplianceClient:
         next retransmission, `timeout`, or until `wake` is readable; forever when idle with
         neither), take them in. Returns the rounds that ended."""
         pipeline = self.pipeline
-        self._send_due()
-        wait = pipeline.wakeup() - self._clock()
+        # The last turn's closing `_send_due` sent everything its results released; what may
+        # have come due since is time's doing (a timer, a deadline, a silence) or a new round,
+        # and `wakeup` says when either is. Asking `due` anyway costs a few microseconds per
+        # turn, and a fast link's worker turns about once per ten segments.
+        wake_at = pipeline.wakeup()
+        if wake_at <= self._clock():
+            self._send_due()
+            wake_at = pipeline.wakeup()
+        wait = wake_at - self._clock()
         if timeout is not None:
             wait = min(wait, timeout)
         self.transport.wait(None if wait == math.inf else max(0.0, wait), wake)
@@ -307,25 +316,27 @@ class ApplianceClient:
         # Grouped by endpoint so consecutive segments to one core leave in one GSO send.
         due = sorted(self.pipeline.due(self._clock()), key=_by_endpoint)
         if due:
+            # (Outgoing's fields in order through tuple.__new__, as wire.unpack does: per
+            # segment sent.)
             self.transport.send([
-                Outgoing(addresses[t.endpoint], t.header,
-                         views[t.ticket][t.header.offset:t.header.offset + t.header.length]
-                         if t.header.kind is Kind.CONTRIBUTION else _NO_PAYLOAD)  # a QUERY
-                for t in due])
+                _new_tuple(Outgoing, (addresses[e], h, views[ticket][h.offset:h.offset + h.length]
+                                      if h.kind is Kind.CONTRIBUTION else _NO_PAYLOAD))  # QUERY
+                for e, _, h, ticket in due])
 
     def _on_datagram(self, h: Header, payload: memoryview, source: Address) -> None:
         pipeline = self.pipeline
+        now = self._clock()
         appliance = self._appliance_of.get(source)
         if appliance is not None:
-            pipeline.heard(appliance, self._clock())
+            pipeline.heard(appliance, now)
         if h.kind is Kind.RESULT:
             wanted = pipeline.accept(h, source)
             if wanted is not None:
                 rnd, k = wanted
                 self._views[rnd.ticket][h.offset:h.offset + h.length] = payload
-                pipeline.stored(rnd, k, self._clock())
+                pipeline.stored(rnd, k, now)
         elif h.kind is Kind.PENDING:
-            pipeline.on_pending(h, bytes(payload), self._clock(), source)
+            pipeline.on_pending(h, bytes(payload), now, source)
         elif h.kind is Kind.ABORTED:
             pipeline.on_aborted(h, source)
         elif h.kind is Kind.RESYNC:

@@ -52,6 +52,7 @@ class Endpoint:
     appliance: int = 0  # which of the client's appliances the core belongs to
 
 
+_new_tuple = tuple.__new__  # a NamedTuple built without its keyword-capable __new__
 FAST_RETRANSMIT = 3  # later segments answered before an unanswered one is presumed lost
 
 
@@ -215,20 +216,18 @@ class AllreduceRound:
     def length(self, k: int) -> int:
         return min(self.segment_bytes, self.nbytes - k * self.segment_bytes)
 
-    def _header(self, k: int, retransmit: bool) -> Header:
+    def _repeat_header(self, k: int) -> Header:
+        """The header of segment k sent again: a QUERY, or the contribution itself once the
+        appliance said ours never came; its first transmission's slot and use. (`due` builds
+        first transmissions' headers in line.)"""
         n_ep = len(self.endpoints)
-        e = k % n_ep
-        ep = self.endpoints[e]
+        ep = self.endpoints[k % n_ep]
         slot = ep.slot_base + (k // n_ep) % ep.slots
-        if not retransmit:
-            self._use[k] = self._uses.take(e, slot)
-        kind = Kind.QUERY if retransmit and not self._lacks_ours[k] else Kind.CONTRIBUTION
         offset = k * self.segment_bytes
         return Header(
-            kind, self.dtype, self.op,
-            Flags.RETRANSMIT if retransmit else Flags.NONE, ep.job_id, self.rank, ep.cookie,
-            self.round, slot, offset, min(self.segment_bytes, self.nbytes - offset),
-            self._use[k], self.epoch,
+            Kind.CONTRIBUTION if self._lacks_ours[k] else Kind.QUERY, self.dtype, self.op,
+            Flags.RETRANSMIT, ep.job_id, self.rank, ep.cookie, self.round, slot, offset,
+            min(self.segment_bytes, self.nbytes - offset), self._use[k], self.epoch,
         )
 
     @property
@@ -291,10 +290,22 @@ class AllreduceRound:
         sent_at, rto, timer, last_sent = self._sent_at, self._rto, self._timer, self._last_sent
         sent_seq, seq, unanswered = self._sent_seq, self._seq, self._unanswered
         in_flight, mine = self._in_flight, self._mine
-        header, ticket, push = self._header, self.ticket, heapq.heappush
+        ticket, push = self.ticket, heapq.heappush
+        # A first transmission's header, spelled out here (`_repeat_header` builds the others):
+        # the fields common to the round are looked up once per call.
+        endpoints, take, use = self.endpoints, self._uses.take, self._use
+        dtype, op, rank, round_no, epoch = self.dtype, self.op, self.rank, self.round, self.epoch
+        size, nbytes = self.segment_bytes, self.nbytes
         while ready:
             k = ready.popleft()
             e = k % n_ep
+            ep = endpoints[e]
+            slot = ep.slot_base + (k // n_ep) % ep.slots
+            use[k] = this_use = take(e, slot)
+            offset = k * size
+            first = _new_tuple(Header, (
+                Kind.CONTRIBUTION, dtype, op, Flags.NONE, ep.job_id, rank, ep.cookie, round_no,
+                slot, offset, min(size, nbytes - offset), this_use, epoch))
             sent_at[k] = last_sent[k] = self._payload_sent[k] = now
             rto[k] = rto_of[e]
             timer[k] = when = now + rto_of[e]
@@ -304,7 +315,7 @@ class AllreduceRound:
             mine[e] += 1
             seq[k] = sent_seq[e]
             unanswered[e].append(k)
-            out.append(Transmit(e, k, header(k, False), ticket))
+            out.append(_new_tuple(Transmit, (e, k, first, ticket)))
         return out
 
     def _waits_its_turn(self, k: int, e: int) -> bool:
@@ -325,7 +336,7 @@ class AllreduceRound:
         self._retransmitted[k] = 1
         self.retransmissions += 1
         self._arm(k, now)
-        header = self._header(k, True)
+        header = self._repeat_header(k)
         if header.kind is Kind.QUERY:
             self.queries += 1
         else:
@@ -355,40 +366,44 @@ class AllreduceRound:
     def accept(self, h: Header, source: Address | None = None) -> int | None:
         """The segment whose payload the RESULT `h` carries, if we still want it, else None.
         Given its `source`, only the core the segment went to may have sent it."""
-        if (h.kind is not Kind.RESULT or h.round != self.round or h.dtype is not self.dtype
-                or h.epoch != self.epoch):
+        # One unpacking instead of a field lookup per check: this runs once per result.
+        kind, dtype, _, _, job_id, _, cookie, rnd, _, offset, length, use, epoch = h
+        if (kind is not Kind.RESULT or rnd != self.round or dtype is not self.dtype
+                or epoch != self.epoch):
             return None
-        k, rest = divmod(h.offset, self.segment_bytes)
-        if (rest or k >= self.segments or self._done[k]
-                or h.length != min(self.segment_bytes, self.nbytes - h.offset)
-                or h.use != self._use[k]):
+        k, rest = divmod(offset, self.segment_bytes)
+        if (rest or k >= self.segments or self._done[k] or use != self._use[k]
+                or length != min(self.segment_bytes, self.nbytes - offset)):
             return None
         ep = self.endpoints[k % len(self.endpoints)]
-        if (h.job_id != ep.job_id or h.cookie != ep.cookie
+        if (job_id != ep.job_id or cookie != ep.cookie
                 or (source is not None and source != ep.address)):
             return None
         return k
 
     def stored(self, k: int, now: float) -> None:
         """The result of segment k is in place: release the slot's next segment."""
-        if self._done[k]:
+        done = self._done
+        if done[k]:
             return
-        self._done[k] = 1
+        done[k] = 1
         self.remaining -= 1
-        e = k % len(self.endpoints)
+        n_ep = len(self.endpoints)
+        e = k % n_ep
         self._heard_at[e] = now
+        in_flight = self._in_flight
         if not self._retransmitted[k]:
             self._progress_at[e] = now
-            self._rtt.sample(e, now - self._sent_at[k], self._in_flight[e])
-        self._in_flight[e] -= 1
+            self._rtt.sample(e, now - self._sent_at[k], in_flight[e])
+        in_flight[e] -= 1
         self._mine[e] -= 1
-        if self._seq[k] > self._acked_seq[e]:
-            self._acked_seq[e] = self._seq[k]
+        seq = self._seq[k]
+        if seq > self._acked_seq[e]:
+            self._acked_seq[e] = seq
         waiting = self._unanswered[e]
-        while waiting and self._done[waiting[0]]:
+        while waiting and done[waiting[0]]:
             waiting.popleft()
-        ep = self.endpoints[e]
-        nxt = k + ep.slots * len(self.endpoints)
+        nxt = k + self.endpoints[e].slots * n_ep
         if nxt < self.segments:
             self._ready.append(nxt)
 

@@ -181,8 +181,9 @@ class UdpWorkerTransport:
 
     def send(self, datagrams: Sequence[Outgoing]) -> None:
         batcher = self._batcher
-        for d in datagrams:
-            batcher.add_header(d.dest, d.header, d.payload)
+        add = batcher.add_header
+        for dest, header, payload in datagrams:
+            add(dest, header, payload)
         batcher.flush()
         error, batcher.last_error = batcher.last_error, None
         if error is not None and error.errno not in _TRANSIENT:
