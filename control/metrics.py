@@ -140,6 +140,12 @@ CORE_COUNTERS: dict[str, tuple[str, str]] = {
         "Finished results sent again to one worker that retransmitted a contribution it had "
         "already sent (its result was lost); moves on each such retransmission.",
     ),
+    "results_withheld": (
+        "core_results_withheld",
+        "PROBEs (a worker's timer query while it heard no result) for a result sent less than "
+        "RESULT_IN_FLIGHT_S ago: answered with a PENDING note (all ranks in), since the result "
+        "is most likely still on its way; a later query gets the result.",
+    ),
     "pending_sent": (
         "core_pending_sent",
         "PENDING notes: to a worker that retransmitted or queried a segment still waiting for "

@@ -64,9 +64,9 @@ class SlotCopy:
     """One of a slot's two copies."""
 
     __slots__ = (
-        "acc", "acc_n", "arrived", "count", "dtype", "header", "heads", "held", "kernel", "length",
-        "next_rank", "offset", "op", "out", "result", "round", "slot", "started", "state",
-        "use",
+        "acc", "acc_n", "arrived", "count", "dtype", "finished", "header", "heads", "held",
+        "kernel", "length", "next_rank", "offset", "op", "out", "result", "round", "slot",
+        "started", "state", "use",
     )
 
     def __init__(self, slot: int, acc: NDArray[np.float32], out: NDArray[np.uint8],
@@ -93,6 +93,7 @@ class SlotCopy:
         self.held: dict[int, int] = {}  # deterministic mode: rank -> receive buffer index
         self.state = CopyState.EMPTY
         self.started = 0.0  # `now` when the current segment's first contribution came
+        self.finished = 0.0  # `now` when its last came and the result left
         self.result: memoryview = memoryview(b"")
 
     def describe(self) -> str:

@@ -216,17 +216,19 @@ class AllreduceRound:
     def length(self, k: int) -> int:
         return min(self.segment_bytes, self.nbytes - k * self.segment_bytes)
 
-    def _repeat_header(self, k: int) -> Header:
-        """The header of segment k sent again: a QUERY, or the contribution itself once the
-        appliance said ours never came; its first transmission's slot and use. (`due` builds
-        first transmissions' headers in line.)"""
+    def _repeat_header(self, k: int, probe: bool) -> Header:
+        """The header of segment k sent again: a QUERY (a PROBE if `probe`), or the
+        contribution itself once the appliance said ours never came; its first transmission's
+        slot and use. (`due` builds first transmissions' headers in line.)"""
         n_ep = len(self.endpoints)
         ep = self.endpoints[k % n_ep]
         slot = ep.slot_base + (k // n_ep) % ep.slots
         offset = k * self.segment_bytes
+        query = not self._lacks_ours[k]
         return Header(
-            Kind.CONTRIBUTION if self._lacks_ours[k] else Kind.QUERY, self.dtype, self.op,
-            Flags.RETRANSMIT, ep.job_id, self.rank, ep.cookie, self.round, slot, offset,
+            Kind.QUERY if query else Kind.CONTRIBUTION, self.dtype, self.op,
+            Flags.RETRANSMIT | Flags.PROBE if query and probe else Flags.RETRANSMIT,
+            ep.job_id, self.rank, ep.cookie, self.round, slot, offset,
             min(self.segment_bytes, self.nbytes - offset), self._use[k], self.epoch,
         )
 
@@ -280,7 +282,12 @@ class AllreduceRound:
                 self._rto[k] = self._rtt.rto(e)
             else:  # a silent core, or one waiting for late ranks: ask less and less often
                 self._rto[k] = min(max(self._rto[k] * 2, self._rtt.rto(e)), rto_max)
-            self._resend(k, now, out)
+            # Nothing sent to the core after k has been answered, in a round that has repaired
+            # no loss: a stall, not a hole, and k's result may be queued behind the others, so
+            # the query says so (a PROBE): the appliance then holds back a result it has only
+            # just sent (dataplane.aggregator). Once the round repaired a loss, a stall may be a
+            # late rank's own repair, and its queries go plain, as every repair does.
+            self._resend(k, now, out, probe=self._clean() and self._acked_seq[e] < self._seq[k])
         ready = self._ready
         if not ready:
             return out
@@ -328,15 +335,18 @@ class AllreduceRound:
         in flight at once: each one's own timer would send a query, and the appliance would
         resend every result that was already on its way (at n=8, every resent result arrived
         as a duplicate)."""
-        return (not self.fast_retransmissions and not self.nudged_retransmissions
-                and self._acked_seq[e] < self._seq[k]
+        return (self._clean() and self._acked_seq[e] < self._seq[k]
                 and self._progress_at[e] > self._last_sent[k])
 
-    def _resend(self, k: int, now: float, out: list[Transmit]) -> None:
+    def _clean(self) -> bool:
+        """Has this round repaired no loss yet (no fast retransmission, no nudged resend)?"""
+        return not self.fast_retransmissions and not self.nudged_retransmissions
+
+    def _resend(self, k: int, now: float, out: list[Transmit], probe: bool = False) -> None:
         self._retransmitted[k] = 1
         self.retransmissions += 1
         self._arm(k, now)
-        header = self._repeat_header(k)
+        header = self._repeat_header(k, probe)
         if header.kind is Kind.QUERY:
             self.queries += 1
         else:

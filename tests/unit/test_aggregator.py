@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reduction_appliance.dataplane.aggregator import Aggregator
+from reduction_appliance.dataplane.aggregator import RESULT_IN_FLIGHT_S, Aggregator
 from reduction_appliance.dataplane.counters import Counter, Counters
 from reduction_appliance.dataplane.dtypes import by_numpy, info
 from reduction_appliance.dataplane.errors import AdmissionError
@@ -151,10 +151,11 @@ def test_retransmission_of_unfinished_segment_gets_pending_bitmap(arena: SlotAre
 
 
 def query(agg: Aggregator, rank: int, *, slot: int = 0, length: int = 32, use: int = 1,
-          payload: bytes = b"", now: float = 0.0) -> list[Send]:
+          payload: bytes = b"", now: float = 0.0, probe: bool = False) -> list[Send]:
     """A QUERY: a contribution's header (segment length `length`) and no payload."""
     header = bytearray(HEADER_SIZE)
-    pack_into(header, Header(Kind.QUERY, DType.FLOAT32, Op.SUM, Flags.RETRANSMIT, 5, rank, COOKIE,
+    flags = Flags.RETRANSMIT | Flags.PROBE if probe else Flags.RETRANSMIT
+    pack_into(header, Header(Kind.QUERY, DType.FLOAT32, Op.SUM, flags, 5, rank, COOKIE,
                              1, slot, 0, length, use, 1))
     return feed(agg, [(bytes(header) + payload, where(rank))], now)
 
@@ -189,6 +190,29 @@ def test_a_query_for_a_use_never_begun_says_nothing_came_and_starts_nothing(
         assert contribute(agg, r, np.ones(8, np.float32)) == []
     sends = contribute(agg, 2, np.ones(8, np.float32))
     assert np.array_equal(result_of(sends, np.float32), np.full(8, 3, np.float32))
+
+
+def test_a_probe_for_a_result_just_sent_hears_pending_and_a_later_one_gets_it(
+        arena: SlotArena) -> None:
+    """A stalled worker's timer probes (Flags.PROBE) while the result it wants left a moment
+    ago: it hears "every rank is in" instead of a duplicate. Once the result has been out for
+    RESULT_IN_FLIGHT_S, a probe gets it, and a plain query (a hole: later results came) gets it
+    at once."""
+    agg = make(arena)
+    for r in range(3):
+        sends = contribute(agg, r, np.full(8, 2, np.float32), now=1.0)
+    assert len(sends) == 1  # the multicast result left at t = 1.0
+    (held,) = query(agg, 1, probe=True, now=1.0 + RESULT_IN_FLIGHT_S / 2)
+    assert held.dest == where(1) and pending_of(held) == (1, 0b111)
+    assert agg.counters[Counter.RESULTS_WITHHELD] == 1
+    assert agg.counters[Counter.RESULTS_RESENT] == 0
+    (plain,) = query(agg, 2, now=1.0 + RESULT_IN_FLIGHT_S / 2)
+    (late,) = query(agg, 1, probe=True, now=1.0 + RESULT_IN_FLIGHT_S)
+    for resend in (plain, late):
+        assert unpack(bytes(resend.header)).kind is Kind.RESULT
+        assert bytes(resend.payload) == bytes(sends[0].payload)
+    assert agg.counters[Counter.RESULTS_RESENT] == 2
+    assert agg.counters[Counter.RESULTS_WITHHELD] == 1
 
 
 @pytest.mark.parametrize(("length", "payload"), [(32, b"\0" * 4), (30, b""), (0, b""),

@@ -17,6 +17,7 @@ from reduction_appliance.deploy.testnet.reference import (
     same_bits,
 )
 from reduction_appliance.plugin.session import (
+    FAST_RETRANSMIT,
     AllreduceRound,
     Endpoint,
     RttEstimator,
@@ -58,7 +59,8 @@ def test_unanswered_segments_are_retransmitted_with_backoff() -> None:
     for _ in range(4):
         now = rnd.wakeup()
         (t,) = rnd.due(now)
-        assert t.header.flags == 1  # marked as a retransmission
+        # a retransmission, and a probe: nothing came back from the core since it left
+        assert t.header.flags == Flags.RETRANSMIT | Flags.PROBE
         times.append(round(now, 3))
     assert times == [0.1, 0.3, 0.7, 1.1]  # 0.1, 0.2, 0.4, then capped at 0.4
 
@@ -180,6 +182,9 @@ def test_a_segment_waiting_its_turn_behind_answered_ones_is_not_queried() -> Non
     queries = rnd.due(0.25)  # 0.1 of silence: ask after everything unanswered
     assert sorted(t.segment for t in queries) == [2, 3, 4, 5]
     assert all(t.header.kind is Kind.QUERY for t in queries) and rnd.retransmissions == 4
+    # Stalls, not holes (nothing sent after them was answered): each query is a PROBE, which
+    # the appliance answers with PENDING while the result has only just left.
+    assert all(t.header.flags == Flags.RETRANSMIT | Flags.PROBE for t in queries)
 
 
 def test_a_hole_is_queried_at_its_own_timer() -> None:
@@ -189,6 +194,19 @@ def test_a_hole_is_queried_at_its_own_timer() -> None:
     rnd.due(0.05)  # segment 5 goes out
     (query,) = [t for t in rnd.due(0.1) if t.segment == 0]
     assert query.header.kind is Kind.QUERY
+    assert query.header.flags == Flags.RETRANSMIT  # not a PROBE: its result is due now
+
+
+def test_three_later_answers_repair_a_hole_at_once_with_a_plain_query() -> None:
+    """Fast retransmit: once FAST_RETRANSMIT segments sent after k are answered, k is asked
+    after at once, long before its timer, and not as a PROBE: the hole is certain."""
+    rnd, sent = stalled_window()
+    for n, t in enumerate(sent[1:FAST_RETRANSMIT + 1]):
+        answer(rnd, t, 0.01 * (n + 1))
+        released = rnd.due(0.01 * (n + 1))
+    (query,) = [t for t in released if t.segment == 0]
+    assert query.header.kind is Kind.QUERY and query.header.flags == Flags.RETRANSMIT
+    assert rnd.fast_retransmissions == 1
 
 
 def test_a_round_that_repaired_a_loss_queries_at_each_timer() -> None:
@@ -200,7 +218,10 @@ def test_a_round_that_repaired_a_loss_queries_at_each_timer() -> None:
     assert nudged.segment == 3 and nudged.header.kind is Kind.CONTRIBUTION
     answer(rnd, sent[0], 0.09)
     rnd.due(0.09)
-    assert sorted(t.segment for t in rnd.due(0.1)) == [1, 2]
+    queries = rnd.due(0.1)
+    assert sorted(t.segment for t in queries) == [1, 2]
+    # Plain queries, not PROBEs: in a round that repaired a loss, a stall may be a repair.
+    assert all(t.header.flags == Flags.RETRANSMIT for t in queries)
 
 
 def test_deadline_raises_naming_silent_cores_and_missing_ranks() -> None:
