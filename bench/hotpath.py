@@ -1,0 +1,198 @@
+"""The data path's Python per datagram, in memory: no network, no kernel, little noise.
+
+    python -m reduction_appliance.bench.hotpath [--repeat 5]
+
+On the emulated rack at n = 8 two cores run nine Python processes, and the interpreter is most
+of what they spend (docs/benchmarks.md, "Where the CPU goes at n = 8"), so the Python each
+segment costs is what a change to the hot path should move. Two measurements, each the best of
+`--repeat` runs (the best is the least disturbed by the machine; runs move by 30% here):
+
+* worker: `ApplianceClient.allreduce` of 64 MiB fp32 through `UdpWorkerTransport`'s own send and
+  receive code, over a stand-in socket that answers every contribution with its result, ten
+  results per wakeup in coalesced (GRO) batches of seven: the shape of a worker's turns on the
+  rack at n = 8 (about 10.7 results per turn). The stand-in's own time is subtracted.
+  Microseconds per segment, both directions (one contribution sent, one result taken in).
+* appliance: `Aggregator.on_batch` taking 64 MiB from each of 8 ranks in batches of seven of
+  one rank's segments (as GRO brings them), the reduce kernels included. Microseconds per
+  datagram.
+
+Compare trees by running the command in each, interleaved, and reading the best figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, cast
+
+import numpy as np
+
+from reduction_appliance.dataplane import udp
+from reduction_appliance.dataplane.aggregator import Aggregator
+from reduction_appliance.dataplane.counters import Counters
+from reduction_appliance.dataplane.reduce import select_kernels
+from reduction_appliance.dataplane.registration import EndpointInfo
+from reduction_appliance.dataplane.slots import SlotArena
+from reduction_appliance.dataplane.spec import JobSpec
+from reduction_appliance.dataplane.transport import RxBatch
+from reduction_appliance.dataplane.wire import (
+    HEADER_SIZE,
+    DType,
+    Flags,
+    Header,
+    Kind,
+    Op,
+    pack_into,
+    unpack,
+)
+from reduction_appliance.plugin import transport as worker_transport
+from reduction_appliance.plugin.client import ApplianceClient
+from reduction_appliance.plugin.rendezvous import JobInfo
+
+__all__ = ["appliance_us_per_datagram", "main", "worker_us_per_segment"]
+
+SEGMENT = 8896  # the rack's payload at MTU 9000
+NBYTES = 64 * 2**20
+RANKS = 8
+SLOTS = 32
+PER_WAKEUP = 10  # results a worker finds per turn on the rack at n = 8
+GRO_BATCH = 7  # datagrams per coalesced receive on the rack's veth
+CORES = (("198.18.0.1", 7000), ("198.18.0.1", 7001))
+
+
+class _Answering:
+    """A stand-in for the worker's socket: every contribution (or query) sent is answered with
+    its RESULT, up to `PER_WAKEUP` per wakeup, in coalesced batches from one core. Its own time
+    goes to `spent`."""
+
+    def __init__(self) -> None:
+        self.queue: collections.deque[tuple[Header, bytes, tuple[str, int]]] = collections.deque()
+        self.budget = 0
+        self.spent = 0.0
+
+    def sendmsg(self, iov: list[Any], ancdata: Any, flags: int, dest: tuple[str, int]) -> int:
+        start = time.perf_counter()
+        sent = 0
+        for header, payload in zip(iov[::2], iov[1::2], strict=True):
+            h = unpack(bytes(header))
+            body = bytes(payload) if h.kind is Kind.CONTRIBUTION else bytes(h.length)
+            self.queue.append((h._replace(kind=Kind.RESULT, flags=Flags.NONE), body, dest))
+            sent += len(header) + len(payload)
+        self.spent += time.perf_counter() - start
+        return sent
+
+    def recvmsg_into(self, buffers: list[bytearray], ancbufsize: int,
+                     flags: int) -> tuple[int, list[tuple[int, int, bytes]], int, Any]:
+        start = time.perf_counter()
+        try:
+            if not self.budget or not self.queue:
+                raise BlockingIOError
+            buf, at, count, source = buffers[0], 0, 0, self.queue[0][2]
+            size = HEADER_SIZE + len(self.queue[0][1])
+            while self.queue and self.budget and count < GRO_BATCH and self.queue[0][2] == source:
+                h, body, _ = self.queue.popleft()
+                pack_into(buf, h, at)
+                buf[at + HEADER_SIZE:at + HEADER_SIZE + len(body)] = body
+                at += HEADER_SIZE + len(body)
+                self.budget -= 1
+                count += 1
+            gro = [(udp._SOL_UDP, udp.UDP_GRO, size.to_bytes(4, sys.byteorder))]
+            return at, gro if count > 1 else [], 0, source
+        finally:
+            self.spent += time.perf_counter() - start
+
+    def close(self) -> None:
+        pass
+
+
+class _InMemoryTransport(worker_transport.UdpWorkerTransport):
+    """UdpWorkerTransport's send and receive code over `_Answering`; a wait is a wakeup."""
+
+    def __init__(self, answering: _Answering) -> None:  # no sockets: none of the base's set-up
+        sock = cast(socket.socket, answering)
+        self._answering = answering
+        self._sockets = [sock]
+        self._buffer = bytearray(udp.GRO_BUFFER)
+        self._view = memoryview(self._buffer)
+        self.sock = sock
+        self._batcher = udp.DatagramBatcher(sock)
+        self.gro_refused = ""
+        self.coalesced = 0
+
+    def wait(self, timeout: float | None, wake: socket.socket | None = None) -> None:
+        self._answering.budget = PER_WAKEUP
+
+    def fragmenting_routes(self, dests: Sequence[tuple[str, int]],
+                           payload_bytes: int) -> list[str]:
+        return []  # no routes in memory
+
+
+def worker_us_per_segment() -> float:
+    """One 64 MiB allreduce by a worker against the answering stand-in: us per segment."""
+    answering = _Answering()
+    job = JobInfo("bench", 5, "hotpath", RANKS, SEGMENT, None, False, 60.0,
+                  tuple(EndpointInfo(i, host, port, SLOTS) for i, (host, port) in enumerate(CORES)),
+                  cookie=77)
+    array = np.ones(NBYTES // 4, np.float32)
+    with ApplianceClient([job], 0, transport=_InMemoryTransport(answering), lease=False) as c:
+        start = time.perf_counter()
+        c.allreduce(array)
+        spent = time.perf_counter() - start - answering.spent
+    if not np.all(array == 1):  # each result is the contribution itself
+        raise RuntimeError("the in-memory allreduce came back wrong: the bench is broken")
+    return spent / -(-NBYTES // SEGMENT) * 1e6
+
+
+def appliance_us_per_datagram() -> float:
+    """8 ranks' 64 MiB through one appliance core's aggregator: us per datagram."""
+    segments = -(-NBYTES // SEGMENT) // len(CORES)  # one core's share
+    where = [(f"198.18.0.{101 + r}", 9000) for r in range(RANKS)]
+    with SlotArena(capacity=SLOTS, max_payload=SEGMENT, rx_buffers=4096) as arena:
+        agg = Aggregator(arena, select_kernels(), Counters())
+        agg.add_job(JobSpec(5, 77, RANKS, SLOTS, False, ("239.255.0.9", 7100), epoch=1,
+                            endpoints=tuple(where), hold_buffers=0), 0.0)
+        datagram = bytearray(HEADER_SIZE + SEGMENT)
+        datagram[HEADER_SIZE:] = np.ones(SEGMENT // 4, np.float32).tobytes()
+        pool, spent, count = agg.pool, 0.0, 0
+        for window in range(0, segments, SLOTS):  # every rank sends its window, then the next
+            last = min(window + SLOTS, segments)
+            for rank in range(RANKS):
+                for first in range(window, last, GRO_BATCH):
+                    batch = RxBatch()
+                    for k in range(first, min(first + GRO_BATCH, last)):
+                        pack_into(datagram, Header(
+                            Kind.CONTRIBUTION, DType.FLOAT32, Op.SUM, 0, 5, rank, 77, 1,
+                            k % SLOTS, k * SEGMENT, SEGMENT, k // SLOTS + 1, 1))
+                        index = pool.take()
+                        assert index is not None
+                        pool.views[index][:len(datagram)] = datagram
+                        batch.add(index, len(datagram), where[rank])
+                    start = time.perf_counter()
+                    agg.on_batch(batch, 0.0)
+                    spent += time.perf_counter() - start
+                    count += len(batch.index)
+        return spent / count * 1e6
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m reduction_appliance.bench.hotpath",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=5, help="runs of each; the best is shown")
+    args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
+    worker = [worker_us_per_segment() for _ in range(args.repeat)]
+    appliance = [appliance_us_per_datagram() for _ in range(args.repeat)]
+    print(f"worker:    {min(worker):.2f} us of Python per segment (sent and answered); "
+          f"runs {', '.join(f'{w:.2f}' for w in worker)}")
+    print(f"appliance: {min(appliance):.2f} us per datagram (reduce included); "
+          f"runs {', '.join(f'{a:.2f}' for a in appliance)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""bench.hotpath runs the real worker and appliance code in memory: it must keep running as
+that code changes (a benchmark that rots measures nothing)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from reduction_appliance.bench import hotpath
+
+
+def test_the_worker_path_completes_an_allreduce_in_memory() -> None:
+    us = hotpath.worker_us_per_segment()
+    assert math.isfinite(us) and us > 0
+
+
+def test_the_appliance_path_reduces_every_datagram_in_memory() -> None:
+    us = hotpath.appliance_us_per_datagram()
+    assert math.isfinite(us) and us > 0
+
+
+def test_main_prints_both_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    assert hotpath.main(["--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "us of Python per segment" in out and "us per datagram" in out
