@@ -142,8 +142,8 @@ CORE_COUNTERS: dict[str, tuple[str, str]] = {
     ),
     "results_withheld": (
         "core_results_withheld",
-        "PROBEs (a worker's timer query while it heard no result) for a result sent less than "
-        "RESULT_IN_FLIGHT_S ago: answered with a PENDING note (all ranks in), since the result "
+        "PROBEs (a worker's timer query for a stalled segment, not a hole) for a result sent "
+        "less than 10 ms before: answered with a PENDING note (all ranks in), since the result "
         "is most likely still on its way; a later query gets the result.",
     ),
     "pending_sent": (

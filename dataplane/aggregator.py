@@ -13,8 +13,9 @@ Slot protocol (after SwitchML, without its limits):
 * Each slot has two copies. The newest use fills one copy while the other keeps the previous
   result, so a late retransmission of a finished segment is answered (unicast, to that worker)
   from the stored result: that worker missed the multicast. Unless the worker marked its query
-  a PROBE (its timer, with no result from this core since: a stall) and the result left less
-  than `RESULT_IN_FLIGHT_S` ago: then it is on its way, and the worker hears PENDING instead.
+  a PROBE (its timer, for a segment nothing sent after has been answered: a stall, not a hole)
+  and the result left less than `RESULT_IN_FLIGHT_S` ago: then it is on its way, and the
+  worker hears PENDING instead.
 * A rank bitmap per copy gives exactly-once accumulation: a duplicate never adds twice.
 * Ranks are bound to the endpoint they joined from (the control plane says, `JobSpec.endpoints`):
   a contribution from any other source is dropped (`DROP_BAD_SOURCE`), results and notices go
@@ -71,11 +72,9 @@ __all__ = ["Aggregator", "CopyState"]
 
 
 _TOMBSTONES = 1024  # aborted jobs remembered, so their workers hear why instead of timing out
-# A PROBE (wire.Flags) for a result that left less than this long ago gets a PENDING note, not
-# the result: it is taken to be still on its way. Bounded by the workers' RTO floor
-# (plugin.session.Timing.rto_min, 10 ms), so that a probe's retry, at least one RTO later,
-# finds the window over and gets the result: a result really lost costs at most one more RTO.
-# On the emulated rack at n = 8 the results a timer asked for had left a median 6 ms before.
+# A PROBE (wire.Flags) for a result that left less than this long ago gets a PENDING note: the
+# result is taken to be on its way. No longer than the workers' RTO floor (Timing.rto_min), so a
+# probe's retry, an RTO later, gets the result: a result really lost costs one more RTO at most.
 RESULT_IN_FLIGHT_S = 0.01
 
 
@@ -294,11 +293,9 @@ class Aggregator:
             return False
         if copy.state is CopyState.COMPLETE:
             if query and h.flags & Flags.PROBE and now - copy.finished < RESULT_IN_FLIGHT_S:
-                # A stalled worker's timer asks, while the result it wants left a moment ago
-                # and is most likely still on its way (queued on that worker's link, or in a
-                # socket of a process not yet scheduled): resending it whole would only add a
-                # duplicate to that queue. The worker hears "every rank is in" and asks again
-                # at its next timer, which comes after this window: then it gets the result.
+                # A stalled worker asks after a result that left a moment ago and is most
+                # likely queued on its way: a whole copy would only add a duplicate to the
+                # queue. It hears "every rank is in"; its next timer falls after the window.
                 cells[Counter.RESULTS_WITHHELD] += 1
                 self._waiting(job, copy, h, source, out)
                 return False

@@ -132,8 +132,9 @@ class Op(IntEnum):
 class Flags(IntFlag):
     NONE = 0
     RETRANSMIT = 1  # the worker has sent this segment before (counted, not trusted)
-    # On a QUERY: sent by a timer while the core had returned no result since the segment
-    # left (a stall, not a hole), so the result may well be on its way already.
+    # On a QUERY: sent by a timer for a segment after which nothing sent to that core has been
+    # answered, in a round that repaired no loss (a stall, not a hole): the result may well be
+    # on its way already.
     PROBE = 2
 
 

@@ -17,6 +17,8 @@ segments sent to the same core after one that is still unanswered, that one goes
 (fast retransmit). A lost segment holds only its own slot: the other slots keep the pipe full.
 While a round is clean, a segment's timer restarts with each answer its core gives to an earlier
 segment (RFC 6298's 5.3, per core): one that waits its turn behind them is not presumed lost.
+When a whole core stalls, the timers' queries go as PROBEs, which the appliance answers with
+PENDING while the result has only just left (it is on its way), not with a duplicate.
 
 The transport asks `due(now)` what to send, offers each received RESULT header to `accept`, and
 reports `stored` once the payload sits in the output array. Nothing here touches a socket or a
