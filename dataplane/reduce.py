@@ -363,11 +363,18 @@ def _why_not(name: str) -> str | None:
     return None
 
 
+# The module each backend imports beyond numpy (which is always there).
+_NEEDS = {"torch": "torch", "numpy+ml_dtypes": "ml_dtypes"}
+
+
+def _why_backend_not(backend: str) -> str | None:
+    needs = _NEEDS.get(backend)
+    return None if needs is None else _why_not(needs)
+
+
 def unavailable_backends() -> dict[str, str]:
     """Backends that cannot load in this process, best first, each with why."""
-    needs = {"torch": "torch", "numpy+ml_dtypes": "ml_dtypes"}
-    why = {backend: _why_not(module) for backend, module in needs.items()}
-    return {b: reason for b in BACKENDS if (reason := why.get(b)) is not None}
+    return {b: reason for b in BACKENDS if (reason := _why_backend_not(b)) is not None}
 
 
 def available_backends() -> tuple[str, ...]:
@@ -416,14 +423,16 @@ def select_kernels(prefer: str | None = None) -> KernelTable:
     """
     if sys.byteorder != "little":
         raise ConfigError("tensor payloads are little-endian; this host is big-endian")
+    # A named backend imports only its own module: a core told "numpy" must not pay torch's
+    # import (seconds and hundreds of MB per core) just to learn what else it could have had.
+    if prefer is not None and prefer in BACKENDS and _why_backend_not(prefer) is None:
+        return _build(prefer)
     missing = unavailable_backends()
     usable = tuple(b for b in BACKENDS if b not in missing)
     if prefer is None:
         best = _build(usable[0])
         skipped = tuple(f"{b} ({missing[b]})" for b in BACKENDS[:BACKENDS.index(usable[0])])
         return replace(best, passed_over=skipped)
-    if prefer not in usable:
-        why = "unknown" if prefer not in BACKENDS else "not available here"
-        raise ConfigError(f"dataplane.kernels: {prefer!r} is {why}; choose one of "
-                          f"{', '.join(usable)}")
-    return _build(prefer)
+    why = "unknown" if prefer not in BACKENDS else "not available here"
+    raise ConfigError(f"dataplane.kernels: {prefer!r} is {why}; choose one of "
+                      f"{', '.join(usable)}")

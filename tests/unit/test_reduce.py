@@ -7,6 +7,8 @@ except that a NaN only has to be a NaN (backends canonicalise NaN bits different
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 import tracemalloc
 from collections.abc import Iterator
 
@@ -330,6 +332,18 @@ def test_torch_preferred_when_importable() -> None:
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch not importable: nothing to prefer")
     assert select_kernels().backend == "torch"
+
+
+def test_a_named_numpy_backend_never_imports_torch() -> None:
+    """A core configured with kernels = "numpy" starts without paying torch's import (seconds
+    per core on a slow host, tens of seconds in the emulated RoCE guest)."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch not installed: nothing that could be imported by mistake")
+    probe = ("import sys; from reduction_appliance.dataplane.reduce import select_kernels; "
+             "select_kernels('numpy'); print(sorted({'torch', 'ml_dtypes'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert "torch" not in done.stdout, done.stdout
 
 
 def test_unknown_backend_names_the_choices() -> None:
