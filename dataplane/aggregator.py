@@ -45,6 +45,7 @@ from numpy.typing import NDArray
 
 from .counters import Counter, Counters
 from .errors import AdmissionError, PeerError
+from .notices import answer, pending_notes, to_every_rank
 from .reduce import KernelTable, SegmentKernel
 from .slots import RxPool, SlotArena, holdable_buffers, receive_reserve
 from .slotstate import CopyState, Event, JobState, Slot, SlotCopy, move
@@ -60,10 +61,8 @@ from .wire import (
     Flags,
     Header,
     Kind,
-    Op,
     SilentRank,
     WireError,
-    pack_into,
     pack_silent,
     unpack,
 )
@@ -458,52 +457,20 @@ class Aggregator:
 
     def _waiting(self, job: JobState, copy: SlotCopy, h: Header, source: Address,
                  out: list[Send]) -> None:
-        """A rank asks after an unfinished segment (it retransmitted, or queried): tell it which
-        ranks have arrived, and tell each missing rank that has sent data since the segment
-        began here (so it is in this round, and its contribution was lost) that it never came,
-        so that it resends now rather than at its own timer (its later segments may be waiting
-        on other holes, so it may not see this one for a while). A rank silent since then is
-        still computing: telling it would only add datagrams while it is late."""
-        spec = job.spec
-        bitmap = copy.arrived.to_bytes((spec.world_size + 7) // 8, "little")
-        header = bytearray(HEADER_SIZE)
-        pack_into(header, Header(
-            Kind.PENDING, copy.dtype, copy.op, 0, spec.job_id, h.rank, spec.cookie,
-            copy.round, h.slot, copy.offset, len(bitmap), copy.use, spec.epoch,
-        ))
-        sends = [Send(source, header, bitmap)]
-        missing = job.all_ranks & ~copy.arrived
-        rank = 0
-        started = copy.started
-        while missing:
-            if (missing & 1 and job.last_data[rank] > started
-                    and (address := spec.endpoints[rank]) is not None):
-                sends.append(Send(address, header, bitmap))
-            missing >>= 1
-            rank += 1
+        sends = pending_notes(job, copy, h, source)
         self._cells[Counter.PENDING_SENT] += len(sends)
         out.extend(sends)
 
     def _tell(self, job: JobState, kind: Kind, payload: bytes,
               counter: Counter = Counter.JOB_NOTICES) -> list[Send]:
-        """A notice of `kind` to every bound rank of the job."""
-        spec = job.spec
-        notices = []
-        for rank, address in enumerate(spec.endpoints):
-            if address is not None:
-                h = Header(kind, DType.FLOAT32, Op.SUM, 0, spec.job_id, rank, spec.cookie,
-                           job.rounds, 0, 0, len(payload), 0, spec.epoch)
-                notices.append(self._notice(kind, h, address, payload))
+        notices = to_every_rank(job, kind, payload)
         self._cells[counter] += len(notices)
         return notices
 
     def _notice(self, kind: Kind, h: Header, dest: Address, payload: bytes = b"") -> Send:
         """A notice answering `h`; it carries the job's current epoch when the job exists."""
         job = self._jobs.get(h.job_id)
-        epoch = job.spec.epoch if job is not None else h.epoch
-        header = bytearray(HEADER_SIZE)
-        pack_into(header, h._replace(kind=kind, length=len(payload), flags=0, epoch=epoch))
-        return Send(dest, header, payload)
+        return answer(kind, h, dest, job.spec.epoch if job is not None else h.epoch, payload)
 
     def _release_held(self, job: JobState, copy: SlotCopy) -> None:
         for index in copy.held.values():

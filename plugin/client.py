@@ -39,7 +39,8 @@ from . import rendezvous
 from .lease import Lease
 from .pipeline import Outcome, RoundPipeline
 from .rendezvous import JobInfo
-from .session import Endpoint, RttEstimator, Timing, Transmit
+from .rtt import RttEstimator, Timing
+from .session import Endpoint, Transmit
 from .transport import Outgoing, UdpWorkerTransport, WorkerTransport
 
 __all__ = ["ApplianceClient", "dtype_of", "op_of"]

@@ -42,7 +42,8 @@ from reduction_appliance.dataplane.errors import (
 )
 from reduction_appliance.dataplane.wire import DType, Header, Kind, Op, SilentRank
 
-from .session import Address, AllreduceRound, Endpoint, RttEstimator, SlotUses, Transmit
+from .rtt import RttEstimator
+from .session import Address, AllreduceRound, Endpoint, SlotUses, Transmit
 
 __all__ = ["Outcome", "RoundPipeline", "lane_endpoints"]
 

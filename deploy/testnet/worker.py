@@ -26,7 +26,7 @@ from reduction_appliance.dataplane.units import parse_size
 from reduction_appliance.dataplane.wire import DType, Op
 from reduction_appliance.plugin.client import ApplianceClient
 from reduction_appliance.plugin.rendezvous import leave, register
-from reduction_appliance.plugin.session import Timing
+from reduction_appliance.plugin.rtt import Timing
 
 from .probe import Probe
 from .reference import integer_valued, random_values, reference, same_bits

@@ -22,7 +22,7 @@ import numpy as np
 from reduction_appliance.dataplane.errors import ReductionError
 from reduction_appliance.plugin.client import ApplianceClient
 from reduction_appliance.plugin.rendezvous import leave, register
-from reduction_appliance.plugin.session import Timing
+from reduction_appliance.plugin.rtt import Timing
 
 
 def inputs(rank: int, n: int) -> np.ndarray:

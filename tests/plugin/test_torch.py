@@ -21,7 +21,7 @@ from reduction_appliance.deploy.testnet.harness import (
     start_appliance,
 )
 from reduction_appliance.plugin.rendezvous import leave
-from reduction_appliance.plugin.session import Timing
+from reduction_appliance.plugin.rtt import Timing
 from reduction_appliance.plugin.torch_backend import (
     ApplianceConfig,
     FutureWork,

@@ -27,7 +27,7 @@ from reduction_appliance.dataplane.wire import HEADER_SIZE, DType, Header, Kind,
 from reduction_appliance.plugin.client import ApplianceClient
 from reduction_appliance.plugin.rendezvous import JobInfo
 from reduction_appliance.plugin.roce import RoceWorkerTransport
-from reduction_appliance.plugin.session import Timing
+from reduction_appliance.plugin.rtt import Timing
 from tests.roce.loss import multicast_loss
 from tests.roce.worker import reference
 

@@ -38,14 +38,8 @@ from reduction_appliance.dataplane.wire import (
     unpack,
 )
 from reduction_appliance.plugin.pipeline import Outcome, RoundPipeline
-from reduction_appliance.plugin.session import (
-    AllreduceRound,
-    Endpoint,
-    RttEstimator,
-    SlotUses,
-    Timing,
-    Transmit,
-)
+from reduction_appliance.plugin.rtt import RttEstimator, Timing
+from reduction_appliance.plugin.session import AllreduceRound, Endpoint, SlotUses, Transmit
 
 MULTICAST = ("239.255.0.1", 7100)
 

@@ -22,7 +22,7 @@ from reduction_appliance.dataplane.reduce import select_kernels
 from reduction_appliance.dataplane.transport import Address, MemoryNetwork
 from reduction_appliance.dataplane.wire import HEADER, MAGIC, VERSION, DType, Kind, Op
 from reduction_appliance.deploy.testnet.reference import integer_valued, reference, same_bits
-from reduction_appliance.plugin.session import Timing
+from reduction_appliance.plugin.rtt import Timing
 
 from .simnet import MULTICAST, Faults, SimNet
 

@@ -18,7 +18,8 @@ from reduction_appliance.deploy.testnet.reference import (
     same_bits,
 )
 from reduction_appliance.plugin.pipeline import RoundPipeline, lane_endpoints
-from reduction_appliance.plugin.session import Endpoint, RttEstimator, Timing
+from reduction_appliance.plugin.rtt import RttEstimator, Timing
+from reduction_appliance.plugin.session import Endpoint
 
 from .simnet import Faults, SimNet
 

@@ -25,7 +25,7 @@ from reduction_appliance.dataplane.spec import (
 from reduction_appliance.dataplane.transport import MemoryCoreTransport, MemoryNetwork
 from reduction_appliance.plugin.client import ApplianceClient
 from reduction_appliance.plugin.rendezvous import JobInfo
-from reduction_appliance.plugin.session import Timing
+from reduction_appliance.plugin.rtt import Timing
 from reduction_appliance.plugin.transport import MemoryWorkerTransport
 
 GROUP = ("239.255.0.1", 7100)

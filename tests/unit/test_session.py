@@ -16,12 +16,11 @@ from reduction_appliance.deploy.testnet.reference import (
     reference,
     same_bits,
 )
+from reduction_appliance.plugin.rtt import RttEstimator, Timing
 from reduction_appliance.plugin.session import (
     FAST_RETRANSMIT,
     AllreduceRound,
     Endpoint,
-    RttEstimator,
-    Timing,
     Transmit,
 )
 

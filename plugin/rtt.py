@@ -1,0 +1,52 @@
+"""Retransmission timing of a worker's rounds: the bounds (`Timing`) and one smoothed round-trip
+estimate per appliance core (`RttEstimator`, RFC 6298 with Karn's rule applied by its caller),
+carried from round to round by the client. Sans-I/O: times are passed in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["RttEstimator", "Timing"]
+
+
+@dataclass(frozen=True)
+class Timing:
+    rto_initial: float = 0.05  # before the first sample of a core
+    rto_min: float = 0.01  # the floor: a rack's round trips are well under it
+    rto_max: float = 1.0  # one segment's backed-off timer never waits longer
+    deadline: float = 60.0
+
+
+@dataclass
+class RttEstimator:
+    """Smoothed round-trip time per destination (RFC 6298), carried from round to round.
+    Destinations are endpoint indices (appliance cores); each has its own estimate."""
+
+    timing: Timing = field(default_factory=Timing)
+    _srtt: dict[int, float] = field(default_factory=dict)
+    _rttvar: dict[int, float] = field(default_factory=dict)
+
+    def sample(self, dest: int, rtt: float, per_rtt: int = 1) -> None:
+        """One round trip to `dest`. `per_rtt`: how many samples a round trip brings (the
+        segments in flight to it). RFC 6298's gains assume one; with a window of them, the
+        unscaled gains would forget within a fraction of a round trip, and since neighbouring
+        segments' round trips are alike, RTTVAR collapses to the last few segments' spread
+        and the timer fires inside the ordinary spread (RFC 7323, appendix G: divide the gains
+        by the samples per round trip)."""
+        srtt = self._srtt.get(dest)
+        if srtt is None:
+            self._srtt[dest], self._rttvar[dest] = rtt, rtt / 2
+        else:
+            scale = 1.0 / per_rtt if per_rtt > 1 else 1.0
+            rttvar = self._rttvar[dest]
+            self._rttvar[dest] = rttvar + 0.25 * scale * (abs(srtt - rtt) - rttvar)
+            self._srtt[dest] = srtt + 0.125 * scale * (rtt - srtt)
+
+    def srtt(self, dest: int) -> float | None:
+        return self._srtt.get(dest)
+
+    def rto(self, dest: int) -> float:
+        t = self.timing
+        srtt = self._srtt.get(dest)
+        base = t.rto_initial if srtt is None else srtt + 4 * self._rttvar[dest]
+        return min(t.rto_max, max(t.rto_min, base))
