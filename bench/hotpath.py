@@ -31,7 +31,6 @@ from typing import Any, cast
 
 import numpy as np
 
-from reduction_appliance.dataplane import udp
 from reduction_appliance.dataplane.aggregator import Aggregator
 from reduction_appliance.dataplane.counters import Counters
 from reduction_appliance.dataplane.reduce import select_kernels
@@ -39,6 +38,7 @@ from reduction_appliance.dataplane.registration import EndpointInfo
 from reduction_appliance.dataplane.slots import SlotArena
 from reduction_appliance.dataplane.spec import JobSpec
 from reduction_appliance.dataplane.transport import RxBatch
+from reduction_appliance.dataplane.udp import UDP_GRO
 from reduction_appliance.dataplane.wire import (
     HEADER_SIZE,
     DType,
@@ -49,9 +49,9 @@ from reduction_appliance.dataplane.wire import (
     pack_into,
     unpack,
 )
-from reduction_appliance.plugin import transport as worker_transport
 from reduction_appliance.plugin.client import ApplianceClient
 from reduction_appliance.plugin.rendezvous import JobInfo
+from reduction_appliance.plugin.transport import UdpWorkerTransport
 
 __all__ = ["appliance_us_per_datagram", "main", "worker_us_per_segment"]
 
@@ -100,7 +100,7 @@ class _Answering:
                 at += HEADER_SIZE + len(body)
                 self.budget -= 1
                 count += 1
-            gro = [(udp._SOL_UDP, udp.UDP_GRO, size.to_bytes(4, sys.byteorder))]
+            gro = [(socket.SOL_UDP, UDP_GRO, size.to_bytes(4, sys.byteorder))]
             return at, gro if count > 1 else [], 0, source
         finally:
             self.spent += time.perf_counter() - start
@@ -109,22 +109,19 @@ class _Answering:
         pass
 
 
-class _InMemoryTransport(worker_transport.UdpWorkerTransport):
+class _InMemoryTransport(UdpWorkerTransport):
     """UdpWorkerTransport's send and receive code over `_Answering`; a wait is a wakeup."""
 
-    def __init__(self, answering: _Answering) -> None:  # no sockets: none of the base's set-up
-        sock = cast(socket.socket, answering)
-        self._answering = answering
-        self._sockets = [sock]
-        self._buffer = bytearray(udp.GRO_BUFFER)
-        self._view = memoryview(self._buffer)
-        self.sock = sock
-        self._batcher = udp.DatagramBatcher(sock)
-        self.gro_refused = ""
-        self.coalesced = 0
+    answering: _Answering
+
+    @classmethod
+    def answered_by(cls, answering: _Answering) -> _InMemoryTransport:
+        transport = cls.over([cast(socket.socket, answering)])
+        transport.answering = answering
+        return transport
 
     def wait(self, timeout: float | None, wake: socket.socket | None = None) -> None:
-        self._answering.budget = PER_WAKEUP
+        self.answering.budget = PER_WAKEUP
 
     def fragmenting_routes(self, dests: Sequence[tuple[str, int]],
                            payload_bytes: int) -> list[str]:
@@ -138,7 +135,8 @@ def worker_us_per_segment() -> float:
                   tuple(EndpointInfo(i, host, port, SLOTS) for i, (host, port) in enumerate(CORES)),
                   cookie=77)
     array = np.ones(NBYTES // 4, np.float32)
-    with ApplianceClient([job], 0, transport=_InMemoryTransport(answering), lease=False) as c:
+    transport = _InMemoryTransport.answered_by(answering)
+    with ApplianceClient([job], 0, transport=transport, lease=False) as c:
         start = time.perf_counter()
         c.allreduce(array)
         spent = time.perf_counter() - start - answering.spent

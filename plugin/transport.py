@@ -19,7 +19,7 @@ import errno
 import select
 import socket
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, Self
 
 from reduction_appliance.dataplane.errors import PeerError, ReductionError
 from reduction_appliance.dataplane.transport import Address, MemoryEndpoint, MemoryNetwork
@@ -103,21 +103,34 @@ class UdpWorkerTransport:
 
     def __init__(self, local_address: str = "0.0.0.0",
                  groups: Sequence[Address] = (), *, gro: bool = True) -> None:
-        self._sockets: list[socket.socket] = []
+        with contextlib.ExitStack() as stack:
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+            enlarge_buffers(sock, _SOCKET_BUFFER)
+            sock.bind((local_address, 0))
+            sockets = [sock, *(stack.enter_context(self._join(group, local_address))
+                               for group in dict.fromkeys(groups))]
+            stack.pop_all()
+        self._adopt(sockets, "turned off" if not gro else next(
+            (why for why in map(enable_gro, sockets) if why), ""))
+
+    @classmethod
+    def over(cls, sockets: Sequence[socket.socket], gro_refused: str = "") -> Self:
+        """A transport over sockets set up elsewhere (the first one sends; all are received
+        from), e.g. in-memory stand-ins for a benchmark. `gro_refused` as for the constructor."""
+        if not sockets:
+            raise ValueError("a worker transport needs at least one socket")
+        transport = cls.__new__(cls)
+        transport._adopt(list(sockets), gro_refused)
+        return transport
+
+    def _adopt(self, sockets: list[socket.socket], gro_refused: str) -> None:
+        self._sockets = sockets
+        self.sock = sockets[0]
         self._buffer = bytearray(_RECEIVE_BUFFER)
         self._view = memoryview(self._buffer)
-        with contextlib.ExitStack() as stack:
-            self.sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
-            enlarge_buffers(self.sock, _SOCKET_BUFFER)
-            self.sock.bind((local_address, 0))
-            self._sockets.append(self.sock)
-            for group in dict.fromkeys(groups):
-                self._sockets.append(stack.enter_context(self._join(group, local_address)))
-            stack.pop_all()
         self._batcher = DatagramBatcher(self.sock)
         # Why the kernel refused coalesced receives ("" where it granted them on every socket).
-        self.gro_refused = "turned off" if not gro else next(
-            (why for why in map(enable_gro, self._sockets) if why), "")
+        self.gro_refused = gro_refused
         self.coalesced = 0  # receive calls that brought more than one datagram
 
     def __enter__(self) -> UdpWorkerTransport:

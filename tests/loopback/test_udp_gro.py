@@ -183,3 +183,15 @@ def test_an_empty_datagram_stops_no_worker() -> None:
         sender.sendto(b"", worker.local)
         payloads = gso_burst(worker.local, 2, kind=Kind.RESULT)
         assert results(worker, 2) == list(enumerate(payloads))
+
+
+def test_a_transport_over_given_sockets_receives_and_sends_on_them() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.setsockopt(socket.SOL_UDP, UDP_GRO, 1)
+        worker = UdpWorkerTransport.over([sock])
+        assert worker.local == sock.getsockname() and worker.gro_refused == ""
+        payloads = gso_burst(worker.local, 3, kind=Kind.RESULT)
+        assert results(worker, 3) == list(enumerate(payloads))
+    with pytest.raises(ValueError, match="at least one socket"):
+        UdpWorkerTransport.over([])
