@@ -56,6 +56,8 @@ from .wire import (
     HEADER_SIZE,
     ITEMSIZE,
     MAGIC,
+    SERIAL_AT,
+    SERIALS,
     VERSION,
     DType,
     Flags,
@@ -64,6 +66,7 @@ from .wire import (
     SilentRank,
     WireError,
     pack_silent,
+    serial_newer,
     unpack,
 )
 
@@ -291,10 +294,14 @@ class Aggregator:
             self._diverge(job, copy, h, out)
             return False
         if copy.state is CopyState.COMPLETE:
-            if query and h.flags & Flags.PROBE and now - copy.finished < RESULT_IN_FLIGHT_S:
-                # A stalled worker asks after a result that left a moment ago and is most
-                # likely queued on its way: a whole copy would only add a duplicate to the
-                # queue. It hears "every rank is in"; its next timer falls after the window.
+            if query and now - copy.finished < RESULT_IN_FLIGHT_S and (
+                    serial_newer(copy.serial, h.serial) if h.flags & Flags.SERIAL
+                    else h.flags & Flags.PROBE):
+                # A worker asks after a result that left a moment ago and is most likely
+                # queued on its way: it has no result this core sent after it (SERIAL), or it
+                # stalled (PROBE, from workers that send no serial). A whole copy would only add
+                # a duplicate to the queue. It hears "every rank is in"; its next timer falls
+                # after the window. A worker that has a later result lost this one: resent.
                 cells[Counter.RESULTS_WITHHELD] += 1
                 self._waiting(job, copy, h, source, out)
                 return False
@@ -444,6 +451,8 @@ class Aggregator:
         HEADER.pack_into(copy.header, 0, MAGIC, VERSION, Kind.RESULT, copy.dtype, copy.op, 0,
                          spec.job_id, 0, spec.epoch, spec.cookie, copy.round, copy.slot,
                          copy.offset, copy.length, copy.use)
+        copy.serial = copy.header[SERIAL_AT] = job.serial
+        job.serial = (job.serial + 1) % SERIALS
         self._cells[Counter.SEGMENTS_REDUCED] += 1
         self._cells[Counter.BYTES_REDUCED] += copy.length
         job.segments_reduced += 1

@@ -35,7 +35,6 @@ from scapy.fields import (
     IntField,
     LongField,
     ShortField,
-    XByteField,
     XShortField,
 )
 from scapy.layers.inet import UDP
@@ -69,7 +68,7 @@ class ReductionHeader(Packet):
         ByteEnumField("dtype", DType.FLOAT32, {int(d): d.name for d in DType}),  # 4
         ByteEnumField("op", Op.SUM, {int(o): o.name for o in Op}),  # 5
         FlagsField("flags", 0, 8, {int(f): str(f.name) for f in Flags if f}),  # 6
-        XByteField("reserved1", 0),  # 7: zero on the wire, ignored on receipt
+        ByteField("serial", 0),  # 7: a RESULT's serial, or a SERIAL QUERY's newest seen
         IntField("job_id", 0),  # 8
         ShortField("rank", 0),  # 12
         ShortField("epoch", 0),  # 14: the job's epoch

@@ -65,8 +65,8 @@ class SlotCopy:
 
     __slots__ = (
         "acc", "acc_n", "arrived", "count", "dtype", "finished", "header", "heads", "held",
-        "kernel", "length", "next_rank", "offset", "op", "out", "result", "round", "slot",
-        "started", "state", "use",
+        "kernel", "length", "next_rank", "offset", "op", "out", "result", "round", "serial",
+        "slot", "started", "state", "use",
     )
 
     def __init__(self, slot: int, acc: NDArray[np.float32], out: NDArray[np.uint8],
@@ -81,6 +81,7 @@ class SlotCopy:
                                memoryview(bytearray(HEADER_SIZE)))
         self.header: bytearray | memoryview = self.heads[0]
         self.use = 0  # which use of the slot this copy holds (0: none yet)
+        self.serial = 0  # its result's serial (wire.Header.serial), once complete
         self.round = -1
         self.offset = -1
         self.dtype = DType.FLOAT32
@@ -111,8 +112,8 @@ class Slot:
 
 class JobState:
     __slots__ = ("all_ranks", "arena_slots", "bytes_reduced", "diverged", "held",
-                 "last_activity", "last_data", "last_seen", "rounds", "segments_reduced", "slots",
-                 "spec")
+                 "last_activity", "last_data", "last_seen", "rounds", "segments_reduced", "serial",
+                 "slots", "spec")
 
     def __init__(self, spec: JobSpec, arena_slots: list[int], slots: list[Slot],
                  now: float) -> None:
@@ -128,6 +129,7 @@ class JobState:
         self.last_activity: float | None = None
         self.held = 0  # receive buffers its out-of-turn contributions hold (<= hold_buffers)
         self.diverged: str | None = None  # why the ranks disagree, until the next epoch
+        self.serial = 0  # the serial this core's next result of the job carries
 
     @property
     def bound(self) -> list[Address]:

@@ -9,7 +9,7 @@ for LIVENESS; nothing for QUERY and the notices). All fields are in network byte
     +-------------------------------+---------------+---------------+
     |         magic 0x5241 "RA"     |    version    |     kind      |   0
     +---------------+---------------+---------------+---------------+
-    |     dtype     |      op       |     flags     |   (zero)      |   4
+    |     dtype     |      op       |     flags     |    serial     |   4
     +---------------+---------------+---------------+---------------+
     |                            job id                             |   8
     +-------------------------------+-------------------------------+
@@ -39,6 +39,12 @@ A LIVENESS payload is a list of silent ranks, one 12-byte record each (`SILENT`)
 Its `round` echoes the HEARTBEAT's, so a worker can tell a fresh answer from one that waited in
 its socket.
 
+A RESULT's `serial` numbers the results one appliance core sends for a job (mod 256), in the
+order it sends them; a QUERY flagged SERIAL carries the newest serial its sender has from that
+core. Results to a worker travel one path in order, so a result with an older serial than that
+was lost, and one with a newer serial is still on its way (the appliance resends only the
+first). Zero when unused.
+
 A segment is named by (job, round, offset); the slot says where the appliance aggregates it and
 `use` which use of that slot it is. Every rank numbers the uses of each slot alike (1, 2, ... in
 the order the slot is used), so the appliance accepts exactly the slot's current use, the one
@@ -63,6 +69,8 @@ __all__ = [
     "IP_UDP_HEADERS",
     "ITEMSIZE",
     "MAGIC",
+    "SERIALS",
+    "SERIAL_AT",
     "SILENT",
     "VERSION",
     "DType",
@@ -74,6 +82,7 @@ __all__ = [
     "WireError",
     "pack_into",
     "pack_silent",
+    "serial_newer",
     "unpack",
     "unpack_silent",
 ]
@@ -81,7 +90,11 @@ __all__ = [
 MAGIC = 0x5241
 VERSION = 3  # 3: QUERY, and PENDING sent to the ranks a segment waits for
 
+# Byte 7 (`serial`) is read and written apart from HEADER, whose pad byte it is: a datagram
+# packed with HEADER alone carries serial 0.
 HEADER = struct.Struct("!HBBBBBxIHHQIIQII")
+SERIAL_AT = 7
+SERIALS = 256  # serials wrap; see `serial_newer`
 HEADER_SIZE = HEADER.size
 IP_UDP_HEADERS = 28  # what a datagram adds to its payload on the wire: IPv4 (20) + UDP (8)
 assert HEADER_SIZE == 48
@@ -136,6 +149,8 @@ class Flags(IntFlag):
     # answered, in a round that repaired no loss (a stall, not a hole): the result may well be
     # on its way already.
     PROBE = 2
+    # On a QUERY: `serial` is the newest RESULT serial its sender has from that core.
+    SERIAL = 4
 
 
 class WireError(PeerError):
@@ -156,6 +171,7 @@ class Header(NamedTuple):
     length: int
     use: int = 0
     epoch: int = 0
+    serial: int = 0
 
 
 # Dict lookups, not Enum(value) calls: decoding runs once per datagram.
@@ -167,10 +183,12 @@ _new_tuple = tuple.__new__
 
 def pack_into(buf: bytearray | memoryview, h: Header, at: int = 0) -> None:
     """Write `h` into `buf[at:at + HEADER_SIZE]`."""
-    # One unpacking, not thirteen field lookups: this runs once per datagram sent.
-    kind, dtype, op, flags, job_id, rank, cookie, rnd, slot, offset, length, use, epoch = h
+    # One unpacking, not fourteen field lookups: this runs once per datagram sent.
+    kind, dtype, op, flags, job_id, rank, cookie, rnd, slot, offset, length, use, epoch, serial = h
     HEADER.pack_into(buf, at, MAGIC, VERSION, kind, dtype, op, flags, job_id, rank, epoch,
                      cookie, rnd, slot, offset, length, use)
+    if serial:
+        buf[at + SERIAL_AT] = serial
 
 
 def unpack(buf: bytes | bytearray | memoryview, at: int = 0) -> Header:
@@ -189,7 +207,14 @@ def unpack(buf: bytes | bytearray | memoryview, at: int = 0) -> Header:
     # tuple.__new__ with the fields in order: a NamedTuple's keyword-capable __new__ costs
     # 0.3 us more, once per datagram at both ends.
     return _new_tuple(Header, (k, d, o, flags, job_id, rank, cookie, rnd, slot, offset, length,
-                               use, epoch))
+                               use, epoch, buf[at + SERIAL_AT]))
+
+
+def serial_newer(serial: int, than: int) -> bool:
+    """Was the result numbered `serial` sent after the one numbered `than`? Serials wrap at
+    SERIALS, so this holds for results less than half of SERIALS apart (RFC 1982's rule); a
+    core has far fewer in flight to one worker (its slots)."""
+    return 0 < (serial - than) % SERIALS < SERIALS // 2
 
 
 class SilentRank(NamedTuple):

@@ -103,6 +103,7 @@ class RoundPipeline:
         self._addresses = frozenset(ep.address for ep in endpoints)
         self._busy: list[AllreduceRound | None] = [None] * lanes
         self._in_flight = [0] * len(endpoints)  # per core, over every active round
+        self._serials = [-1] * len(endpoints)  # per core, the newest result serial heard
         self._active: dict[int, AllreduceRound] = {}  # wire round number -> round
         self._requests: dict[int, _Request] = {}  # ticket -> what was asked, while active
         self._queued: deque[_Request] = deque()
@@ -172,7 +173,7 @@ class RoundPipeline:
                                      self._next_round, req.dtype, req.op, req.nbytes,
                                      self.segment_bytes, self.rtt, now, uses=self.uses,
                                      epoch=self.epoch, ticket=req.ticket,
-                                     in_flight=self._in_flight)
+                                     in_flight=self._in_flight, serials=self._serials)
             except ReductionError as exc:
                 self._finished.append(Outcome(req.ticket, exc, 0))
                 continue
@@ -332,6 +333,7 @@ class RoundPipeline:
             return
         self.epoch = epoch
         self.uses.reset()
+        self._serials[:] = [-1] * len(self._serials)  # a restarted core numbers from 0 again
         self._next_round = 1
         self._diverged = None
         self._silent_ranks.clear()

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from reduction_appliance.dataplane.errors import AllreduceTimeout, JobAborted, ReductionError
-from reduction_appliance.dataplane.wire import DType, Flags, Header, Kind, Op
+from reduction_appliance.dataplane.wire import SERIALS, DType, Flags, Header, Kind, Op
 
 from .rtt import RttEstimator
 
@@ -108,6 +108,7 @@ class AllreduceRound:
         epoch: int = 1,
         ticket: int | None = None,
         in_flight: list[int] | None = None,
+        serials: list[int] | None = None,
     ) -> None:
         if not endpoints:
             raise ReductionError("an allreduce needs at least one appliance endpoint")
@@ -151,6 +152,9 @@ class AllreduceRound:
         # counts too (`in_flight`); `_mine` is this round's part of them, for `release`.
         self._in_flight = [0] * len(endpoints) if in_flight is None else in_flight
         self._mine = [0] * len(endpoints)
+        # The newest RESULT serial heard from each core (-1: none yet), shared like `in_flight`:
+        # a query carries it, so the core resends only a result that was lost (wire.Flags).
+        self._serials = [-1] * len(endpoints) if serials is None else serials
         self._fast = bytearray(n)
         # Retransmissions are QUERYs (48 bytes: "the result, or say what you lack") until the
         # appliance says our contribution never came; then, once, the payload.
@@ -186,11 +190,17 @@ class AllreduceRound:
         slot = ep.slot_base + (k // n_ep) % ep.slots
         offset = k * self.segment_bytes
         query = not self._lacks_ours[k]
+        flags = Flags.RETRANSMIT
+        serial = self._serials[k % n_ep] if query else -1
+        if query and probe:
+            flags |= Flags.PROBE
+        if serial >= 0:
+            flags |= Flags.SERIAL
         return Header(
-            Kind.QUERY if query else Kind.CONTRIBUTION, self.dtype, self.op,
-            Flags.RETRANSMIT | Flags.PROBE if query and probe else Flags.RETRANSMIT,
+            Kind.QUERY if query else Kind.CONTRIBUTION, self.dtype, self.op, flags,
             ep.job_id, self.rank, ep.cookie, self.round, slot, offset,
             min(self.segment_bytes, self.nbytes - offset), self._use[k], self.epoch,
+            max(serial, 0),
         )
 
     @property
@@ -273,7 +283,7 @@ class AllreduceRound:
             offset = k * size
             first = _new_tuple(Header, (
                 Kind.CONTRIBUTION, dtype, op, Flags.NONE, ep.job_id, rank, ep.cookie, round_no,
-                slot, offset, min(size, nbytes - offset), this_use, epoch))
+                slot, offset, min(size, nbytes - offset), this_use, epoch, 0))
             sent_at[k] = last_sent[k] = self._payload_sent[k] = now
             rto[k] = rto_of[e]
             timer[k] = when = now + rto_of[e]
@@ -338,7 +348,7 @@ class AllreduceRound:
         """The segment whose payload the RESULT `h` carries, if we still want it, else None.
         Given its `source`, only the core the segment went to may have sent it."""
         # One unpacking instead of a field lookup per check: this runs once per result.
-        kind, dtype, _, _, job_id, _, cookie, rnd, _, offset, length, use, epoch = h
+        kind, dtype, _, _, job_id, _, cookie, rnd, _, offset, length, use, epoch, serial = h
         if (kind is not Kind.RESULT or rnd != self.round or dtype is not self.dtype
                 or epoch != self.epoch):
             return None
@@ -346,10 +356,14 @@ class AllreduceRound:
         if (rest or k >= self.segments or self._done[k] or use != self._use[k]
                 or length != min(self.segment_bytes, self.nbytes - offset)):
             return None
-        ep = self.endpoints[k % len(self.endpoints)]
+        e = k % len(self.endpoints)
+        ep = self.endpoints[e]
         if (job_id != ep.job_id or cookie != ep.cookie
                 or (source is not None and source != ep.address)):
             return None
+        newest = self._serials[e]
+        if newest < 0 or 0 < (serial - newest) % SERIALS < SERIALS // 2:  # serial_newer, in line
+            self._serials[e] = serial
         return k
 
     def stored(self, k: int, now: float) -> None:

@@ -151,12 +151,16 @@ def test_retransmission_of_unfinished_segment_gets_pending_bitmap(arena: SlotAre
 
 
 def query(agg: Aggregator, rank: int, *, slot: int = 0, length: int = 32, use: int = 1,
-          payload: bytes = b"", now: float = 0.0, probe: bool = False) -> list[Send]:
-    """A QUERY: a contribution's header (segment length `length`) and no payload."""
+          payload: bytes = b"", now: float = 0.0, probe: bool = False,
+          seen: int | None = None, offset: int = 0) -> list[Send]:
+    """A QUERY: a contribution's header (segment length `length`) and no payload; `seen`: the
+    newest result serial its worker claims (Flags.SERIAL)."""
     header = bytearray(HEADER_SIZE)
     flags = Flags.RETRANSMIT | Flags.PROBE if probe else Flags.RETRANSMIT
+    if seen is not None:
+        flags |= Flags.SERIAL
     pack_into(header, Header(Kind.QUERY, DType.FLOAT32, Op.SUM, flags, 5, rank, COOKIE,
-                             1, slot, 0, length, use, 1))
+                             1, slot, offset, length, use, 1, seen or 0))
     return feed(agg, [(bytes(header) + payload, where(rank))], now)
 
 
@@ -211,6 +215,31 @@ def test_a_probe_for_a_result_just_sent_hears_pending_and_a_later_one_gets_it(
     for resend in (plain, late):
         assert unpack(bytes(resend.header)).kind is Kind.RESULT
         assert bytes(resend.payload) == bytes(sends[0].payload)
+    assert agg.counters[Counter.RESULTS_RESENT] == 2
+    assert agg.counters[Counter.RESULTS_WITHHELD] == 1
+
+
+def test_results_are_numbered_and_only_one_older_than_the_newest_seen_is_resent_at_once(
+        arena: SlotArena) -> None:
+    """Results carry serials in the order the core sends them. A query claiming a newer serial
+    than the result's comes from a worker that lost it (results travel one path in order): it
+    is resent at once, even a moment after it left. A query claiming an older one comes before
+    the result can have arrived: it hears PENDING, for RESULT_IN_FLIGHT_S."""
+    agg = make(arena)
+    serials = []
+    for slot, use, offset in ((0, 1, 0), (1, 1, 32), (0, 2, 64)):  # the job has two slots
+        for r in range(3):
+            sends = contribute(agg, r, np.full(8, 2, np.float32), slot=slot, use=use,
+                               offset=offset, now=1.0)
+        serials.append(unpack(bytes(sends[0].header)).serial)
+    assert serials == [0, 1, 2]
+    soon = 1.0 + RESULT_IN_FLIGHT_S / 2
+    (lost,) = query(agg, 0, seen=2, now=soon)  # it has 2, so 0 was lost
+    assert unpack(bytes(lost.header)).kind is Kind.RESULT and lost.dest == where(0)
+    (early,) = query(agg, 1, use=2, offset=64, seen=1, now=soon)  # 2 is on its way
+    assert pending_of(early) == (1, 0b111)
+    (later,) = query(agg, 1, use=2, offset=64, seen=1, now=1.0 + RESULT_IN_FLIGHT_S)
+    assert unpack(bytes(later.header)).kind is Kind.RESULT
     assert agg.counters[Counter.RESULTS_RESENT] == 2
     assert agg.counters[Counter.RESULTS_WITHHELD] == 1
 

@@ -163,8 +163,8 @@ def stalled_window() -> tuple[AllreduceRound, list[Transmit]]:
     return rnd, sent
 
 
-def answer(rnd: AllreduceRound, t: Transmit, now: float) -> None:
-    assert rnd.accept(t.header._replace(kind=Kind.RESULT)) == t.segment
+def answer(rnd: AllreduceRound, t: Transmit, now: float, serial: int = 0) -> None:
+    assert rnd.accept(t.header._replace(kind=Kind.RESULT, serial=serial)) == t.segment
     rnd.stored(t.segment, now)
 
 
@@ -183,7 +183,8 @@ def test_a_segment_waiting_its_turn_behind_answered_ones_is_not_queried() -> Non
     assert all(t.header.kind is Kind.QUERY for t in queries) and rnd.retransmissions == 4
     # Stalls, not holes (nothing sent after them was answered): each query is a PROBE, which
     # the appliance answers with PENDING while the result has only just left.
-    assert all(t.header.flags == Flags.RETRANSMIT | Flags.PROBE for t in queries)
+    assert all(t.header.flags == Flags.RETRANSMIT | Flags.PROBE | Flags.SERIAL
+               for t in queries)
 
 
 def test_a_hole_is_queried_at_its_own_timer() -> None:
@@ -193,7 +194,7 @@ def test_a_hole_is_queried_at_its_own_timer() -> None:
     rnd.due(0.05)  # segment 5 goes out
     (query,) = [t for t in rnd.due(0.1) if t.segment == 0]
     assert query.header.kind is Kind.QUERY
-    assert query.header.flags == Flags.RETRANSMIT  # not a PROBE: its result is due now
+    assert query.header.flags == Flags.RETRANSMIT | Flags.SERIAL  # not a PROBE: due now
 
 
 def test_three_later_answers_repair_a_hole_at_once_with_a_plain_query() -> None:
@@ -204,8 +205,25 @@ def test_three_later_answers_repair_a_hole_at_once_with_a_plain_query() -> None:
         answer(rnd, t, 0.01 * (n + 1))
         released = rnd.due(0.01 * (n + 1))
     (query,) = [t for t in released if t.segment == 0]
-    assert query.header.kind is Kind.QUERY and query.header.flags == Flags.RETRANSMIT
+    assert query.header.kind is Kind.QUERY
+    assert query.header.flags == Flags.RETRANSMIT | Flags.SERIAL
     assert rnd.fast_retransmissions == 1
+
+
+def test_a_query_carries_the_newest_result_serial_heard_from_its_core() -> None:
+    """The appliance resends a result only to a worker that has a later one (wire.Flags.SERIAL):
+    the query names the newest serial heard from that core, in the serials' wrapping order, and
+    a resent (older) result does not move it back. Before any result, no serial is claimed."""
+    rnd, sent = stalled_window()
+    assert all(not t.header.flags & Flags.SERIAL for t in rnd.due(0.1))  # nothing heard yet
+    for t, serial, at in ((sent[1], 254, 0.11), (sent[2], 255, 0.12), (sent[3], 0, 0.13)):
+        answer(rnd, t, at, serial)
+    due = rnd.due(0.13)
+    (query,) = [t for t in due if t.segment == 0]  # fast retransmit: 3 later ones answered
+    assert query.header.flags & Flags.SERIAL and query.header.serial == 0  # 0 came after 255
+    answer(rnd, next(t for t in due if t.segment == 5), 0.14, 253)  # e.g. a resent result
+    (again,) = [t for t in rnd.due(1.0) if t.segment == 0]
+    assert again.header.flags & Flags.SERIAL and again.header.serial == 0
 
 
 def test_a_round_that_repaired_a_loss_queries_at_each_timer() -> None:
@@ -220,7 +238,7 @@ def test_a_round_that_repaired_a_loss_queries_at_each_timer() -> None:
     queries = rnd.due(0.1)
     assert sorted(t.segment for t in queries) == [1, 2]
     # Plain queries, not PROBEs: in a round that repaired a loss, a stall may be a repair.
-    assert all(t.header.flags == Flags.RETRANSMIT for t in queries)
+    assert all(t.header.flags == Flags.RETRANSMIT | Flags.SERIAL for t in queries)
 
 
 def test_deadline_raises_naming_silent_cores_and_missing_ranks() -> None:
