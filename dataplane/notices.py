@@ -54,5 +54,5 @@ def to_every_rank(job: JobState, kind: Kind, payload: bytes) -> list[Send]:
 def answer(kind: Kind, h: Header, dest: Address, epoch: int, payload: bytes = b"") -> Send:
     """A notice of `kind` answering the datagram whose header is `h`, in `epoch`."""
     header = bytearray(HEADER_SIZE)
-    pack_into(header, h._replace(kind=kind, length=len(payload), flags=0, epoch=epoch))
+    pack_into(header, h._replace(kind=kind, length=len(payload), flags=0, epoch=epoch, serial=0))
     return Send(dest, header, payload)
