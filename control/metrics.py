@@ -146,6 +146,17 @@ CORE_COUNTERS: dict[str, tuple[str, str]] = {
         "less than 10 ms before: answered with a PENDING note (all ranks in), since the result "
         "is most likely still on its way; a later query gets the result.",
     ),
+    "runs_taken": (
+        "core_runs_taken",
+        "Coalesced receives (UDP GRO: consecutive datagrams of one worker) taken whole by the "
+        "burst path: one header decoded, one set of checks and one kernel call for all of them.",
+    ),
+    "runs_declined": (
+        "core_runs_declined",
+        "Coalesced receives the burst path left to the one-by-one path (a retransmission, a "
+        "query, a duplicate, a deterministic job, anything unusual): taken datagram by datagram, "
+        "every check on the way.",
+    ),
     "pending_sent": (
         "core_pending_sent",
         "PENDING notes: to a worker that retransmitted or queried a segment still waiting for "

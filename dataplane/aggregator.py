@@ -47,6 +47,7 @@ from .counters import Counter, Counters
 from .errors import AdmissionError, PeerError
 from .notices import answer, pending_notes, to_every_rank
 from .reduce import KernelTable, SegmentKernel
+from .runs import RunPath
 from .slots import RxPool, SlotArena, holdable_buffers, receive_reserve
 from .slotstate import CopyState, Event, JobState, Slot, SlotCopy, move
 from .spec import Address, JobSpec, JobStats
@@ -93,6 +94,7 @@ class Aggregator:
         self._aborted: OrderedDict[int, tuple[int, frozenset[Address]]] = OrderedDict()
         self._cells = counters.cells
         self._reserve = receive_reserve(len(self._pool))
+        self._runs = RunPath(self._jobs, arena, kernels, counters, self._finish, self._one)
 
     # ---- job table (driven by the control plane through the mailbox) ----
     def add_job(self, spec: JobSpec, now: float) -> list[Send]:
@@ -110,8 +112,8 @@ class Aggregator:
         arena_slots = self._arena.allocate(spec.slots)
         slots = [
             Slot((
-                SlotCopy(i, *self._arena.copy_buffers(s, 0)),
-                SlotCopy(i, *self._arena.copy_buffers(s, 1)),
+                SlotCopy(i, *self._arena.copy_buffers(s, 0), copy=0),
+                SlotCopy(i, *self._arena.copy_buffers(s, 1), copy=1),
             ))
             for i, s in enumerate(arena_slots)
         ]
@@ -207,10 +209,14 @@ class Aggregator:
     # ---- datagram path ----
     def on_batch(self, batch: RxBatch, now: float) -> list[Send]:
         """Take in the datagrams of `batch` (their buffers are ours now: each goes back to the
-        pool unless a deterministic job holds it) and return what to send."""
+        pool unless a deterministic job holds it; its runs' staging is lent to us until the
+        transport's next receive) and return what to send."""
         out: list[Send] = []
         for index, nbytes, source in zip(batch.index, batch.nbytes, batch.source, strict=True):
             self._one(index, nbytes, source, now, out)
+        take_run = self._runs.take
+        for staging, nbytes, size, source in batch.runs:
+            take_run(staging, nbytes, size, source, now, out)
         return out
 
     def _one(self, index: int, nbytes: int, source: Address, now: float,
@@ -380,19 +386,8 @@ class Aggregator:
         slot.latest = 1 - slot.latest
         copy = slot.copies[slot.latest]
         self._release_held(job, copy)
-        copy.use = h.use
-        copy.round = h.round
-        copy.offset = h.offset
-        copy.dtype = h.dtype
-        copy.op = h.op
-        copy.kernel = self._kernels.kernel(h.dtype, h.op)
-        copy.length = h.length
-        copy.acc_n = copy.acc[: h.length // ITEMSIZE[h.dtype]]
-        copy.arrived = 0
-        copy.count = 0
-        copy.next_rank = 0
-        copy.state = move(copy.state, Event.START)
-        copy.started = now
+        copy.begin(h.use, h.round, h.offset, h.dtype, h.op, self._kernels.kernel(h.dtype, h.op),
+                   h.length, now)
         return self._accumulate(job, copy, h.rank, index, now, out)
 
     def _accumulate(self, job: JobState, copy: SlotCopy, rank: int, index: int, now: float,

@@ -117,6 +117,14 @@ class SegmentKernel(Protocol):
         """acc = op(acc, widened payload) in place (sum/avg: add, min: minimum, max: maximum)."""
         ...
 
+    def first_rows(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
+        """`first` for each row of two 2-D views of equal shape (several slots at once)."""
+        ...
+
+    def add_rows(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
+        """`add` for each row of two 2-D views of equal shape (several slots at once)."""
+        ...
+
     def finish(
         self, acc: NDArray[np.float32], count: int, out: NDArray[np.uint8]
     ) -> NDArray[np.uint8]:
@@ -259,6 +267,28 @@ class _Kernel:
             raise ValueError(f"payload holds {len(payload)} elements, accumulator {n}")
         return payload
 
+    @staticmethod
+    def _same_shape(acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
+        if acc.shape != payload.shape:  # never broadcast one row over several
+            raise ValueError(f"payload rows {payload.shape}, accumulator rows {acc.shape}")
+
+    # Every backend folds row by row; fp32 overrides these with one ufunc call for all rows.
+    def first_rows(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
+        self._same_shape(acc, payload)
+        for a, x in zip(acc, payload, strict=True):
+            self.first(a, x)
+
+    def add_rows(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
+        self._same_shape(acc, payload)
+        for a, x in zip(acc, payload, strict=True):
+            self.add(a, x)
+
+    def first(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
+        raise NotImplementedError
+
+    def add(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
+        raise NotImplementedError
+
     def _finalise(self, acc: NDArray[np.float32], count: int) -> None:
         if self._avg:
             if count < 1:
@@ -279,6 +309,14 @@ class _Float32Kernel(_Kernel):
         if len(payload) != len(acc):
             raise ValueError(f"payload holds {len(payload)} elements, accumulator {len(acc)}")
         self._fold(acc, payload, acc)
+
+    def first_rows(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
+        self._same_shape(acc, payload)
+        np.copyto(acc, payload)
+
+    def add_rows(self, acc: NDArray[np.float32], payload: NDArray[Any]) -> None:
+        self._same_shape(acc, payload)
+        self._fold(acc, payload, out=acc)
 
     def finish(
         self, acc: NDArray[np.float32], count: int, out: NDArray[np.uint8]

@@ -130,12 +130,22 @@ class SlotArena:
         return len(self._free_slots)
 
     def allocate(self, count: int) -> list[int]:
-        if count > len(self._free_slots):
+        """`count` free slot pairs: consecutive ones where a run of them is free (the lowest
+        such run), so that one kernel call can fold into several (`accumulator_rows`)."""
+        free = self._free_slots
+        if count > len(free):
             raise AdmissionError(
-                f"job needs {count} slots but only {len(self._free_slots)} of {self.capacity} "
+                f"job needs {count} slots but only {len(free)} of {self.capacity} "
                 "are free on this core"
             )
-        return [self._free_slots.pop() for _ in range(count)]
+        free.sort(reverse=True)  # lowest last: list.pop takes from the end
+        for end in range(len(free) - 1, count - 2, -1):
+            start = end - count + 1
+            if free[start] - free[end] == count - 1:  # descending and distinct: consecutive
+                taken = free[start:end + 1]
+                del free[start:end + 1]
+                return taken[::-1]
+        return [free.pop() for _ in range(count)]
 
     def release(self, slots: list[int]) -> None:
         self._free_slots.extend(slots)
@@ -143,6 +153,12 @@ class SlotArena:
     def accumulator(self, slot: int, copy: int) -> NDArray[np.float32]:
         acc: NDArray[np.float32] = self._acc[slot, copy]
         return acc
+
+    def accumulator_rows(self, first: int, count: int, copy: int) -> NDArray[np.float32]:
+        """The accumulators of copy `copy` of slots first .. first + count - 1, as the rows of
+        one view (one row per slot, each a whole accumulator)."""
+        rows: NDArray[np.float32] = self._acc[first:first + count, copy]
+        return rows
 
     def result_buffer(self, slot: int, copy: int) -> NDArray[np.uint8]:
         out: NDArray[np.uint8] = self._out[slot, copy][: self.max_payload]

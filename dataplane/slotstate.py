@@ -64,14 +64,15 @@ class SlotCopy:
     """One of a slot's two copies."""
 
     __slots__ = (
-        "acc", "acc_n", "arrived", "count", "dtype", "finished", "header", "heads", "held",
+        "acc", "acc_n", "arrived", "copy", "count", "dtype", "finished", "header", "heads", "held",
         "kernel", "length", "next_rank", "offset", "op", "out", "result", "round", "serial",
         "slot", "started", "state", "use",
     )
 
     def __init__(self, slot: int, acc: NDArray[np.float32], out: NDArray[np.uint8],
-                 heads: tuple[memoryview, memoryview] | None = None) -> None:
+                 heads: tuple[memoryview, memoryview] | None = None, copy: int = 0) -> None:
         self.slot = slot  # job-relative index, echoed in the result header
+        self.copy = copy  # which of the slot's two copies this is (its arena buffers)
         self.acc = acc
         self.acc_n = acc  # acc[:elements of the current segment], sliced once per segment
         self.out = out
@@ -97,6 +98,23 @@ class SlotCopy:
         self.finished = 0.0  # `now` when its last came and the result left
         self.result: memoryview = memoryview(b"")
 
+    def begin(self, use: int, round_no: int, offset: int, dtype: DType, op: Op,
+              kernel: SegmentKernel, length: int, now: float) -> None:
+        """Take the slot's next use (its first contribution is about to be folded in)."""
+        self.use = use
+        self.round = round_no
+        self.offset = offset
+        self.dtype = dtype
+        self.op = op
+        self.kernel = kernel
+        self.length = length
+        self.acc_n = self.acc[: length // dtype.itemsize]
+        self.arrived = 0
+        self.count = 0
+        self.next_rank = 0
+        self.state = move(self.state, Event.START)
+        self.started = now
+
     def describe(self) -> str:
         return (f"round {self.round} offset {self.offset} length {self.length} "
                 f"{self.dtype.name} {self.op.name}")
@@ -111,7 +129,7 @@ class Slot:
 
 
 class JobState:
-    __slots__ = ("all_ranks", "arena_slots", "bytes_reduced", "diverged", "held",
+    __slots__ = ("all_ranks", "arena_first", "arena_slots", "bytes_reduced", "diverged", "held",
                  "last_activity", "last_data", "last_seen", "rounds", "segments_reduced", "serial",
                  "slots", "spec")
 
@@ -121,6 +139,10 @@ class JobState:
         self.last_seen = [now] * spec.world_size  # when each rank last said anything
         self.last_data = [-1.0] * spec.world_size  # ... sent a contribution or a query
         self.arena_slots = arena_slots
+        # Where job slot 0 lies in the arena when job slot i lies at arena_first + i (-1 when
+        # not): consecutive slots' accumulators are then the rows of one view.
+        first = arena_slots[0] if arena_slots else 0
+        self.arena_first = first if arena_slots == list(range(first, first + len(slots))) else -1
         self.slots = slots
         self.all_ranks = (1 << spec.world_size) - 1
         self.rounds = 0  # highest round with a finished segment on this core, this epoch

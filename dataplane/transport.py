@@ -24,9 +24,13 @@ import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+from numpy.typing import NDArray
 
 from .slots import RxPool
+from .wire import HEADER_SIZE
 
 __all__ = [
     "Address",
@@ -35,10 +39,15 @@ __all__ = [
     "MemoryNetwork",
     "RxBatch",
     "Send",
+    "Staging",
     "TransportCounts",
+    "datagram_starts",
 ]
 
 Address = tuple[str, int]
+_COALESCED_BYTES = 65536  # what one coalesced receive brings at most (an IPv4 datagram)
+_COALESCED_DATAGRAMS = 64  # ... and how many datagrams (the kernel's UDP_GRO_CNT_MAX)
+_COALESCED_RUNS = 16  # coalesced receives per burst
 
 
 class Send(NamedTuple):
@@ -58,23 +67,60 @@ class TransportCounts:
     send_errors: int = 0
 
 
-class RxBatch:
-    """The datagrams of one receive call, in receive-pool buffers (reused from call to call)."""
+def datagram_starts(nbytes: int, size: int) -> range:
+    """Where each datagram of a receive of `nbytes` begins, given `segment_size`'s `size`.
+    An empty datagram (anyone may send one) is still one datagram, at 0 (of 0 bytes), for the
+    receiver to count as malformed, not a zero step that stops the receive loop."""
+    return range(0, max(nbytes, 1), max(size, 1))
 
-    __slots__ = ("bytes", "count", "index", "nbytes", "source", "truncated")
+
+class Staging:
+    """A transport's buffer for one coalesced receive: consecutive datagrams of one source,
+    all `size` bytes long but the last (UDP GRO hands them over like that). Lent to the
+    aggregator in an `RxBatch` until the transport's next receive; the aggregator reads the
+    datagrams where they lie, or copies them into receive-pool buffers one by one."""
+
+    __slots__ = ("_rows", "array", "buffer", "view")
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffer = bytearray(nbytes)
+        self.view = memoryview(self.buffer)
+        self.array: NDArray[np.uint8] = np.frombuffer(self.buffer, np.uint8)
+        self._rows: dict[tuple[int, np.dtype[Any]], NDArray[Any]] = {}
+
+    def rows(self, size: int, storage: np.dtype[Any]) -> NDArray[Any]:
+        """The payloads of datagrams `size` bytes apart as the rows of one view, in elements
+        of `storage` (built once per size: a view costs as much as a small kernel call)."""
+        key = (size, storage)
+        rows = self._rows.get(key)
+        if rows is None:
+            count = len(self.buffer) // size
+            rows = self.array[:count * size].reshape(count, size)[:, HEADER_SIZE:].view(storage)
+            self._rows[key] = rows
+        return rows
+
+
+class RxBatch:
+    """What one receive call brought (reused from call to call): datagrams in receive-pool
+    buffers, and coalesced receives left in the transport's `Staging` buffers (runs)."""
+
+    __slots__ = ("bytes", "count", "index", "nbytes", "runs", "source", "truncated")
 
     def __init__(self) -> None:
         self.index: list[int] = []  # receive-pool buffer holding datagram i
         self.nbytes: list[int] = []  # its length, header included
         self.source: list[Address] = []
-        self.count = 0
-        self.bytes = 0  # sum of nbytes, truncated datagrams included
+        # (staging, bytes received, datagram size, source): `size`-byte datagrams back to back
+        self.runs: list[tuple[Staging, int, int, Address]] = []
+        self.count = 0  # datagrams, those of runs included
+        self.bytes = 0  # sum of nbytes and of runs' bytes, truncated datagrams included
         self.truncated = 0  # datagrams longer than a buffer: dropped by the transport
 
     def clear(self) -> None:
         self.index.clear()
         self.nbytes.clear()
         self.source.clear()
+        self.runs.clear()
         self.count = self.bytes = self.truncated = 0
 
     def add(self, index: int, nbytes: int, source: Address) -> None:
@@ -82,6 +128,13 @@ class RxBatch:
         self.nbytes.append(nbytes)
         self.source.append(source)
         self.count += 1
+        self.bytes += nbytes
+
+    def add_run(self, staging: Staging, nbytes: int, size: int, source: Address) -> None:
+        """A coalesced receive of `nbytes` in `staging`: datagrams of `size` bytes, the last
+        possibly shorter (an empty datagram is one datagram of 0 bytes)."""
+        self.runs.append((staging, nbytes, size, source))
+        self.count += max(1, -(-nbytes // max(size, 1)))
         self.bytes += nbytes
 
 
@@ -210,6 +263,26 @@ class MemoryEndpoint:
     def sendto(self, datagram: bytes, dest: Address) -> None:
         self.net.transmit(self.address, dest, bytes(datagram))
 
+    def recv_coalesced(self, into: bytearray) -> tuple[int, int, Address] | None:
+        """Receive as a UDP socket with GRO does: the next datagrams of one source and one
+        size (the last may be shorter), up to 64 of them and `len(into)` bytes, back to back
+        into `into`; (bytes, datagram size, source), or None when nothing waits."""
+        queue = self._queue
+        if not queue:
+            return None
+        size, source = len(queue[0][0]), queue[0][1]
+        at = count = 0
+        while count < _COALESCED_DATAGRAMS and queue:
+            datagram, sender = queue[0]
+            if (sender != source or len(datagram) > size or at + len(datagram) > len(into)
+                    or (count and (not size or at != count * size))):
+                break  # another source, or a shorter (or empty) datagram ended the run
+            self.recv()
+            into[at:at + len(datagram)] = datagram
+            at += len(datagram)
+            count += 1
+        return at, size, source
+
     def recv(self) -> tuple[bytes, Address] | None:
         if not self._queue:
             return None
@@ -227,19 +300,26 @@ class MemoryEndpoint:
 
 
 class MemoryCoreTransport:
-    """`CoreTransport` over a `MemoryEndpoint`."""
+    """`CoreTransport` over a `MemoryEndpoint`. With `coalesce` (the default) it receives as a
+    UDP socket with GRO does: consecutive datagrams of one source and one size (the last may
+    be shorter) as one run in a staging buffer, up to 64 of them and 64 KB; else each
+    datagram into a receive-pool buffer, as where the kernel refuses GRO (or over RDMA)."""
 
     idle_block_s = 0.05
 
-    def __init__(self, endpoint: MemoryEndpoint) -> None:
+    def __init__(self, endpoint: MemoryEndpoint, *, coalesce: bool = True) -> None:
         self.endpoint = endpoint
+        self.coalesce = coalesce
         self._counts = TransportCounts()
+        self._staging = [Staging(_COALESCED_BYTES) for _ in range(_COALESCED_RUNS)]
 
     def fileno(self) -> int:
         return self.endpoint.fileno()
 
     def receive(self, pool: RxPool, batch: RxBatch, limit: int) -> int:
         batch.clear()
+        if self.coalesce:
+            return self._receive_runs(batch, limit)
         while batch.count < limit:
             index = pool.take()
             if index is None:
@@ -257,6 +337,16 @@ class MemoryCoreTransport:
                 continue
             view[:len(datagram)] = datagram
             batch.add(index, len(datagram), source)
+        return batch.count
+
+    def _receive_runs(self, batch: RxBatch, limit: int) -> int:
+        for staging in self._staging:
+            if batch.count >= limit:
+                break
+            got = self.endpoint.recv_coalesced(staging.buffer)
+            if got is None:
+                break
+            batch.add_run(staging, *got)
         return batch.count
 
     def send(self, sends: Sequence[Send]) -> None:

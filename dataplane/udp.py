@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from .slots import RxPool
 from .spec import CoreConfig
-from .transport import RxBatch, Send, TransportCounts
+from .transport import RxBatch, Send, Staging, TransportCounts, datagram_starts
 from .wire import HEADER_SIZE, Header, pack_into
 
 __all__ = [
@@ -49,6 +49,7 @@ _CORE_SOCKET_BUFFER = 64 * 1024 * 1024  # holds a few full windows of every work
 GRO_BUFFER = 65536  # a coalesced receive is one IPv4 datagram's worth at most
 GRO_SEGMENTS = 64  # the most datagrams the kernel coalesces into one (UDP_GRO_CNT_MAX)
 GRO_CMSG_SPACE = socket.CMSG_SPACE(4)
+_STAGING_BUFFERS = 16  # coalesced receives per burst at most (1 MiB of staging)
 
 Address = tuple[str, int]
 
@@ -82,13 +83,6 @@ def segment_size(ancdata: list[tuple[int, int, bytes]], nbytes: int) -> int:
             if size > 0:
                 return size
     return nbytes
-
-
-def datagram_starts(nbytes: int, size: int) -> range:
-    """Where each datagram of a receive of `nbytes` begins, given `segment_size`'s `size`.
-    An empty datagram (anyone may send one) is still one datagram, at 0 (of 0 bytes), for the
-    receiver to count as malformed, not a zero step that stops the receive loop."""
-    return range(0, max(nbytes, 1), max(size, 1))
 
 
 class DatagramBatcher:
@@ -206,8 +200,7 @@ class UdpCoreTransport:
         self.batcher = DatagramBatcher(sock)
         # Why receives are not coalesced ("" when they are): the kernel's refusal, or ours.
         self.gro_refused = enable_gro(sock) if gro else (why_not or "turned off")
-        self._staging = bytearray(GRO_BUFFER)
-        self._staging_view = memoryview(self._staging)
+        self._staging = [Staging(GRO_BUFFER) for _ in range(_STAGING_BUFFERS)]
         self.coalesced = 0  # receive calls that carried more than one datagram
 
     @classmethod
@@ -243,12 +236,14 @@ class UdpCoreTransport:
         if self.gro_refused:
             return self._receive_one_by_one(pool, batch, limit)
         recv = self.sock.recvmsg_into
-        staging, views = self._staging_view, pool.views
-        # Only while a whole coalesced receive fits in the free buffers: what stays in the
-        # kernel's queue waits there, as it would for the one-by-one path.
-        while batch.count < limit and pool.free >= GRO_SEGMENTS:
+        # Each coalesced receive stays in a staging buffer of its own, for the aggregator to
+        # take whole (dataplane.runs) or copy apart; what finds no staging buffer or, for the
+        # one-by-one path, no free receive buffers waits in the kernel's queue.
+        for staging in self._staging:
+            if batch.count >= limit or pool.free < GRO_SEGMENTS:
+                break
             try:
-                nbytes, ancdata, flags, source = recv([staging], GRO_CMSG_SPACE,
+                nbytes, ancdata, flags, source = recv([staging.buffer], GRO_CMSG_SPACE,
                                                       socket.MSG_DONTWAIT)
             except BlockingIOError:
                 break
@@ -259,17 +254,7 @@ class UdpCoreTransport:
             size = segment_size(ancdata, nbytes) if ancdata else nbytes
             if size < nbytes:
                 self.coalesced += 1
-            for start in datagram_starts(nbytes, size):
-                end = min(start + size, nbytes)
-                index = pool.take()
-                if index is None or end - start > len(views[index]):
-                    if index is not None:
-                        pool.release(index)
-                    batch.truncated += 1
-                    batch.bytes += end - start
-                    continue
-                views[index][:end - start] = staging[start:end]
-                batch.add(index, end - start, source)
+            batch.add_run(staging, nbytes, size, source)
         return batch.count
 
     def _receive_one_by_one(self, pool: RxPool, batch: RxBatch, limit: int) -> int:

@@ -41,7 +41,7 @@ from .pipeline import Outcome, RoundPipeline
 from .rendezvous import JobInfo
 from .rtt import RttEstimator, Timing
 from .session import Endpoint, Transmit
-from .transport import Outgoing, UdpWorkerTransport, WorkerTransport
+from .transport import Outgoing, UdpWorkerTransport, WorkerTransport, decode_each
 
 __all__ = ["ApplianceClient", "dtype_of", "op_of"]
 
@@ -296,7 +296,7 @@ class ApplianceClient:
         if timeout is not None:
             wait = min(wait, timeout)
         self.transport.wait(None if wait == math.inf else max(0.0, wait), wake)
-        self.transport.receive(self._on_datagram)
+        self.transport.receive(self._on_datagram, self._on_run)
         self._send_due()  # results just stored released their slots' next segments
         outcomes = [*self._unclaimed, *pipeline.finished()]
         self._unclaimed = []
@@ -313,7 +313,7 @@ class ApplianceClient:
             # process was not running (two cores shared by many processes: often) usually has
             # its answer waiting in the socket. Asking again would only cost a query and the
             # appliance's resending that whole result.
-            self.transport.receive(self._on_datagram)
+            self.transport.receive(self._on_datagram, self._on_run)
         # Grouped by endpoint so consecutive segments to one core leave in one GSO send.
         due = sorted(self.pipeline.due(self._clock()), key=_by_endpoint)
         if due:
@@ -323,6 +323,23 @@ class ApplianceClient:
                 _new_tuple(Outgoing, (addresses[e], h, views[ticket][h.offset:h.offset + h.length]
                                       if h.kind is Kind.CONTRIBUTION else _NO_PAYLOAD))  # QUERY
                 for e, _, h, ticket in due])
+
+    def _on_run(self, buf: bytearray, view: memoryview, nbytes: int, size: int,
+                source: Address) -> None:
+        """A coalesced receive: the results of a round straight into its array, a run at a
+        time (`RoundPipeline.take_results`); anything else through `_on_datagram`."""
+        pipeline = self.pipeline
+        now = self._clock()
+        appliance = self._appliance_of.get(source)
+        if appliance is not None:
+            pipeline.heard(appliance, now)
+        at = 0
+        while at < nbytes:
+            at = pipeline.take_results(buf, view, at, nbytes, size, source, now, self._views)
+            if at < nbytes:  # not a result it wanted: decode and handle it alone
+                end = min(at + size, nbytes)
+                decode_each(buf, view, at, end, size, source, self._on_datagram)
+                at = end
 
     def _on_datagram(self, h: Header, payload: memoryview, source: Address) -> None:
         pipeline = self.pipeline

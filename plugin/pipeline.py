@@ -31,6 +31,7 @@ round does not stop the others.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from reduction_appliance.dataplane.errors import (
@@ -40,7 +41,15 @@ from reduction_appliance.dataplane.errors import (
     RankSilent,
     ReductionError,
 )
-from reduction_appliance.dataplane.wire import DType, Header, Kind, Op, SilentRank
+from reduction_appliance.dataplane.wire import (
+    HEADER_SIZE,
+    DType,
+    Header,
+    Kind,
+    Op,
+    SilentRank,
+    peek_round,
+)
 
 from .rtt import RttEstimator
 from .session import Address, AllreduceRound, Endpoint, SlotUses, Transmit
@@ -290,6 +299,20 @@ class RoundPipeline:
             return None
         assert rnd is not None
         return rnd, k
+
+    def take_results(self, buf: bytearray, view: memoryview, start: int, nbytes: int,
+                     size: int, source: Address, now: float,
+                     outputs: Mapping[int, memoryview]) -> int:
+        """`AllreduceRound.take_results` for the round the datagram at `start` names (its
+        array: `outputs[ticket]`); returns where the first datagram not taken begins."""
+        rnd = self._active.get(peek_round(buf, start)) if nbytes - start >= HEADER_SIZE \
+            else None
+        if rnd is None:
+            return start
+        at = rnd.take_results(buf, view, start, nbytes, size, source, now, outputs[rnd.ticket])
+        if rnd.done:
+            self._finish(rnd, None)
+        return at
 
     def stored(self, rnd: AllreduceRound, k: int, now: float) -> None:
         rnd.stored(k, now)

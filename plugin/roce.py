@@ -44,7 +44,7 @@ from reduction_appliance.dataplane.wire import HEADER_SIZE, pack_into, unpack
 
 from .rendezvous import JobInfo
 from .roce_multicast import MulticastReceiver
-from .transport import Handler, Outgoing
+from .transport import Handler, Outgoing, RunHandler
 
 __all__ = ["RoceWorkerTransport", "connect_jobs", "local_roce_unavailable"]
 
@@ -236,7 +236,8 @@ class RoceWorkerTransport:
             self._pending.extend(wcs)
         return int(npolled)
 
-    def receive(self, handle: Handler) -> int:
+    def receive(self, handle: Handler, take_run: RunHandler | None = None) -> int:
+        # Completions are whole messages, one per segment: nothing to take as a run.
         if not self._pending:
             self._poll()
         taken = 0

@@ -30,62 +30,29 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass
-from typing import NamedTuple
 
 from reduction_appliance.dataplane.errors import AllreduceTimeout, JobAborted, ReductionError
-from reduction_appliance.dataplane.wire import SERIALS, DType, Flags, Header, Kind, Op
+from reduction_appliance.dataplane.wire import (
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    SERIAL_AT,
+    SERIALS,
+    VERSION,
+    DType,
+    Flags,
+    Header,
+    Kind,
+    Op,
+)
 
 from .rtt import RttEstimator
+from .slotplan import Address, Endpoint, SlotUses, Transmit
 
-__all__ = ["AllreduceRound", "Endpoint", "SlotUses", "Transmit"]
-
-Address = tuple[str, int]
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """One data-plane core of one appliance, as the job's registration described it."""
-
-    address: Address
-    job_id: int
-    cookie: int
-    slots: int
-    name: str
-    slot_base: int = 0  # this round uses slots slot_base .. slot_base + slots - 1 (its lane)
-    appliance: int = 0  # which of the client's appliances the core belongs to
-
+__all__ = ["Address", "AllreduceRound", "Endpoint", "SlotUses", "Transmit"]
 
 _new_tuple = tuple.__new__  # a NamedTuple built without its keyword-capable __new__
 FAST_RETRANSMIT = 3  # later segments answered before an unanswered one is presumed lost
-
-
-class Transmit(NamedTuple):
-    endpoint: int
-    segment: int
-    header: Header
-    ticket: int  # the round as its submitter knows it (see pipeline.RoundPipeline.submit)
-
-
-class SlotUses:
-    """How many times each slot has been used this epoch, by (endpoint, slot). Every rank runs
-    the same rounds in the same order, so every rank numbers a slot's uses alike."""
-
-    __slots__ = ("_count",)
-
-    def __init__(self) -> None:
-        self._count: dict[tuple[int, int], int] = {}
-
-    def take(self, endpoint: int, slot: int) -> int:
-        """The next use of `slot` on `endpoint` (1 for the first)."""
-        key = (endpoint, slot)
-        use = self._count.get(key, 0) + 1
-        self._count[key] = use
-        return use
-
-    def reset(self) -> None:
-        """A new epoch: every slot starts over."""
-        self._count.clear()
 
 
 class AllreduceRound:
@@ -349,8 +316,43 @@ class AllreduceRound:
         Given its `source`, only the core the segment went to may have sent it."""
         # One unpacking instead of a field lookup per check: this runs once per result.
         kind, dtype, _, _, job_id, _, cookie, rnd, _, offset, length, use, epoch, serial = h
-        if (kind is not Kind.RESULT or rnd != self.round or dtype is not self.dtype
-                or epoch != self.epoch):
+        if kind is not Kind.RESULT:
+            return None
+        return self._wanted(dtype, job_id, cookie, rnd, offset, length, use, epoch, serial,
+                            source)
+
+    def take_results(self, buf: bytearray, view: memoryview, start: int, nbytes: int,
+                     size: int, source: Address, now: float, out: memoryview) -> int:
+        """Store the results of this round that a coalesced receive holds from `start` on
+        (datagrams `size` bytes apart, from `source`) straight into `out`, the round's array:
+        one header unpacking and the checks of `accept` each, no `Header` built. Stops at the
+        first datagram that is anything else (a duplicate, a notice, another round's, a
+        malformed one) and returns where it begins, for the caller to decode the usual way;
+        `nbytes` when it took them all."""
+        unpack_from = HEADER.unpack_from
+        wanted, stored = self._wanted, self.stored
+        for at in range(start, nbytes, size):
+            end = at + size if at + size < nbytes else nbytes
+            if end - at < HEADER_SIZE:
+                return at
+            (magic, version, kind, dtype, _, _, job_id, _, epoch, cookie, rnd, _, offset,
+             length, use) = unpack_from(buf, at)
+            if (magic != MAGIC or version != VERSION or kind != Kind.RESULT
+                    or end - at != HEADER_SIZE + length):
+                return at
+            k = wanted(dtype, job_id, cookie, rnd, offset, length, use, epoch,
+                       buf[at + SERIAL_AT], source)
+            if k is None:
+                return at
+            out[offset:offset + length] = view[at + HEADER_SIZE:end]
+            stored(k, now)
+        return nbytes
+
+    def _wanted(self, dtype: int, job_id: int, cookie: int, rnd: int, offset: int,
+                length: int, use: int, epoch: int, serial: int,
+                source: Address | None) -> int | None:
+        """`accept`'s checks of a RESULT's fields (`dtype` as its number on the wire)."""
+        if rnd != self.round or dtype != self.dtype or epoch != self.epoch:
             return None
         k, rest = divmod(offset, self.segment_bytes)
         if (rest or k >= self.segments or self._done[k] or use != self._use[k]

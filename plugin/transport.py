@@ -44,8 +44,10 @@ __all__ = [
     "Handler",
     "MemoryWorkerTransport",
     "Outgoing",
+    "RunHandler",
     "UdpWorkerTransport",
     "WorkerTransport",
+    "decode_each",
 ]
 
 _IP_MTU = getattr(socket, "IP_MTU", 14)  # Linux: a connected socket's route MTU
@@ -55,6 +57,27 @@ _RECEIVE_BUFFER = GRO_BUFFER  # the largest datagram, or the most one coalesced 
 
 #: handle(header, payload, source): one received datagram, valid only during the call
 Handler = Callable[[Header, memoryview, Address], None]
+#: take_run(buffer, view, nbytes, size, source): a coalesced receive (UDP GRO) of datagrams
+#: `size` bytes apart, the last possibly shorter, all from `source`; valid only during the call
+RunHandler = Callable[[bytearray, memoryview, int, int, Address], None]
+
+
+def decode_each(buf: bytearray, view: memoryview, start: int, nbytes: int, size: int,
+                source: Address, handle: Handler) -> None:
+    """Hand the datagrams of a coalesced receive from `start` on to `handle`, one by one:
+    decoded, and dropped when malformed or when their payload is not the length their header
+    says."""
+    for at in datagram_starts(nbytes - start, size):
+        at += start
+        end = min(at + size, nbytes)
+        if end - at < HEADER_SIZE:
+            continue
+        try:
+            h = unpack(buf, at)
+        except PeerError:
+            continue
+        if end - at == HEADER_SIZE + h.length:
+            handle(h, view[at + HEADER_SIZE:end], source)
 
 
 class Outgoing(NamedTuple):
@@ -72,9 +95,11 @@ class WorkerTransport(Protocol):
         raises `ReductionError`."""
         ...
 
-    def receive(self, handle: Handler) -> int:
-        """Hand every datagram waiting now to `handle` (malformed ones are dropped); return
-        how many were taken off the queue."""
+    def receive(self, handle: Handler, take_run: RunHandler | None = None) -> int:
+        """Hand every datagram waiting now to `handle` (malformed ones are dropped), or, where
+        datagrams arrive coalesced and `take_run` is given, each coalesced receive whole to
+        `take_run` (which may `decode_each` what it leaves); return how many datagrams were
+        taken off the queue."""
         ...
 
     def wait(self, timeout: float | None, wake: socket.socket | None = None) -> None:
@@ -207,7 +232,7 @@ class UdpWorkerTransport:
         with contextlib.suppress(OSError):
             self.sock.sendto(datagram, dest)
 
-    def receive(self, handle: Handler) -> int:
+    def receive(self, handle: Handler, take_run: RunHandler | None = None) -> int:
         taken = 0
         buf, view = self._buffer, self._view
         cmsg_space = 0 if self.gro_refused else GRO_CMSG_SPACE
@@ -221,18 +246,11 @@ class UdpWorkerTransport:
                 size = segment_size(ancdata, nbytes) if ancdata else nbytes
                 if size < nbytes:
                     self.coalesced += 1
-                for start in datagram_starts(nbytes, size):
-                    taken += 1
-                    end = min(start + size, nbytes)
-                    if end - start < HEADER_SIZE:
-                        continue
-                    try:
-                        h = unpack(buf, start)
-                    except PeerError:
-                        continue
-                    if end - start != HEADER_SIZE + h.length:
-                        continue  # a payload shorter or longer than its header says
-                    handle(h, view[start + HEADER_SIZE:end], source)
+                taken += len(datagram_starts(nbytes, size))
+                if take_run is not None:
+                    take_run(buf, view, nbytes, size, source)
+                else:
+                    decode_each(buf, view, 0, nbytes, size, source, handle)
         return taken
 
     def wait(self, timeout: float | None, wake: socket.socket | None = None) -> None:
@@ -257,6 +275,7 @@ class MemoryWorkerTransport:
         for group in groups:
             net.join(group, address)
         self._header = bytearray(HEADER_SIZE)
+        self._coalesced = bytearray(_RECEIVE_BUFFER)
 
     @property
     def local(self) -> Address:
@@ -273,8 +292,15 @@ class MemoryWorkerTransport:
     def send_raw(self, datagram: bytes, dest: Address) -> None:
         self.endpoint.sendto(datagram, dest)
 
-    def receive(self, handle: Handler) -> int:
+    def receive(self, handle: Handler, take_run: RunHandler | None = None) -> int:
         taken = 0
+        if take_run is not None:  # coalesced, as a UDP socket with GRO receives
+            buf = self._coalesced
+            while (run := self.endpoint.recv_coalesced(buf)) is not None:
+                nbytes, size, source = run
+                taken += len(datagram_starts(nbytes, size))
+                take_run(buf, memoryview(buf), nbytes, size, source)
+            return taken
         while (got := self.endpoint.recv()) is not None:
             taken += 1
             datagram, source = got

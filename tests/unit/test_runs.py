@@ -1,0 +1,274 @@
+"""The burst path (dataplane.runs) against the one-by-one path, side by side.
+
+Two aggregators with the same jobs take the same coalesced receives: one as runs in a staging
+buffer (the burst path, declining to the one-by-one path where it must), the other datagram by
+datagram in receive-pool buffers. After every run they must have sent the same bytes to the
+same places and counted the same things, and in the end hold the same slot states."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from reduction_appliance.dataplane.aggregator import Aggregator
+from reduction_appliance.dataplane.counters import Counter, Counters
+from reduction_appliance.dataplane.reduce import select_kernels
+from reduction_appliance.dataplane.slots import SlotArena
+from reduction_appliance.dataplane.spec import JobSpec
+from reduction_appliance.dataplane.transport import Address, RxBatch, Send, Staging
+from reduction_appliance.dataplane.wire import (
+    HEADER_SIZE,
+    DType,
+    Flags,
+    Header,
+    Kind,
+    Op,
+    pack_into,
+)
+
+from .feeding import feed
+
+KERNELS = select_kernels("numpy")
+COOKIE = 0xFEED_F00D_0000_0001
+GROUP = ("239.255.0.9", 7100)
+SLOTS = 8
+PAYLOAD = 64  # bytes per segment: 16 fp32 or 32 fp16 elements
+WORLD = 3
+# job id -> (deterministic, multicast, dtype)
+JOBS = {5: (False, True, DType.FLOAT32), 6: (False, False, DType.FLOAT16),
+        7: (True, True, DType.FLOAT32)}
+
+
+def where(rank: int) -> Address:
+    return (f"198.18.0.{10 + rank}", 9000 + rank)
+
+
+def build() -> tuple[SlotArena, Aggregator]:
+    arena = SlotArena(capacity=3 * SLOTS, max_payload=PAYLOAD, rx_buffers=256)
+    agg = Aggregator(arena, KERNELS, Counters())
+    for job, (deterministic, multicast, _) in JOBS.items():
+        agg.add_job(JobSpec(job, COOKIE, WORLD, SLOTS, deterministic,
+                            GROUP if multicast else None, epoch=1,
+                            endpoints=tuple(where(r) for r in range(WORLD)),
+                            hold_buffers=2 * SLOTS if deterministic else 0), 0.0)
+    return arena, agg
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Aggregator, Aggregator]]:
+    arena_a, a = build()
+    arena_b, b = build()
+    yield a, b
+    arena_a.close()
+    arena_b.close()
+
+
+def contribution(job: int, rank: int, slot: int, use: int, *, round_no: int = 1,
+                 kind: Kind = Kind.CONTRIBUTION, flags: int = 0, cookie: int = COOKIE,
+                 length: int = PAYLOAD, value: float = 1.0) -> bytes:
+    dtype = JOBS[job][2] if job in JOBS else DType.FLOAT32
+    h = Header(kind, dtype, Op.SUM, flags, job, rank, cookie, round_no, slot,
+               (use * SLOTS + slot) * PAYLOAD, length, use, 1)
+    buf = bytearray(HEADER_SIZE)
+    pack_into(buf, h)
+    if kind is Kind.QUERY:
+        return bytes(buf)
+    numpy_dtype = np.float32 if dtype is DType.FLOAT32 else np.float16
+    payload = np.full(length // np.dtype(numpy_dtype).itemsize, value, numpy_dtype)
+    return bytes(buf) + payload.tobytes()
+
+
+def as_run(datagrams: list[bytes], source: Address) -> RxBatch:
+    """The datagrams as one coalesced receive (they must be of one size, but the last)."""
+    staging = Staging(65536)
+    data = b"".join(datagrams)
+    staging.buffer[:len(data)] = data
+    batch = RxBatch()
+    batch.add_run(staging, len(data), len(datagrams[0]), source)
+    return batch
+
+
+def sent(sends: list[Send]) -> list[tuple[Address, bytes, bytes]]:
+    return [(s.dest, bytes(s.header), bytes(s.payload)) for s in sends]
+
+
+_PATH_COUNTERS = {Counter.RUNS_TAKEN, Counter.RUNS_DECLINED}  # only the run side has them
+
+
+def counters(agg: Aggregator) -> dict[Counter, int]:
+    return {c: agg.counters[c] for c in Counter if c not in _PATH_COUNTERS}
+
+
+def taken(agg: Aggregator) -> int:
+    return agg.counters[Counter.RUNS_TAKEN]
+
+
+def same_state(a: Aggregator, b: Aggregator) -> None:
+    """Both tell the same story: their job stats, and the answer of every slot use to a
+    query from every rank (a result, a PENDING bitmap, or a drop)."""
+    assert [a.stats(job, 1e3) for job in a.job_ids] == [b.stats(job, 1e3) for job in b.job_ids]
+    for job in JOBS:
+        for rank in range(WORLD):
+            for use in range(1, 4):
+                for slot in range(SLOTS):
+                    query = contribution(job, rank, slot, use, kind=Kind.QUERY)
+                    take_both(a, b, [query], where(rank), now=1e3)
+
+
+def take_both(a: Aggregator, b: Aggregator, datagrams: list[bytes], source: Address,
+              now: float = 0.0) -> list[tuple[Address, bytes, bytes]]:
+    """One coalesced receive into each: `a` as a run, `b` one datagram at a time."""
+    got = sent(a.on_batch(as_run(datagrams, source), now))
+    want = sent(feed(b, [(d, source) for d in datagrams], now))
+    assert got == want
+    assert counters(a) == counters(b)
+    return got
+
+
+def test_a_regular_run_is_taken_whole_with_one_fold(pair: tuple[Aggregator, Aggregator]) -> None:
+    a, b = pair
+    for rank in range(WORLD):
+        run = [contribution(5, rank, s, 1, value=rank + 1.0) for s in range(SLOTS)]
+        out = take_both(a, b, run, where(rank))
+        assert taken(a) == rank + 1  # the burst path took every one of them
+    assert len(out) == SLOTS  # the last rank finished every slot: one result each
+    for dest, _, payload in out:
+        assert dest == GROUP
+        assert np.all(np.frombuffer(payload, np.float32) == 6.0)
+
+
+def test_fp16_runs_fold_row_by_row_and_match(pair: tuple[Aggregator, Aggregator]) -> None:
+    a, b = pair
+    for rank in range(WORLD):
+        out = take_both(a, b, [contribution(6, rank, s, 1, value=0.5) for s in range(4)],
+                        where(rank))
+    assert taken(a) == WORLD
+    assert len(out) == 4 * WORLD  # unicast: one result per rank per slot
+    assert all(np.all(np.frombuffer(p, np.float16) == 1.5) for _, _, p in out)
+
+
+@pytest.mark.parametrize("spoil", [
+    "retransmit", "query", "duplicate", "stranger", "cookie", "deterministic", "gap",
+    "short", "next-use-busy", "round"])
+def test_anything_unusual_declines_the_whole_run(pair: tuple[Aggregator, Aggregator],
+                                                 spoil: str) -> None:
+    a, b = pair
+    job, source = (7 if spoil == "deterministic" else 5), where(1)
+    take_both(a, b, [contribution(job, 0, s, 1) for s in range(4)], where(0))
+    before = taken(a)
+    run = [contribution(job, 1, s, 1) for s in range(4)]
+    if spoil == "retransmit":
+        run[2] = contribution(job, 1, 2, 1, flags=Flags.RETRANSMIT)
+    elif spoil == "query":
+        run = [contribution(job, 1, s, 1, kind=Kind.QUERY) for s in range(4)]
+    elif spoil == "duplicate":
+        take_both(a, b, run[:1], source)
+        before = taken(a)
+    elif spoil == "stranger":
+        source = ("198.18.0.99", 9000)
+    elif spoil == "cookie":
+        run[3] = contribution(job, 1, 3, 1, cookie=COOKIE + 1)
+    elif spoil == "gap":
+        run[2] = contribution(job, 1, 5, 1)
+    elif spoil == "short":
+        run[3] = contribution(job, 1, 3, 1, length=PAYLOAD // 2)
+    elif spoil == "next-use-busy":
+        run = [contribution(job, 1, s, 2) for s in range(4)]
+    elif spoil == "round":
+        run[1] = contribution(job, 1, 1, 1, round_no=2)
+    take_both(a, b, run, source)
+    assert taken(a) == before
+    assert a.counters[Counter.RUNS_DECLINED] >= 1
+    same_state(a, b)
+
+
+def test_a_run_longer_than_the_job_has_slots_is_declined(
+        pair: tuple[Aggregator, Aggregator]) -> None:
+    a, b = pair
+    take_both(a, b, [contribution(5, 0, s, 1) for s in range(4, SLOTS)]
+              + [contribution(5, 0, SLOTS, 1)], where(0))
+    assert taken(a) == 0
+    assert counters(a)[Counter.DROP_BAD_SLOT] == 1
+
+
+def test_a_declined_run_of_garbage_is_counted_like_datagrams(
+        pair: tuple[Aggregator, Aggregator]) -> None:
+    a, b = pair
+    take_both(a, b, [b"\x00" * 10, b"\x01" * 10, b"\x02" * 7], where(0))
+    assert counters(a)[Counter.DROP_MALFORMED] == 3
+
+
+# ---- hypothesis: mixed runs, side by side ----
+
+_SPOILS = st.sampled_from(["none"] * 6 + [
+    "retransmit", "query", "cookie", "stranger", "garbage", "rank", "round", "short",
+    "heartbeat", "unknown-job"])
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> list[tuple[list[bytes], Address]]:
+    """Rounds of window passes (uses 1, 2, 3) by every rank in a random order, cut into runs
+    of consecutive slots, some repeated, reordered or spoiled."""
+    runs: list[tuple[list[bytes], Address]] = []
+    for use in range(1, draw(st.integers(1, 3)) + 1):
+        for job in draw(st.permutations(list(JOBS))):
+            for rank in draw(st.permutations(range(WORLD))):
+                slot = 0
+                while slot < SLOTS:
+                    k = draw(st.integers(1, SLOTS - slot))
+                    value = float(draw(st.integers(-4, 4)))
+                    run = [contribution(job, rank, s, use, value=value)
+                           for s in range(slot, slot + k)]
+                    source = where(rank)
+                    i = draw(st.integers(0, k - 1))
+                    spoil = draw(_SPOILS)
+                    if spoil == "retransmit":
+                        run[i] = contribution(job, rank, slot + i, use, flags=Flags.RETRANSMIT)
+                    elif spoil == "query":
+                        run = [contribution(job, rank, s, use, kind=Kind.QUERY)
+                               for s in range(slot, slot + k)]
+                    elif spoil == "cookie":
+                        run[i] = contribution(job, rank, slot + i, use, cookie=COOKIE ^ 1)
+                    elif spoil == "stranger":
+                        source = ("203.0.113.7", 4242)
+                    elif spoil == "garbage":
+                        run[i] = bytes(draw(st.binary(min_size=len(run[i]),
+                                                      max_size=len(run[i]))))
+                    elif spoil == "rank":
+                        run[i] = contribution(job, (rank + 1) % WORLD, slot + i, use)
+                    elif spoil == "round":
+                        run[i] = contribution(job, rank, slot + i, use, round_no=9)
+                    elif spoil == "short" and i == k - 1:
+                        run[i] = contribution(job, rank, slot + i, use, length=PAYLOAD - 4)
+                    elif spoil == "heartbeat":
+                        beat = contribution(job, rank, slot, use, kind=Kind.HEARTBEAT)
+                        run = [beat[:HEADER_SIZE]]
+                    elif spoil == "unknown-job":
+                        run = [contribution(99, rank, s, use) for s in range(slot, slot + k)]
+                    runs.append((run, source))
+                    if draw(st.booleans()) and draw(st.integers(0, 5)) == 0:
+                        runs.append((run, source))  # a duplicate run
+                    slot += k
+    if len(runs) > 1 and draw(st.booleans()):
+        i, j = draw(st.integers(0, len(runs) - 1)), draw(st.integers(0, len(runs) - 1))
+        runs[i], runs[j] = runs[j], runs[i]  # reordered
+    return runs
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(scenarios())
+def test_mixed_runs_leave_both_paths_alike(runs: list[tuple[list[bytes], Address]]) -> None:
+    arena_a, a = build()
+    arena_b, b = build()
+    try:
+        for now, (run, source) in enumerate(runs):
+            take_both(a, b, run, source, now=float(now))
+        same_state(a, b)
+    finally:
+        arena_a.close()
+        arena_b.close()

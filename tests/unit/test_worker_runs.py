@@ -1,0 +1,157 @@
+"""A worker's coalesced receives (the client's run path) against one datagram at a time.
+
+Two clients of the same job and rank run the same round; each receives the same datagrams
+(results, duplicates, stale and foreign ones, notices, garbage) from the cores. One takes them
+as its transport coalesces them (`RoundPipeline.take_results`, the rest decoded one by one);
+the other's transport hands over one datagram at a time. They must end up alike: the same
+array, the same results rejected, the same segments still to send or ask after."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from reduction_appliance.dataplane.registration import EndpointInfo
+from reduction_appliance.dataplane.transport import Address, MemoryNetwork
+from reduction_appliance.dataplane.wire import (
+    HEADER_SIZE,
+    DType,
+    Flags,
+    Header,
+    Kind,
+    Op,
+    pack_into,
+)
+from reduction_appliance.plugin.client import ApplianceClient
+from reduction_appliance.plugin.rendezvous import JobInfo
+from reduction_appliance.plugin.rtt import Timing
+from reduction_appliance.plugin.transport import Handler, MemoryWorkerTransport, RunHandler
+
+JOB, COOKIE, WORLD, SLOTS, SEGMENT = 3, 0xBEEF, 2, 4, 256
+CORES = (("198.18.0.1", 7000), ("198.18.0.1", 7001))
+ELEMENTS = 64 * 16  # 16 segments of 256 bytes
+
+
+class OneByOne(MemoryWorkerTransport):
+    """Hands every datagram over alone, whatever the client offers to take runs with."""
+
+    def receive(self, handle: Handler, take_run: RunHandler | None = None) -> int:
+        return super().receive(handle)
+
+
+def client(net: MemoryNetwork, where: Address, transport: type[MemoryWorkerTransport]
+           ) -> ApplianceClient:
+    info = JobInfo("memory", JOB, "runs", WORLD, SEGMENT, None, False, 30.0,
+                   tuple(EndpointInfo(i, host, port, SLOTS) for i, (host, port) in
+                         enumerate(CORES)), cookie=COOKIE)
+    return ApplianceClient([info], 0, timing=Timing(0.01, 0.002, 0.2, 30.0), clock=net.clock,
+                           transport=transport(net, where), lease=False)
+
+
+def result(k: int, *, kind: Kind = Kind.RESULT, use: int | None = None, round_no: int = 1,
+           cookie: int = COOKIE, serial: int = 0, value: float = 3.0) -> bytes:
+    """The RESULT of segment k (of the first round), as its core sends it."""
+    pending = kind is Kind.PENDING  # its payload: the ranks in (rank 1 only: ours never came)
+    h = Header(kind, DType.FLOAT32, Op.SUM, Flags.NONE, JOB, 0, cookie, round_no,
+               (k // 2) % SLOTS, k * SEGMENT, 1 if pending else SEGMENT,
+               (k // 2) // SLOTS + 1 if use is None else use, 1, serial)
+    buf = bytearray(HEADER_SIZE)
+    pack_into(buf, h)
+    if pending:
+        return bytes(buf) + b"\x02"
+    return bytes(buf) + np.full(SEGMENT // 4, value, np.float32).tobytes()
+
+
+_SPOILS = st.sampled_from(["none"] * 8 + ["duplicate", "use", "round", "cookie", "garbage",
+                                          "pending", "short", "stranger"])
+
+
+@st.composite
+def deliveries(draw: st.DrawFn) -> list[tuple[Address, list[bytes]]]:
+    """Runs of results of consecutive segments of one core (k, k + 2, ...), some spoiled."""
+    out: list[tuple[Address, list[bytes]]] = []
+    for e in draw(st.permutations(range(2))):
+        segments = list(range(e, 16, 2))
+        at = 0
+        while at < len(segments):
+            n = draw(st.integers(1, len(segments) - at))
+            run = [result(k, serial=k) for k in segments[at:at + n]]
+            source = CORES[e]
+            i = draw(st.integers(0, n - 1))
+            spoil = draw(_SPOILS)
+            k = segments[at + i]
+            if spoil == "duplicate":
+                run.insert(i, run[i])
+            elif spoil == "use":
+                run[i] = result(k, use=9)
+            elif spoil == "round":
+                run[i] = result(k, round_no=2)
+            elif spoil == "cookie":
+                run[i] = result(k, cookie=COOKIE + 1)
+            elif spoil == "garbage":
+                run[i] = bytes(draw(st.binary(min_size=len(run[i]), max_size=len(run[i]))))
+            elif spoil == "pending":
+                run.insert(i, result(k, kind=Kind.PENDING))
+            elif spoil == "short":
+                run[i] = run[i][:HEADER_SIZE + 8]
+            elif spoil == "stranger":
+                source = CORES[1 - e]
+            out.append((source, run))
+            at += n
+    return out
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(deliveries())
+def test_a_worker_takes_coalesced_results_as_it_would_one_by_one(
+        runs: list[tuple[Address, list[bytes]]]) -> None:
+    net = MemoryNetwork()
+    cores = [net.bind(core) for core in CORES]  # where the contributions go (unread)
+    places = [("198.18.0.101", 40000), ("198.18.0.102", 40000)]
+    clients = [client(net, places[0], MemoryWorkerTransport), client(net, places[1], OneByOne)]
+    arrays = [np.zeros(ELEMENTS, np.float32) for _ in clients]
+    try:
+        for c, a in zip(clients, arrays, strict=True):
+            c.start(a)
+            c.progress(timeout=0)  # the first window leaves
+        for source, run in runs:
+            for place in places:
+                for datagram in run:
+                    net.transmit(source, place, datagram)
+            net.advance(net.next_arrival())
+            for c in clients:
+                c.progress(timeout=0)
+        coalesced, alone = clients
+        assert np.array_equal(arrays[0], arrays[1])
+        assert coalesced.pipeline.rejected == alone.pipeline.rejected
+        net.advance(net.now + 1.0)  # every timer due: what each would ask after, and send
+        assert ([(t.endpoint, t.segment, t.header) for t in coalesced.pipeline.due(net.now)]
+                == [(t.endpoint, t.segment, t.header) for t in alone.pipeline.due(net.now)])
+    finally:
+        for c in clients:
+            c.close()
+        for core in cores:
+            core.close()
+
+
+def test_a_coalesced_run_of_results_fills_the_array() -> None:
+    net = MemoryNetwork()
+    cores = [net.bind(core) for core in CORES]
+    c = client(net, ("198.18.0.101", 40000), MemoryWorkerTransport)
+    array = np.zeros(ELEMENTS, np.float32)
+    try:
+        ticket = c.start(array)
+        c.progress(timeout=0)
+        for window in range(2):  # eight segments in flight: a window, then the next
+            for e, core in enumerate(CORES):
+                for k in range(e + 8 * window, 8 + 8 * window, 2):
+                    net.transmit(core, ("198.18.0.101", 40000), result(k))
+            net.advance(net.next_arrival())
+            outcomes = c.progress(timeout=0)
+        assert [(o.ticket, o.error) for o in outcomes] == [(ticket, None)]
+        assert np.all(array == 3.0) and c.pipeline.rejected == 0
+    finally:
+        c.close()
+        for core in cores:
+            core.close()
