@@ -129,10 +129,17 @@ class SweepPlan:
     check: bool = True
     gloo: bool = True
     loss_pct: float = 0.0  # random loss on every worker link, each direction (rack only)
+    # The appliance's own link (tc syntax); None: unshaped, standing for its fat uplink. Below
+    # workers x rate, every worker's contributions converge on it: an incast.
+    appliance_rate: str | None = None
 
     @property
     def rate_bps(self) -> int | None:
         return parse_rate(self.rate) if self.rate else None
+
+    @property
+    def appliance_rate_bps(self) -> int | None:
+        return parse_rate(self.appliance_rate) if self.appliance_rate else None
 
     def cases(self) -> list[tuple[int, str, str]]:
         """(size, dtype, op) in run order: per dtype and op, small sizes first."""
@@ -147,7 +154,8 @@ class SweepPlan:
         return len(self.workers) * len(self.systems(multicast_possible)) * len(self.cases())
 
     def as_dict(self) -> dict[str, object]:
-        return asdict(self) | {"rate_bps": self.rate_bps}
+        return asdict(self) | {"rate_bps": self.rate_bps,
+                               "appliance_rate_bps": self.appliance_rate_bps}
 
 
 def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
@@ -157,8 +165,10 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=_arg(_counts), default=[4], metavar="N[,N..]",
                    help="worker counts; one network per count (default: 4)")
     p.add_argument("--rate", type=_arg(_rate), default="1gbit",
-                   help="worker link rate in the rack, tc syntax (default: 1gbit); "
-                        "the appliance's link is unshaped")
+                   help="worker link rate in the rack, tc syntax (default: 1gbit)")
+    p.add_argument("--appliance-rate", type=_arg(_rate), default=None, metavar="RATE",
+                   help="the appliance's link rate in the rack, tc syntax (default: unshaped, "
+                        "its fat uplink); below workers x --rate it is an incast")
     p.add_argument("--sizes", type=_arg(parse_sizes), default=parse_sizes(DEFAULT_SIZES),
                    metavar="RANGE|LIST", help=f"bytes per allreduce (default: {DEFAULT_SIZES})")
     p.add_argument("--dtypes", type=_choice_list(DTYPE_CHOICES), default=["fp32"],
@@ -186,4 +196,5 @@ def plan_from_args(args: argparse.Namespace) -> SweepPlan:
         dtypes=tuple(args.dtypes), ops=tuple(args.ops), modes=tuple(args.modes),
         iters=args.iters, warmup=args.warmup, cores=args.cores, check=not args.no_check,
         gloo=not args.no_gloo, loss_pct=args.loss,
+        appliance_rate=args.appliance_rate if args.network == "rack" else None,
     )

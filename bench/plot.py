@@ -45,15 +45,18 @@ def plot_algbw(path: Path, plan: SweepPlan, rows: list[dict[str, Any]]) -> Path:
                 ax.plot([p[0] for p in points], [p[1] for p in points],
                         label=f"{system} {mode}", **_STYLE.get((system, mode), {}))
         if plan.rate_bps:
-            for (name, bound), style in zip(bounds_gbps(plan.rate_bps, workers).items(),
-                                            ("--", ":"), strict=True):
-                formula = "R" if name == "reduction server" else "R / (2(n-1)/n)"
+            bounds = bounds_gbps(plan.rate_bps, workers, plan.appliance_rate_bps)
+            for (name, bound), style in zip(bounds.items(), ("--", ":"), strict=True):
+                formula = ("R / (2(n-1)/n)" if name == "gloo ring" else
+                           "min(R, appliance link / n)" if plan.appliance_rate else "R")
                 ax.axhline(bound, color="grey", linestyle=style,
                            label=f"{name} bound {formula} = {bound:.4g} GB/s")
             burst = burst_bytes(plan.rate_bps)
             ax.axvline(burst, color="lightgrey", linestyle="-.",
                        label=f"tbf burst {format_size(burst)}: smaller sizes pass unshaped")
-        where = f"rack, worker links {plan.rate}" if plan.network == "rack" else "loopback"
+        where = (f"rack, worker links {plan.rate}"
+                 f"{f', appliance link {plan.appliance_rate}' if plan.appliance_rate else ''}"
+                 if plan.network == "rack" else "loopback")
         ax.set_title(f"allreduce algbw: {where}, n = {workers} workers, {dtype} {op}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

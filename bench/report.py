@@ -61,10 +61,13 @@ def burst_bytes(rate_bps: int) -> int:
     return tbf_params(rate_bps, _RACK_MTU)["burst"]
 
 
-def bounds_gbps(rate_bps: int, workers: int) -> dict[str, float]:
-    """algbw bounds of a rack whose worker links run at `rate_bps`, in GB/s."""
+def bounds_gbps(rate_bps: int, workers: int,
+                appliance_bps: int | None = None) -> dict[str, float]:
+    """algbw bounds of a rack whose worker links run at `rate_bps` (and the appliance's at
+    `appliance_bps`: every worker's bytes cross it, so it bounds at 1/workers of it), in GB/s."""
     r = rate_bps / 8 / 1e9
-    return {"reduction server": r, "gloo ring": r / (2 * (workers - 1) / workers)}
+    server = r if appliance_bps is None else min(r, appliance_bps / 8 / 1e9 / workers)
+    return {"reduction server": server, "gloo ring": r / (2 * (workers - 1) / workers)}
 
 
 def environment() -> dict[str, object]:
@@ -136,8 +139,9 @@ def side_by_side(plan: SweepPlan, workers: int, rows: list[Row]) -> list[str]:
                if c in present]
     lines = [f"\nn = {workers}: time, algbw; speedup = gloo ring time / appliance time"]
     if plan.rate_bps:
-        b = bounds_gbps(plan.rate_bps, workers)
-        lines.append(f"bounds at {plan.rate} per worker link: reduction server "
+        b = bounds_gbps(plan.rate_bps, workers, plan.appliance_rate_bps)
+        at = f" and {plan.appliance_rate} at the appliance" if plan.appliance_rate else ""
+        lines.append(f"bounds at {plan.rate} per worker link{at}: reduction server "
                      f"{b['reduction server']:.4f} GB/s, gloo ring {b['gloo ring']:.4f} GB/s "
                      f"(tbf lets {format_size(burst_bytes(plan.rate_bps))} bursts through at veth "
                      f"speed: sizes up to about that may beat them)")

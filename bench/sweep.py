@@ -45,6 +45,7 @@ from reduction_appliance.deploy.testnet.harness import (
     start_appliance,
 )
 from reduction_appliance.deploy.testnet.probe import descendants
+from reduction_appliance.deploy.testnet.topology import Link
 
 from .plan import SweepPlan, add_sweep_arguments, dtype_name, plan_from_args
 
@@ -84,14 +85,16 @@ def open_network(plan: SweepPlan, workers: int) -> Iterator[_Net]:
     if os.geteuid() != 0:
         raise HarnessError("--network rack needs root (network namespaces); try "
                            "--network loopback")
-    with LabNetwork.rack(workers, rate=plan.rate, loss_pct=plan.loss_pct) as lab:
+    with LabNetwork.rack(workers, rate=plan.rate, loss_pct=plan.loss_pct,
+                         appliance_link=Link(plan.appliance_rate) if plan.appliance_rate
+                         else None) as lab:
         # cast: harness.Network declares `mtu` as a plain attribute, LabNetwork has a property.
         yield _Net(cast(Network, lab),
                    f"emulated rack {lab.lab.topology.name_prefix}: workers at "
                    f"{lab.worker_address(0)}.., appliance at {lab.appliance_address(0)}, one "
                    f"bridge, MTU {lab.mtu}, worker links {plan.rate or 'unshaped'}"
                    f"{f' with {plan.loss_pct:g}% loss each way' if plan.loss_pct else ''}, "
-                   "appliance link unshaped", links=True)
+                   f"appliance link {plan.appliance_rate or 'unshaped'}", links=True)
 
 
 def multicast_possible(plan: SweepPlan) -> bool:

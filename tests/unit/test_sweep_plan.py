@@ -12,6 +12,7 @@ from reduction_appliance.bench.plan import (
     parse_sizes,
     plan_from_args,
 )
+from reduction_appliance.bench.report import bounds_gbps
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -72,3 +73,19 @@ def test_bad_options_are_usage_errors(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         p.parse_args(argv)
     assert exc.value.code == 2
+
+
+def test_an_appliance_rate_shapes_the_appliance_link_and_bounds_the_server() -> None:
+    p = argparse.ArgumentParser()
+    add_sweep_arguments(p)
+    plan = plan_from_args(p.parse_args(["--workers", "8", "--rate", "500mbit",
+                                        "--appliance-rate", "1gbit"]))
+    assert plan.appliance_rate == "1gbit" and plan.appliance_rate_bps == 10**9
+    # Eight workers' contributions cross one 1 Gbit/s link: 1/8 of it each, not 500 Mbit/s.
+    assert bounds_gbps(500 * 10**6, 8, plan.appliance_rate_bps)["reduction server"] == \
+        pytest.approx(10**9 / 8 / 1e9 / 8)
+    assert bounds_gbps(500 * 10**6, 8)["reduction server"] == pytest.approx(0.0625)
+    unshaped = plan_from_args(p.parse_args([]))
+    assert unshaped.appliance_rate is None and unshaped.appliance_rate_bps is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["--appliance-rate", "fast"])
