@@ -98,10 +98,7 @@ class DatagramBatcher:
         self._bytes = 0
         self._count = 0
         self._closed_group = False  # a shorter last segment ends the group
-        # Rotating header buffers: at most _MAX_GSO_SEGMENTS datagrams are ever queued, so the
-        # next buffer in the ring is never one still waiting to be sent.
         self._headers = [bytearray(HEADER_SIZE) for _ in range(_MAX_GSO_SEGMENTS)]
-        self._next_header = 0
         self.datagrams_sent = 0
         self.bytes_sent = 0
         self.send_errors = 0
@@ -118,13 +115,27 @@ class DatagramBatcher:
         return counts
 
     def add_header(self, dest: Address, header: Header, payload: memoryview) -> None:
-        """Queue a datagram whose header is packed here (into a buffer owned by the batcher)."""
-        if self._count >= _MAX_GSO_SEGMENTS:
+        """Queue a datagram whose header is packed here (into a buffer owned by the batcher).
+        `add`'s rules, spelled out for the one case a worker sends per segment."""
+        size = HEADER_SIZE + len(payload)
+        count = self._count
+        if count and (dest != self._dest or self._closed_group or size > self._size
+                      or count >= _MAX_GSO_SEGMENTS or self._bytes + size > _MAX_GSO_BYTES
+                      or not self.gso):
             self.flush()
-        buf = self._headers[self._next_header]
-        self._next_header = (self._next_header + 1) % _MAX_GSO_SEGMENTS
+            count = 0
+        # A group's i-th datagram takes the i-th header buffer: a group holds at most
+        # _MAX_GSO_SEGMENTS, and its buffers are free again once it has left (flush).
+        buf = self._headers[count]
         pack_into(buf, header)
-        self.add(dest, buf, payload)
+        if not count:
+            self._dest, self._size = dest, size
+            self._closed_group = dest in self._unsegmentable  # then one datagram per call
+        elif size < self._size:
+            self._closed_group = True
+        self._iov += (buf, payload)
+        self._bytes += size
+        self._count = count + 1
 
     def add(self, dest: Address, header: bytes | bytearray | memoryview,
             payload: bytes | bytearray | memoryview) -> None:
