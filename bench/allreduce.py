@@ -33,7 +33,7 @@ from typing import Any
 from reduction_appliance.dataplane.units import format_size
 from reduction_appliance.deploy.testnet.harness import HarnessError
 
-from .plan import DTYPE_CHOICES, SweepPlan, parse_sizes
+from .plan import DTYPE_CHOICES, SweepPlan, parse_sizes, tc_rate
 from .progress import ProgressBar
 from .sweep import Row, failed, multicast_possible, run_sweep
 
@@ -183,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--network", choices=["loopback", "rack"], default="loopback")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--rate", default="1gbit", help="worker link rate in the rack (tc syntax)")
+    p.add_argument("--appliance-rate", type=tc_rate, default=None, metavar="RATE",
+                   help="the appliance's link in the rack (tc syntax; default: unshaped): "
+                        "below workers x --rate, an incast")
     p.add_argument("--sizes", type=parse_sizes, default=[64 << 20])
     p.add_argument("--dtypes", type=lambda s: s.split(","), default=["fp32"])
     p.add_argument("--ops", type=lambda s: s.split(","), default=["sum"])
@@ -202,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = SweepPlan(network=args.network, workers=(args.workers,),
                      rate=args.rate if args.network == "rack" else None, sizes=tuple(args.sizes),
                      dtypes=tuple(args.dtypes), ops=tuple(args.ops),
-                     modes=("multicast",), iters=args.iters, warmup=args.warmup, cores=args.cores)
+                     modes=("multicast",), iters=args.iters, warmup=args.warmup, cores=args.cores,
+                     appliance_rate=args.appliance_rate if args.network == "rack" else None)
     if args.unicast or not multicast_possible(plan):  # not root: the host's loopback, unicast
         plan = dataclasses.replace(plan, modes=("unicast",))
     runs: list[list[dict[str, Any]]] = []

@@ -28,6 +28,7 @@ __all__ = [
     "dtype_name",
     "parse_sizes",
     "plan_from_args",
+    "tc_rate",
 ]
 
 DEFAULT_SIZES = "1KiB:256MiB:x4"
@@ -109,8 +110,10 @@ def _counts(text: str) -> list[int]:
     return sorted(set(counts))
 
 
-def _rate(text: str) -> str:
-    parse_rate(text)  # validates; the plan keeps tc's spelling for titles and the topology
+def tc_rate(text: str) -> str:
+    """A link rate in tc's syntax ("500mbit"), validated; kept as spelled for titles and the
+    topology."""
+    parse_rate(text)
     return text
 
 
@@ -164,9 +167,9 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
                         "private namespace's lo (default: rack)")
     p.add_argument("--workers", type=_arg(_counts), default=[4], metavar="N[,N..]",
                    help="worker counts; one network per count (default: 4)")
-    p.add_argument("--rate", type=_arg(_rate), default="1gbit",
+    p.add_argument("--rate", type=_arg(tc_rate), default="1gbit",
                    help="worker link rate in the rack, tc syntax (default: 1gbit)")
-    p.add_argument("--appliance-rate", type=_arg(_rate), default=None, metavar="RATE",
+    p.add_argument("--appliance-rate", type=_arg(tc_rate), default=None, metavar="RATE",
                    help="the appliance's link rate in the rack, tc syntax (default: unshaped, "
                         "its fat uplink); below workers x --rate it is an incast")
     p.add_argument("--sizes", type=_arg(parse_sizes), default=parse_sizes(DEFAULT_SIZES),
