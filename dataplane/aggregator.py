@@ -1,7 +1,9 @@
 """Sans-I/O aggregation core of one data-plane core: datagrams in, datagrams to send out.
 
 No sockets, no clock: the transport hands in an `RxBatch` (datagrams already in receive-pool
-buffers, with their sources) and the time, and gets back a list of `Send` decisions to apply.
+buffers, and coalesced receives left in its staging buffers, with their sources) and the time,
+and gets back a list of `Send` decisions to apply. A coalesced receive is taken whole where it
+can be (`dataplane.runs`), else datagram by datagram like the others.
 
 Slot protocol (after SwitchML, without its limits):
 

@@ -49,7 +49,7 @@ _CORE_SOCKET_BUFFER = 64 * 1024 * 1024  # holds a few full windows of every work
 GRO_BUFFER = 65536  # a coalesced receive is one IPv4 datagram's worth at most
 GRO_SEGMENTS = 64  # the most datagrams the kernel coalesces into one (UDP_GRO_CNT_MAX)
 GRO_CMSG_SPACE = socket.CMSG_SPACE(4)
-_STAGING_BUFFERS = 16  # coalesced receives per burst at most (1 MiB of staging)
+_STAGING_BUFFERS = 64  # coalesced receives per burst at most: a burst of single datagrams (4 MiB)
 
 Address = tuple[str, int]
 

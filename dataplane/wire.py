@@ -82,6 +82,7 @@ __all__ = [
     "WireError",
     "pack_into",
     "pack_silent",
+    "peek_kind",
     "peek_round",
     "serial_newer",
     "unpack",
@@ -211,8 +212,14 @@ def unpack(buf: bytes | bytearray | memoryview, at: int = 0) -> Header:
                                use, epoch, buf[at + SERIAL_AT]))
 
 
+_KIND_AT = 3  # HEADER's kind byte (see the diagram)
 _ROUND = struct.Struct("!I")
-_ROUND_AT = 24  # HEADER's round field (see the diagram)
+_ROUND_AT = 24  # HEADER's round field
+
+
+def peek_kind(buf: bytes | bytearray | memoryview, at: int = 0) -> int:
+    """The kind byte of the header at `at`, nothing else read or checked."""
+    return buf[at + _KIND_AT]
 
 
 def peek_round(buf: bytes | bytearray | memoryview, at: int = 0) -> int:

@@ -32,6 +32,7 @@ from reduction_appliance.dataplane.wire import (
     Kind,
     Op,
     pack_into,
+    peek_kind,
     unpack_silent,
 )
 
@@ -328,6 +329,9 @@ class ApplianceClient:
                 source: Address) -> None:
         """A coalesced receive: the results of a round straight into its array, a run at a
         time (`RoundPipeline.take_results`); anything else through `_on_datagram`."""
+        if nbytes <= size:  # one datagram (a notice, a resent result): the usual way
+            decode_each(buf, view, 0, nbytes, size, source, self._on_datagram)
+            return
         pipeline = self.pipeline
         now = self._clock()
         appliance = self._appliance_of.get(source)
@@ -335,7 +339,9 @@ class ApplianceClient:
             pipeline.heard(appliance, now)
         at = 0
         while at < nbytes:
-            at = pipeline.take_results(buf, view, at, nbytes, size, source, now, self._views)
+            if peek_kind(buf, at) == Kind.RESULT:
+                at = pipeline.take_results(buf, view, at, nbytes, size, source, now,
+                                           self._views)
             if at < nbytes:  # not a result it wanted: decode and handle it alone
                 end = min(at + size, nbytes)
                 decode_each(buf, view, at, end, size, source, self._on_datagram)
