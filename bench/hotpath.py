@@ -174,7 +174,7 @@ def appliance_us_per_datagram() -> float:
                     agg.on_batch(batch, 0.0)
                     spent += time.perf_counter() - start
                     count += batch.count
-        if agg.counters[Counter.RUNS_DECLINED]:
+        if agg.counters[Counter.DECLINED_DATAGRAMS]:
             raise RuntimeError("the burst path declined a regular run: the bench is broken")
         return spent / count * 1e6
 

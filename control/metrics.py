@@ -148,14 +148,15 @@ CORE_COUNTERS: dict[str, tuple[str, str]] = {
     ),
     "runs_taken": (
         "core_runs_taken",
-        "Coalesced receives (UDP GRO: consecutive datagrams of one worker) taken whole by the "
-        "burst path: one header decoded, one set of checks and one kernel call for all of them.",
+        "Bursts taken whole by the burst path: consecutive datagrams of one worker's coalesced "
+        "receive (UDP GRO), each a first transmission to a slot of its own, with one header "
+        "decoded, one set of checks and one kernel call per stretch of consecutive slots.",
     ),
-    "runs_declined": (
-        "core_runs_declined",
-        "Coalesced receives the burst path left to the one-by-one path (a retransmission, a "
-        "query, a duplicate, a deterministic job, anything unusual): taken datagram by datagram, "
-        "every check on the way.",
+    "declined_datagrams": (
+        "core_declined_datagrams",
+        "Datagrams of coalesced receives the burst path left to the one-by-one path (a "
+        "retransmission, a query, a duplicate, a deterministic job, anything unusual): taken "
+        "alone, every check on the way; the bursts before and after them are still taken whole.",
     ),
     "pending_sent": (
         "core_pending_sent",

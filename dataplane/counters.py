@@ -60,10 +60,10 @@ class Counter(IntEnum):
     ROCE_UNSENDABLE = 40  # messages that fit neither the peer's landing nor its receive buffers
     ROCE_MULTICAST_CHUNKS = 41  # UD multicast chunks of results sent (of POST_SEND)
     RESULTS_WITHHELD = 42  # PROBEs of a result that had just left: PENDING, not the result
-    # Coalesced receives (UDP GRO) taken whole by the burst path (dataplane.runs), and those
-    # it left to the one-by-one path (anything unusual in them)
+    # Bursts of a coalesced receive (UDP GRO) taken whole by the burst path (dataplane.runs),
+    # and the datagrams of coalesced receives it left to the one-by-one path (anything unusual)
     RUNS_TAKEN = 43
-    RUNS_DECLINED = 44
+    DECLINED_DATAGRAMS = 44
 
 
 N_COUNTERS = len(Counter)

@@ -11,18 +11,23 @@ at a fixed stride in the arena (they do: a job's slots are allocated consecutive
 copies alternate in step), one kernel call folds the whole run in, straight from the
 transport's buffer.
 
-The path is all or nothing, and it changes nothing until it has said yes: a run with anything
-unusual in it (a retransmission, a query, a duplicate, a stranger, a deterministic job, a slot
-busy with another round, a shorter datagram) is declined, and the aggregator then takes its
-datagrams one by one, every check on the way. A run taken here leaves the aggregator exactly
-as the one-by-one path would have: the same sends, counters, slot states and results
-(tests/unit/test_runs.py holds them side by side, on hypothesis-generated mixed runs).
+A burst changes nothing until it has said yes. It runs from its first datagram up to the first
+that needs the one-by-one path: a retransmission, a query, a duplicate, a stranger, a
+deterministic job, a slot busy with another round, a slot named twice, a shorter datagram.
+That datagram is taken alone, every check on the way, and the next burst starts after it, so
+under loss (where retransmissions and queries land among the contributions, and a window's
+releases come out of slot order) the rest of a receive still goes as bursts. The slots of a
+burst need not be consecutive; each stretch of consecutive ones is folded with one kernel call.
+A receive taken so leaves the aggregator exactly as the one-by-one path would have: the same
+sends, counters, slot states and results (tests/unit/test_runs.py holds them side by side, on
+hypothesis-generated mixed runs).
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -32,7 +37,7 @@ from .reduce import STORAGE, KernelTable, SegmentKernel
 from .slots import SlotArena
 from .slotstate import CopyState, Event, JobState, SlotCopy, move
 from .spec import Address
-from .transport import Send, Staging, datagram_starts
+from .transport import Send, Staging
 from .wire import HEADER, HEADER_SIZE, ITEMSIZE, MAGIC, SERIAL_AT, VERSION, DType, Kind, Op
 
 __all__ = ["RunPath"]
@@ -68,83 +73,95 @@ class RunPath:
     def take(self, staging: Staging, nbytes: int, size: int, source: Address, now: float,
              out: list[Send]) -> None:
         """Take in the run of `nbytes` in `staging` (datagrams of `size` bytes, the last
-        possibly shorter, from `source`), and append what to send."""
-        if not self._whole(staging, nbytes, size, source, now, out):
-            self._cells[Counter.RUNS_DECLINED] += 1
-            self._one_by_one(staging, nbytes, size, source, now, out)
-
-    def _one_by_one(self, staging: Staging, nbytes: int, size: int, source: Address,
-                    now: float, out: list[Send]) -> None:
-        """A run declined: each datagram copied into a receive buffer and handed to `one`.
-        (One buffer at a time: only deterministic jobs keep any, and never the pool's last.)"""
-        pool, data, cells = self._pool, staging.view, self._cells
-        for start in datagram_starts(nbytes, size):
-            length = min(size, nbytes - start)
-            index = pool.take()
-            if index is None:
-                cells[Counter.DROP_NO_BUFFER] += 1
+        possibly shorter, from `source`), and append what to send: as bursts where it can,
+        each datagram that breaks a burst one by one, in the order they came."""
+        at = 0
+        burst, cells = self._burst, self._cells
+        while at < nbytes:
+            taken = burst(staging, at, nbytes, size, source, now, out)
+            if taken:
+                at += taken * size
                 continue
-            if length > len(pool.views[index]):  # longer than any datagram we would send
-                pool.release(index)
-                cells[Counter.DROP_TRUNCATED] += 1
-                continue
-            pool.views[index][:length] = data[start:start + length]
-            self._one(index, length, source, now, out)
+            end = at + size if at + size < nbytes else nbytes
+            cells[Counter.DECLINED_DATAGRAMS] += 1
+            self._alone(staging, at, end, source, now, out)
+            at = end
 
-    def _whole(self, staging: Staging, nbytes: int, size: int, source: Address, now: float,
-               out: list[Send]) -> bool:
-        """Fold in the run whole and append what to send; False, with nothing changed, when
-        anything in it needs the one-by-one path."""
-        count, rest = divmod(nbytes, size) if size > HEADER_SIZE else (0, 1)
-        if rest or count < 1:
-            return False
+    def _alone(self, staging: Staging, start: int, end: int, source: Address, now: float,
+               out: list[Send]) -> None:
+        """One datagram the burst path declined, copied into a receive buffer and handed to
+        `one`. (One buffer at a time: only deterministic jobs keep any, and never the pool's
+        last.)"""
+        pool, cells = self._pool, self._cells
+        index = pool.take()
+        if index is None:
+            cells[Counter.DROP_NO_BUFFER] += 1
+            return
+        length = end - start
+        if length > len(pool.views[index]):  # longer than any datagram we would send
+            pool.release(index)
+            cells[Counter.DROP_TRUNCATED] += 1
+            return
+        pool.views[index][:length] = staging.view[start:end]
+        self._one(index, length, source, now, out)
+
+    def _burst(self, staging: Staging, start: int, nbytes: int, size: int, source: Address,
+               now: float, out: list[Send]) -> int:
+        """Fold in the burst that begins at byte `start`: the datagrams from there up to the
+        first that needs the one-by-one path (the whole rest when none does); append what to
+        send and return how many it took, 0 (nothing changed) when the first needs it."""
+        if size <= HEADER_SIZE or start + size > nbytes:
+            return 0  # a shorter last datagram
         buf = staging.buffer
         (magic, version, kind, dtype_no, op_no, flags, job_id, rank, epoch, cookie, round_no,
-         first_slot, _, length, _) = HEADER.unpack_from(buf)
+         _, _, length, _) = HEADER.unpack_from(buf, start)
         # Only first transmissions of contributions (flags 0; a contribution carries serial 0).
         if (magic != MAGIC or version != VERSION or kind != Kind.CONTRIBUTION or flags
-                or buf[SERIAL_AT] or length != size - HEADER_SIZE):
-            return False
+                or buf[start + SERIAL_AT] or length != size - HEADER_SIZE):
+            return 0
         job = self._jobs.get(job_id)
         if job is None:
-            return False
+            return 0
         spec = job.spec
         dtype, op = _DTYPES.get(dtype_no), _OPS.get(op_no)
         if (dtype is None or op is None or cookie != spec.cookie or rank >= spec.world_size
                 or spec.endpoints[rank] != source or epoch != spec.epoch
-                or job.diverged is not None or spec.deterministic
-                or first_slot + count > spec.slots or length % ITEMSIZE[dtype]
+                or job.diverged is not None or spec.deterministic or length % ITEMSIZE[dtype]
                 or length > self._arena.max_payload):
-            return False
-        # The others: the same header but for slot, offset and use; the next slot each.
-        same = buf[:_TAIL_AT]
+            return 0
+        # Each datagram: the same header as the first but for slot, offset and use, a slot of
+        # the job's that none before it in the burst named (each is planned against the state
+        # before the burst), and a place to land: the copy filling that use (this rank not in
+        # yet, the same segment named alike), or the slot's next use over a finished or empty
+        # copy. The burst ends before the first that is not so.
+        same = buf[start:start + _TAIL_AT]
         unpack_tail = _TAIL.unpack_from
-        tails = [unpack_tail(buf, _TAIL_AT)]
-        for at in range(size, nbytes, size):
-            if buf[at:at + _TAIL_AT] != same:
-                return False
-            tail = unpack_tail(buf, at + _TAIL_AT)
-            if tail[0] != first_slot + len(tails):
-                return False
-            tails.append(tail)
-        # Where each lands: the copy filling that use (this rank not in yet, the same segment
-        # named alike), or the slot's next use over a finished or empty copy.
         bit = 1 << rank
-        slots = job.slots
-        plan: list[tuple[SlotCopy, bool]] = []  # (copy, its next use starts here)
-        for slot_no, offset, _, use in tails:
+        slots, slot_count = job.slots, spec.slots
+        named = 0  # the burst's slots, as bits
+        # (copy, does its use start here, slot, offset, use)
+        plan: list[tuple[SlotCopy, bool, int, int, int]] = []
+        for at in range(start, nbytes - size + 1, size):
+            if at != start and buf[at:at + _TAIL_AT] != same:
+                break
+            slot_no, offset, _, use = unpack_tail(buf, at + _TAIL_AT)
+            if slot_no >= slot_count or named >> slot_no & 1:
+                break
             slot = slots[slot_no]
             latest = slot.copies[slot.latest]
             if latest.state is _FILLING:
                 if (use != latest.use or latest.arrived & bit or latest.round != round_no
                         or latest.offset != offset or latest.length != length
                         or latest.dtype is not dtype or latest.op is not op):
-                    return False
-                plan.append((latest, False))
+                    break
+                plan.append((latest, False, slot_no, offset, use))
             elif use == latest.use + 1:
-                plan.append((slot.copies[1 - slot.latest], True))
+                plan.append((slot.copies[1 - slot.latest], True, slot_no, offset, use))
             else:
-                return False
+                break
+            named |= 1 << slot_no
+        if not plan:
+            return 0
 
         # Yes: from here on, exactly what the one-by-one path does for each datagram.
         self._cells[Counter.RUNS_TAKEN] += 1
@@ -152,14 +169,14 @@ class RunPath:
         job.last_activity = now
         job.last_data[rank] = now
         kernel = self._kernels.kernel(dtype, op)
-        for (copy, starts), (slot_no, offset, _, use) in zip(plan, tails, strict=True):
+        for copy, starts, slot_no, offset, use in plan:
             if starts:
                 slot = slots[slot_no]
                 slot.latest = 1 - slot.latest
                 copy.begin(use, round_no, offset, dtype, op, kernel, length, now)
-        self._fold(job, plan, staging, size, count, kernel)
+        self._fold(job, plan, staging.rows(size, STORAGE[dtype])[start // size:], kernel)
         world = spec.world_size
-        for copy, _ in plan:
+        for copy, _, _, _, _ in plan:
             copy.arrived |= bit
             copy.count += 1
             if copy.count < world:
@@ -167,28 +184,33 @@ class RunPath:
             else:
                 copy.finished = now
                 self._finish(job, copy, kernel, copy.acc_n, out)
-        return True
+        return len(plan)
 
-    def _fold(self, job: JobState, plan: list[tuple[SlotCopy, bool]], staging: Staging,
-              size: int, count: int, kernel: SegmentKernel) -> None:
-        """Fold each datagram's payload into its copy: one kernel call for the whole run when
-        its copies are the rows of one arena view and all of them start (or all go on)."""
-        first_copy = plan[0][0]
-        payloads = staging.rows(size, STORAGE[first_copy.dtype])
-        starting = first_copy.count == 0
-        which = first_copy.copy
-        base = job.arena_first
-        if base >= 0 and all(copy.copy == which and (copy.count == 0) is starting
-                             for copy, _ in plan):
-            rows = self._arena.accumulator_rows(base + first_copy.slot, count, which)
-            rows = rows[:, :len(first_copy.acc_n)]
-            if starting:
-                kernel.first_rows(rows, payloads[:count])
+    def _fold(self, job: JobState, plan: list[tuple[SlotCopy, bool, int, int, int]],
+              payloads: NDArray[Any], kernel: SegmentKernel) -> None:
+        """Fold each datagram's payload (`payloads`' rows, in order) into its copy: one kernel
+        call for each stretch of the burst whose copies are the rows of one arena view
+        (consecutive slots, the same copy of each, all starting or all going on)."""
+        base, count = job.arena_first, len(plan)
+        i = 0
+        while i < count:
+            copy = plan[i][0]
+            starting = copy.count == 0
+            j = i + 1
+            if base >= 0:
+                while (j < count and plan[j][0].slot == copy.slot + (j - i)
+                       and plan[j][0].copy == copy.copy and (plan[j][0].count == 0) is starting):
+                    j += 1
+            if j - i == 1:
+                if starting:
+                    kernel.first(copy.acc_n, payloads[i])
+                else:
+                    kernel.add(copy.acc_n, payloads[i])
             else:
-                kernel.add_rows(rows, payloads[:count])
-            return
-        for i, (copy, _) in enumerate(plan):
-            if copy.count == 0:
-                kernel.first(copy.acc_n, payloads[i])
-            else:
-                kernel.add(copy.acc_n, payloads[i])
+                rows = self._arena.accumulator_rows(base + plan[i][2], j - i, copy.copy)
+                rows = rows[:, :len(copy.acc_n)]
+                if starting:
+                    kernel.first_rows(rows, payloads[i:j])
+                else:
+                    kernel.add_rows(rows, payloads[i:j])
+            i = j

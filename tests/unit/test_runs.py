@@ -28,6 +28,7 @@ from reduction_appliance.dataplane.wire import (
     Kind,
     Op,
     pack_into,
+    unpack,
 )
 
 from .feeding import feed
@@ -96,7 +97,7 @@ def sent(sends: list[Send]) -> list[tuple[Address, bytes, bytes]]:
     return [(s.dest, bytes(s.header), bytes(s.payload)) for s in sends]
 
 
-_PATH_COUNTERS = {Counter.RUNS_TAKEN, Counter.RUNS_DECLINED}  # only the run side has them
+_PATH_COUNTERS = {Counter.RUNS_TAKEN, Counter.DECLINED_DATAGRAMS}  # only the run side has them
 
 
 def counters(agg: Aggregator) -> dict[Counter, int]:
@@ -151,11 +152,12 @@ def test_fp16_runs_fold_row_by_row_and_match(pair: tuple[Aggregator, Aggregator]
     assert all(np.all(np.frombuffer(p, np.float16) == 1.5) for _, _, p in out)
 
 
-@pytest.mark.parametrize("spoil", [
-    "retransmit", "query", "duplicate", "stranger", "cookie", "deterministic", "gap",
-    "short", "next-use-busy", "round"])
-def test_anything_unusual_declines_the_whole_run(pair: tuple[Aggregator, Aggregator],
-                                                 spoil: str) -> None:
+@pytest.mark.parametrize(("spoil", "alone", "bursts"), [
+    ("retransmit", 1, 2), ("query", 4, 0), ("duplicate", 1, 1), ("stranger", 4, 0),
+    ("cookie", 1, 1), ("deterministic", 4, 0), ("short", 1, 1), ("next-use-busy", 4, 0),
+    ("round", 3, 1), ("slot-twice", 1, 2)])  # round: the job diverged
+def test_what_needs_the_one_by_one_path_goes_alone_and_the_rest_as_bursts(
+        pair: tuple[Aggregator, Aggregator], spoil: str, alone: int, bursts: int) -> None:
     a, b = pair
     job, source = (7 if spoil == "deterministic" else 5), where(1)
     take_both(a, b, [contribution(job, 0, s, 1) for s in range(4)], where(0))
@@ -172,26 +174,44 @@ def test_anything_unusual_declines_the_whole_run(pair: tuple[Aggregator, Aggrega
         source = ("198.18.0.99", 9000)
     elif spoil == "cookie":
         run[3] = contribution(job, 1, 3, 1, cookie=COOKIE + 1)
-    elif spoil == "gap":
-        run[2] = contribution(job, 1, 5, 1)
     elif spoil == "short":
         run[3] = contribution(job, 1, 3, 1, length=PAYLOAD // 2)
     elif spoil == "next-use-busy":
         run = [contribution(job, 1, s, 2) for s in range(4)]
     elif spoil == "round":
         run[1] = contribution(job, 1, 1, 1, round_no=2)
+    elif spoil == "slot-twice":  # each datagram is planned against the state before its burst
+        run[2] = contribution(job, 1, 1, 1)
+    before_alone = a.counters[Counter.DECLINED_DATAGRAMS]
     take_both(a, b, run, source)
-    assert taken(a) == before
-    assert a.counters[Counter.RUNS_DECLINED] >= 1
+    assert a.counters[Counter.DECLINED_DATAGRAMS] - before_alone == alone
+    assert taken(a) - before == bursts
     same_state(a, b)
 
 
-def test_a_run_longer_than_the_job_has_slots_is_declined(
+def test_slots_out_of_order_and_across_the_wrap_are_one_burst(
         pair: tuple[Aggregator, Aggregator]) -> None:
+    a, b = pair
+    order = [6, 7, 0, 1, 3, 2]
+    for rank in range(WORLD):
+        out = take_both(a, b, [contribution(5, rank, s, 1, value=rank + 1.0) for s in order],
+                        where(rank))
+        assert taken(a) == rank + 1
+    assert a.counters[Counter.DECLINED_DATAGRAMS] == 0
+    assert [struct_slot(h) for _, h, _ in out] == order  # results leave in arrival order
+    assert all(np.all(np.frombuffer(p, np.float32) == 6.0) for _, _, p in out)
+
+
+def struct_slot(header: bytes) -> int:
+    return unpack(header).slot
+
+
+def test_a_slot_past_the_jobs_window_goes_alone(pair: tuple[Aggregator, Aggregator]) -> None:
     a, b = pair
     take_both(a, b, [contribution(5, 0, s, 1) for s in range(4, SLOTS)]
               + [contribution(5, 0, SLOTS, 1)], where(0))
-    assert taken(a) == 0
+    assert taken(a) == 1
+    assert a.counters[Counter.DECLINED_DATAGRAMS] == 1
     assert counters(a)[Counter.DROP_BAD_SLOT] == 1
 
 
@@ -206,13 +226,14 @@ def test_a_declined_run_of_garbage_is_counted_like_datagrams(
 
 _SPOILS = st.sampled_from(["none"] * 6 + [
     "retransmit", "query", "cookie", "stranger", "garbage", "rank", "round", "short",
-    "heartbeat", "unknown-job"])
+    "heartbeat", "unknown-job", "shuffle", "slot-twice", "next-use"])
 
 
 @st.composite
 def scenarios(draw: st.DrawFn) -> list[tuple[list[bytes], Address]]:
     """Rounds of window passes (uses 1, 2, 3) by every rank in a random order, cut into runs
-    of consecutive slots, some repeated, reordered or spoiled."""
+    of consecutive slots, some shuffled, repeated, reordered or spoiled; now and then a run
+    joined with the next (slots across the window's wrap)."""
     runs: list[tuple[list[bytes], Address]] = []
     for use in range(1, draw(st.integers(1, 3)) + 1):
         for job in draw(st.permutations(list(JOBS))):
@@ -247,12 +268,25 @@ def scenarios(draw: st.DrawFn) -> list[tuple[list[bytes], Address]]:
                     elif spoil == "heartbeat":
                         beat = contribution(job, rank, slot, use, kind=Kind.HEARTBEAT)
                         run = [beat[:HEADER_SIZE]]
+                    elif spoil == "shuffle":  # slots out of order (a window's releases)
+                        run = draw(st.permutations(run))
+                    elif spoil == "slot-twice":
+                        run[i] = run[draw(st.integers(0, k - 1))]
+                    elif spoil == "next-use":
+                        run[i] = contribution(job, rank, slot + i, use + 1)
                     elif spoil == "unknown-job":
                         run = [contribution(99, rank, s, use) for s in range(slot, slot + k)]
                     runs.append((run, source))
                     if draw(st.booleans()) and draw(st.integers(0, 5)) == 0:
                         runs.append((run, source))  # a duplicate run
                     slot += k
+    if len(runs) > 1 and draw(st.booleans()):
+        i = draw(st.integers(0, len(runs) - 2))
+        (first, source), (second, other) = runs[i], runs[i + 1]
+        joined = first + second  # one coalesced receive: one size, but a shorter last
+        if source == other and len(joined) <= SLOTS and len(joined[-1]) <= len(joined[0]) \
+                and all(len(d) == len(joined[0]) for d in joined[:-1]):
+            runs[i:i + 2] = [(joined, source)]
     if len(runs) > 1 and draw(st.booleans()):
         i, j = draw(st.integers(0, len(runs) - 1)), draw(st.integers(0, len(runs) - 1))
         runs[i], runs[j] = runs[j], runs[i]  # reordered
