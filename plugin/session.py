@@ -13,8 +13,10 @@ Karn's rule, its gains divided by the segments in flight as RFC 7323 has them fo
 worth of samples per round trip) with a floor in the rack's time scale (`Timing.rto_min`), and
 only the lost segment's own timer backs off: one loss never slows the rest. A gap is repaired
 without waiting for a timer when it shows: once results came back for `FAST_RETRANSMIT`
-segments sent to the same core after one that is still unanswered, that one goes again at once
-(fast retransmit). A lost segment holds only its own slot: the other slots keep the pipe full.
+segments sent to the same core after one that is still unanswered, and it has been gone two
+smoothed round trips, that one goes again (fast retransmit; the time keeps a segment that is
+only late, waiting for a peer's repair, from being asked after). A lost segment holds only
+its own slot: the other slots keep the pipe full.
 While a round is clean, a segment's timer restarts with each answer its core gives to an earlier
 segment (RFC 6298's 5.3, per core): one that waits its turn behind them is not presumed lost.
 When a whole core stalls, the timers' queries go as PROBEs, which the appliance answers with
@@ -53,6 +55,7 @@ __all__ = ["Address", "AllreduceRound", "Endpoint", "SlotUses", "Transmit"]
 
 _new_tuple = tuple.__new__  # a NamedTuple built without its keyword-capable __new__
 FAST_RETRANSMIT = 3  # later segments answered before an unanswered one is presumed lost
+REORDER_SHARE = 1.0  # ... and gone a smoothed round trip and this much of another (`_settle`)
 
 
 class AllreduceRound:
@@ -193,10 +196,11 @@ class AllreduceRound:
                 self._resend(k, now, out)
         for e, waiting in enumerate(self._unanswered):
             acked = self._acked_seq[e]
+            settle = self._settle(e)
             for k in waiting:
                 if self._seq[k] + FAST_RETRANSMIT > acked:
                     break
-                if not self._done[k] and not self._fast[k]:
+                if not self._done[k] and not self._fast[k] and now >= self._last_sent[k] + settle:
                     self._fast[k] = 1
                     self.fast_retransmissions += 1
                     self._resend(k, now, out)
@@ -297,11 +301,38 @@ class AllreduceRound:
         self._timer[k] = when = now + self._rto[k]
         heapq.heappush(self._timers, (when, k))
 
+    def _settle(self, e: int) -> float:
+        """How long after it left a segment overtaken by later ones to core `e` is presumed
+        lost: two smoothed round trips (a time-based reordering window, as RFC 8985 has).
+        Overtaken is usual here: a segment completes when its last rank's contribution is in,
+        and a rank that lost its contribution or the slot's previous result sends it late.
+        With three later answers alone as the sign, 28% of segments were queried at 1% loss
+        each way on the rack (n = 4, 1 Gbit/s), and most queries found their result already
+        on its way; with a quarter of a round trip more (RFC 8985's default) 14%, with a whole
+        one 6-7%."""
+        srtt = self._rtt.srtt(e)
+        return 0.0 if srtt is None else srtt * (1.0 + REORDER_SHARE)
+
+    def _overtaken_due(self) -> float:
+        """When the earliest segment overtaken by `FAST_RETRANSMIT` later ones is presumed
+        lost (inf: none is)."""
+        soonest = math.inf
+        done, fast, seq, last_sent = self._done, self._fast, self._seq, self._last_sent
+        for e, waiting in enumerate(self._unanswered):
+            acked = self._acked_seq[e]
+            settle = self._settle(e)
+            for k in waiting:
+                if seq[k] + FAST_RETRANSMIT > acked:
+                    break
+                if not done[k] and not fast[k]:
+                    soonest = min(soonest, last_sent[k] + settle)
+        return soonest
+
     def wakeup(self) -> float:
         """The time `due` next has work, unless a result arrives first."""
         if self._ready or self._nudged:
             return 0.0
-        return min(self.next_timer(), self._deadline)
+        return min(self.next_timer(), self._overtaken_due(), self._deadline)
 
     def next_timer(self) -> float:
         """When the earliest live retransmission timer expires (inf: none is armed)."""

@@ -19,6 +19,7 @@ from reduction_appliance.deploy.testnet.reference import (
 from reduction_appliance.plugin.rtt import RttEstimator, Timing
 from reduction_appliance.plugin.session import (
     FAST_RETRANSMIT,
+    REORDER_SHARE,
     AllreduceRound,
     Endpoint,
     Transmit,
@@ -208,6 +209,33 @@ def test_three_later_answers_repair_a_hole_at_once_with_a_plain_query() -> None:
     assert query.header.kind is Kind.QUERY
     assert query.header.flags == Flags.RETRANSMIT | Flags.SERIAL
     assert rnd.fast_retransmissions == 1
+
+
+def test_an_overtaken_segment_gets_time_to_arrive_before_it_is_presumed_lost() -> None:
+    """A segment completes when its last rank is in, so later ones overtaking it is usual
+    (a peer repairing a loss sends its part late): it is presumed lost only once it has also
+    been gone two smoothed round trips (REORDER_SHARE), and `wakeup` says when that is. One
+    that arrives before then is never asked after."""
+    rnd, sent = stalled_window()
+    for t, at in zip(sent[1:4], (0.020, 0.021, 0.022), strict=True):
+        answer(rnd, t, at)
+    assert [t.segment for t in rnd.due(0.022)] == [5, 6, 7]  # released; 0 not presumed lost
+    srtt = rnd._rtt.srtt(0)
+    assert srtt is not None
+    presumed = 0.0 + srtt * (1 + REORDER_SHARE)
+    assert rnd.wakeup() == pytest.approx(presumed)
+    assert rnd.due(presumed - 0.001) == []
+    (query,) = rnd.due(presumed)
+    assert query.segment == 0 and query.header.kind is Kind.QUERY
+    assert rnd.fast_retransmissions == 1
+
+    late, sent = stalled_window()
+    for t, at in zip(sent[1:4], (0.020, 0.021, 0.022), strict=True):
+        answer(late, t, at)
+    late.due(0.022)
+    answer(late, sent[0], 0.03)  # overtaken, not lost
+    assert all(t.segment != 0 for t in late.due(presumed))
+    assert late.fast_retransmissions == 0 and late.queries == 0
 
 
 def test_a_query_carries_the_newest_result_serial_heard_from_its_core() -> None:
