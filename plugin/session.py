@@ -320,11 +320,13 @@ class AllreduceRound:
         done, fast, seq, last_sent = self._done, self._fast, self._seq, self._last_sent
         for e, waiting in enumerate(self._unanswered):
             acked = self._acked_seq[e]
-            settle = self._settle(e)
+            settle = -1.0  # worked out once it is needed: on a clean network, never
             for k in waiting:
                 if seq[k] + FAST_RETRANSMIT > acked:
                     break
                 if not done[k] and not fast[k]:
+                    if settle < 0.0:
+                        settle = self._settle(e)
                     soonest = min(soonest, last_sent[k] + settle)
         return soonest
 
