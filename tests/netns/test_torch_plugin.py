@@ -83,11 +83,14 @@ def test_an_abort_raises_jobaborted_in_the_training_process(
     procs = launch_ranks(net, "stall", WORLD)  # the last rank never calls all_reduce
     try:
         def lagging() -> bool:
+            # Every rank joined (ACTIVE: the last one too, which then only leaves), and the
+            # ranks' segments wait for the last. Lagging alone can show before the last rank
+            # has joined (its process starts last), and an abort then refuses its join.
             jobs = {j["name"]: j for j in appliance.status()["jobs"]}
             job = jobs.get("torch-doomed")
-            return bool(job and str(WORLD - 1) in job["lagging"])
+            return bool(job and job["state"] == "active" and str(WORLD - 1) in job["lagging"])
 
-        wait_until(lagging, 60, what=f"rank {WORLD - 1} reported lagging")
+        wait_until(lagging, 60, what=f"every rank joined and rank {WORLD - 1} reported lagging")
         (job_id,) = appliance.job_ids("torch-doomed")
         appliance.local_api.request("POST", f"/v1/jobs/{job_id}/abort")
         results = []
