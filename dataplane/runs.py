@@ -1,15 +1,15 @@
-"""A coalesced receive taken as one unit: the aggregator's burst path.
+"""A coalesced receive taken in bursts: the aggregator's burst path.
 
 UDP GRO hands a core up to 64 KB of consecutive datagrams from one source at a time, and on a
 busy rack almost every such receive is a run of one rank's contributions to consecutive slots
 (a worker sends a window's consecutive segments to a core in one GSO send). One at a time,
 each would cost a copy into a receive buffer, a decoded `Header`, the job and member checks,
-the window checks and its own kernel call, several microseconds of Python in all. Here a run
+the window checks and its own kernel call, several microseconds of Python in all. Here a burst
 pays for one decoded header and one set of job checks; every other datagram is compared with
-the first as bytes and only its slot, offset and use are read; and when the slots' copies lie
+the first as bytes and only its slot, offset and use are read; and where the slots' copies lie
 at a fixed stride in the arena (they do: a job's slots are allocated consecutively and their
-copies alternate in step), one kernel call folds the whole run in, straight from the
-transport's buffer.
+copies alternate in step), one kernel call folds a stretch of consecutive slots in, straight
+from the transport's buffer.
 
 A burst changes nothing until it has said yes. It runs from its first datagram up to the first
 that needs the one-by-one path: a retransmission, a query, a duplicate, a stranger, a
