@@ -2,8 +2,8 @@
 
 No sockets, no clock: the transport hands in an `RxBatch` (datagrams already in receive-pool
 buffers, and coalesced receives left in its staging buffers, with their sources) and the time,
-and gets back a list of `Send` decisions to apply. A coalesced receive is taken whole where it
-can be (`dataplane.runs`), else datagram by datagram like the others.
+and gets back a list of `Send` decisions to apply. A coalesced receive is taken in bursts
+(`dataplane.runs`); a datagram that breaks a burst goes datagram by datagram like the others.
 
 Slot protocol (after SwitchML, without its limits):
 

@@ -194,16 +194,11 @@ class AllreduceRound:
             if not self._done[k]:
                 self.nudged_retransmissions += 1
                 self._resend(k, now, out)
-        for e, waiting in enumerate(self._unanswered):
-            acked = self._acked_seq[e]
-            settle = self._settle(e)
-            for k in waiting:
-                if self._seq[k] + FAST_RETRANSMIT > acked:
-                    break
-                if not self._done[k] and not self._fast[k] and now >= self._last_sent[k] + settle:
-                    self._fast[k] = 1
-                    self.fast_retransmissions += 1
-                    self._resend(k, now, out)
+        for k, presumed_lost in self._overtaken():
+            if now >= presumed_lost:
+                self._fast[k] = 1
+                self.fast_retransmissions += 1
+                self._resend(k, now, out)
         timers = self._timers
         rto_max = self._rtt.timing.rto_max
         while timers and timers[0][0] <= now:
@@ -313,10 +308,10 @@ class AllreduceRound:
         srtt = self._rtt.srtt(e)
         return 0.0 if srtt is None else srtt * (1.0 + REORDER_SHARE)
 
-    def _overtaken_due(self) -> float:
-        """When the earliest segment overtaken by `FAST_RETRANSMIT` later ones is presumed
-        lost (inf: none is)."""
-        soonest = math.inf
+    def _overtaken(self) -> list[tuple[int, float]]:
+        """Unanswered segments not yet fast-retransmitted that `FAST_RETRANSMIT` later ones
+        to the same core have overtaken, each with the time it is presumed lost."""
+        found: list[tuple[int, float]] = []
         done, fast, seq, last_sent = self._done, self._fast, self._seq, self._last_sent
         for e, waiting in enumerate(self._unanswered):
             acked = self._acked_seq[e]
@@ -327,14 +322,15 @@ class AllreduceRound:
                 if not done[k] and not fast[k]:
                     if settle < 0.0:
                         settle = self._settle(e)
-                    soonest = min(soonest, last_sent[k] + settle)
-        return soonest
+                    found.append((k, last_sent[k] + settle))
+        return found
 
     def wakeup(self) -> float:
         """The time `due` next has work, unless a result arrives first."""
         if self._ready or self._nudged:
             return 0.0
-        return min(self.next_timer(), self._overtaken_due(), self._deadline)
+        overtaken = min((at for _, at in self._overtaken()), default=math.inf)
+        return min(self.next_timer(), overtaken, self._deadline)
 
     def next_timer(self) -> float:
         """When the earliest live retransmission timer expires (inf: none is armed)."""
