@@ -83,9 +83,9 @@ def test_an_abort_raises_jobaborted_in_the_training_process(
     procs = launch_ranks(net, "stall", WORLD)  # the last rank never calls all_reduce
     try:
         def lagging() -> bool:
-            # Every rank joined (ACTIVE: the last one too, which then only leaves), and the
-            # ranks' segments wait for the last. Lagging alone can show before the last rank
-            # has joined (its process starts last), and an abort then refuses its join.
+            # Every rank joined (ACTIVE; none leaves before the abort: the workers' barrier),
+            # and the ranks' segments wait for the last. Lagging alone can show before the last
+            # rank has joined (its process starts last), and an abort then refuses its join.
             jobs = {j["name"]: j for j in appliance.status()["jobs"]}
             job = jobs.get("torch-doomed")
             return bool(job and job["state"] == "active" and str(WORLD - 1) in job["lagging"])

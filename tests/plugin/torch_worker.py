@@ -5,7 +5,7 @@ MODE "backend": collectives on the "reduction" backend against a Gloo group on t
 (bitwise against the fixed-order reference when REDUCTION_DETERMINISTIC is set).
 MODE "overlap": eight async all_reduces at once; reports how many were on the wire together.
 MODE "stall": every rank but the last calls all_reduce (which cannot finish); reports the
-exception wait() raised, and after how long.
+exception wait() raised, and after how long; then all meet at a Gloo barrier and leave.
 MODE "ddp": a tiny model in DDP with Gloo default, once with the appliance hook and once plain.
 Prints one JSON line per check.
 """
@@ -155,6 +155,10 @@ def overlap(rank: int, world: int, store: str) -> None:
 
 def stall(rank: int, world: int, store: str) -> None:
     init("reduction", rank, world, store)
+    # Every rank stays in the job until all are done (the Gloo barrier below): the last rank
+    # does not leave before the others have joined, so the job goes ACTIVE, which is what the
+    # test waits for before it aborts the job.
+    gloo = dist.new_group(backend="gloo")
     if rank < world - 1:
         t = torch.ones(100_000)
         began = time.monotonic()
@@ -165,6 +169,7 @@ def stall(rank: int, world: int, store: str) -> None:
         except Exception as exc:
             emit(check="stall", raised=type(exc).__name__, message=str(exc),
                  seconds=time.monotonic() - began)
+    dist.barrier(group=gloo)
     dist.destroy_process_group()
 
 
