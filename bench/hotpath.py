@@ -41,6 +41,7 @@ from reduction_appliance.dataplane.transport import RxBatch, Staging
 from reduction_appliance.dataplane.udp import GRO_BUFFER, UDP_GRO
 from reduction_appliance.dataplane.wire import (
     HEADER_SIZE,
+    SERIALS,
     DType,
     Flags,
     Header,
@@ -166,7 +167,8 @@ def appliance_us_per_datagram() -> float:
                     for k in range(first, min(first + GRO_BATCH, last)):
                         pack_into(staging.buffer, Header(
                             Kind.CONTRIBUTION, DType.FLOAT32, Op.SUM, 0, 5, rank, 77, 1,
-                            k % SLOTS, k * SEGMENT, SEGMENT, k // SLOTS + 1, 1), at)
+                            k % SLOTS, k * SEGMENT, SEGMENT, k // SLOTS + 1, 1,
+                            k % SERIALS), at)  # numbered, as a worker numbers its sends
                         staging.buffer[at + HEADER_SIZE:at + size] = payload
                         at += size
                     batch.add_run(staging, at, size, where[rank])  # as a GRO receive leaves it

@@ -152,6 +152,12 @@ CORE_COUNTERS: dict[str, tuple[str, str]] = {
         "receive (UDP GRO), each a first transmission to a slot of its own, with one header "
         "decoded, one set of checks and one kernel call per stretch of consecutive slots.",
     ),
+    "contributions_missed": (
+        "core_contributions_missed",
+        "Contributions a rank's own numbering showed lost (later ones came): that rank is "
+        "told at once with a MISSING note and resends them, without waiting for its peers' "
+        "queries; moves by the number of contributions each note lists.",
+    ),
     "declined_datagrams": (
         "core_declined_datagrams",
         "Datagrams of coalesced receives the burst path left to the one-by-one path (a "

@@ -47,6 +47,7 @@ from numpy.typing import NDArray
 
 from .counters import Counter, Counters
 from .errors import AdmissionError, PeerError
+from .gaps import forget_sequences, note_sequence
 from .notices import answer, pending_notes, to_every_rank
 from .reduce import KernelTable, SegmentKernel
 from .runs import RunPath
@@ -137,6 +138,7 @@ class Aggregator:
         for rank, (was, now_at) in enumerate(zip(old.endpoints, spec.endpoints, strict=True)):
             if was != now_at:
                 job.last_seen[rank] = now  # a rank that (re-)joined is alive
+                forget_sequences(job, rank)  # and numbers its contributions afresh
         if spec.epoch == old.epoch:
             return []
         for slot in job.slots:
@@ -147,6 +149,7 @@ class Aggregator:
                 copy.use, copy.round, copy.offset = 0, -1, -1
         job.diverged = None
         job.rounds = 0
+        forget_sequences(job)
         return self._tell(job, Kind.RESYNC, b"")
 
     def abort_job(self, job_id: int) -> list[Send]:
@@ -259,6 +262,8 @@ class Aggregator:
             cells[Counter.JOB_NOTICES] += 1
             out.append(self._notice(Kind.RESYNC, h, source))
             return False
+        if h.kind is Kind.CONTRIBUTION and not h.flags & Flags.RETRANSMIT:
+            note_sequence(job, h.rank, h.serial, cells, out)
         if job.diverged is not None:
             cells[Counter.DROP_MISMATCH] += 1
             cells[Counter.JOB_NOTICES] += 1

@@ -64,6 +64,8 @@ class Counter(IntEnum):
     # and the datagrams of coalesced receives it left to the one-by-one path (anything unusual)
     RUNS_TAKEN = 43
     DECLINED_DATAGRAMS = 44
+    # Contributions a rank's numbering showed lost (a jump), told to that rank (MISSING)
+    CONTRIBUTIONS_MISSED = 45
 
 
 N_COUNTERS = len(Counter)

@@ -6,10 +6,10 @@ busy rack almost every such receive is a run of one rank's contributions to cons
 each would cost a copy into a receive buffer, a decoded `Header`, the job and member checks,
 the window checks and its own kernel call, several microseconds of Python in all. Here a burst
 pays for one decoded header and one set of job checks; every other datagram is compared with
-the first as bytes and only its slot, offset and use are read; and where the slots' copies lie
-at a fixed stride in the arena (they do: a job's slots are allocated consecutively and their
-copies alternate in step), one kernel call folds a stretch of consecutive slots in, straight
-from the transport's buffer.
+the first as bytes and only its sequence (dataplane.gaps), slot, offset and use are read; and
+where the slots' copies lie at a fixed stride in the arena (they do: a job's slots are
+allocated consecutively and their copies alternate in step), one kernel call folds a stretch
+of consecutive slots in, straight from the transport's buffer.
 
 A burst changes nothing until it has said yes. It runs from its first datagram up to the first
 that needs the one-by-one path: a retransmission, a query, a duplicate, a stranger, a
@@ -33,12 +33,24 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .counters import Counter, Counters
+from .gaps import note_sequence
 from .reduce import STORAGE, KernelTable, SegmentKernel
 from .slots import SlotArena
 from .slotstate import CopyState, Event, JobState, SlotCopy, move
 from .spec import Address
 from .transport import Send, Staging
-from .wire import HEADER, HEADER_SIZE, ITEMSIZE, MAGIC, SERIAL_AT, VERSION, DType, Kind, Op
+from .wire import (
+    HEADER,
+    HEADER_SIZE,
+    ITEMSIZE,
+    MAGIC,
+    SERIAL_AT,
+    SERIALS,
+    VERSION,
+    DType,
+    Kind,
+    Op,
+)
 
 __all__ = ["RunPath"]
 
@@ -115,9 +127,9 @@ class RunPath:
         buf = staging.buffer
         (magic, version, kind, dtype_no, op_no, flags, job_id, rank, epoch, cookie, round_no,
          _, _, length, _) = HEADER.unpack_from(buf, start)
-        # Only first transmissions of contributions (flags 0; a contribution carries serial 0).
+        # Only first transmissions of contributions (flags 0).
         if (magic != MAGIC or version != VERSION or kind != Kind.CONTRIBUTION or flags
-                or buf[start + SERIAL_AT] or length != size - HEADER_SIZE):
+                or length != size - HEADER_SIZE):
             return 0
         job = self._jobs.get(job_id)
         if job is None:
@@ -129,20 +141,23 @@ class RunPath:
                 or job.diverged is not None or spec.deterministic or length % ITEMSIZE[dtype]
                 or length > self._arena.max_payload):
             return 0
-        # Each datagram: the same header as the first but for slot, offset and use, a slot of
-        # the job's that none before it in the burst named (each is planned against the state
-        # before the burst), and a place to land: the copy filling that use (this rank not in
-        # yet, the same segment named alike), or the slot's next use over a finished or empty
-        # copy. The burst ends before the first that is not so.
+        # Each datagram: the same header as the first but for its sequence (the `serial`
+        # byte), slot, offset and use, a slot of the job's that none before it in the burst
+        # named (each is planned against the state before the burst), and a place to land:
+        # the copy filling that use (this rank not in yet, the same segment named alike), or
+        # the slot's next use over a finished or empty copy. The burst ends before the first
+        # that is not so. (`same` takes each datagram's sequence before the comparison: one
+        # slice compared, not two.)
         same = buf[start:start + _TAIL_AT]
         unpack_tail = _TAIL.unpack_from
         bit = 1 << rank
         slots, slot_count = job.slots, spec.slots
         named = 0  # the burst's slots, as bits
-        # (copy, does its use start here, slot, offset, use)
-        plan: list[tuple[SlotCopy, bool, int, int, int]] = []
+        # (copy, does its use start here, slot, offset, use, sequence)
+        plan: list[tuple[SlotCopy, bool, int, int, int, int]] = []
         for at in range(start, nbytes - size + 1, size):
-            if at != start and buf[at:at + _TAIL_AT] != same:
+            same[SERIAL_AT] = sequence = buf[at + SERIAL_AT]
+            if buf[at:at + _TAIL_AT] != same:
                 break
             slot_no, offset, _, use = unpack_tail(buf, at + _TAIL_AT)
             if slot_no >= slot_count or named >> slot_no & 1:
@@ -154,9 +169,9 @@ class RunPath:
                         or latest.offset != offset or latest.length != length
                         or latest.dtype is not dtype or latest.op is not op):
                     break
-                plan.append((latest, False, slot_no, offset, use))
+                plan.append((latest, False, slot_no, offset, use, sequence))
             elif use == latest.use + 1:
-                plan.append((slot.copies[1 - slot.latest], True, slot_no, offset, use))
+                plan.append((slot.copies[1 - slot.latest], True, slot_no, offset, use, sequence))
             else:
                 break
             named |= 1 << slot_no
@@ -169,14 +184,22 @@ class RunPath:
         job.last_activity = now
         job.last_data[rank] = now
         kernel = self._kernels.kernel(dtype, op)
-        for copy, starts, slot_no, offset, use in plan:
+        for copy, starts, slot_no, offset, use, _ in plan:
             if starts:
                 slot = slots[slot_no]
                 slot.latest = 1 - slot.latest
                 copy.begin(use, round_no, offset, dtype, op, kernel, length, now)
         self._fold(job, plan, staging.rows(size, STORAGE[dtype])[start // size:], kernel)
         world = spec.world_size
-        for copy, _, _, _, _ in plan:
+        cells = self._cells
+        numbers = job.next_sequence
+        expected = numbers[rank]
+        for copy, _, _, _, _, sequence in plan:
+            if sequence == expected:  # in order (nearly always): `note_sequence` in line
+                expected = numbers[rank] = (sequence + 1) % SERIALS
+            else:
+                note_sequence(job, rank, sequence, cells, out)
+                expected = numbers[rank]
             copy.arrived |= bit
             copy.count += 1
             if copy.count < world:
@@ -186,7 +209,7 @@ class RunPath:
                 self._finish(job, copy, kernel, copy.acc_n, out)
         return len(plan)
 
-    def _fold(self, job: JobState, plan: list[tuple[SlotCopy, bool, int, int, int]],
+    def _fold(self, job: JobState, plan: list[tuple[SlotCopy, bool, int, int, int, int]],
               payloads: NDArray[Any], kernel: SegmentKernel) -> None:
         """Fold each datagram's payload (`payloads`' rows, in order) into its copy: one kernel
         call for each stretch of the burst whose copies are the rows of one arena view

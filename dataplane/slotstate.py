@@ -130,8 +130,8 @@ class Slot:
 
 class JobState:
     __slots__ = ("all_ranks", "arena_first", "arena_slots", "bytes_reduced", "diverged", "held",
-                 "last_activity", "last_data", "last_seen", "rounds", "segments_reduced", "serial",
-                 "slots", "spec")
+                 "last_activity", "last_data", "last_seen", "next_sequence", "rounds",
+                 "segments_reduced", "serial", "slots", "spec")
 
     def __init__(self, spec: JobSpec, arena_slots: list[int], slots: list[Slot],
                  now: float) -> None:
@@ -152,6 +152,9 @@ class JobState:
         self.held = 0  # receive buffers its out-of-turn contributions hold (<= hold_buffers)
         self.diverged: str | None = None  # why the ranks disagree, until the next epoch
         self.serial = 0  # the serial this core's next result of the job carries
+        # per rank, the send sequence its next first transmission should carry (-1: any;
+        # dataplane.gaps)
+        self.next_sequence = [-1] * spec.world_size
 
     @property
     def bound(self) -> list[Address]:

@@ -2,7 +2,8 @@
 
 Every datagram is a fixed 48-byte header followed by the payload (a segment of a tensor in the
 dtype named by the header, a rank bitmap for PENDING, a reason for DIVERGED, silent-rank records
-for LIVENESS; nothing for QUERY and the notices). All fields are in network byte order::
+for LIVENESS, send sequences for MISSING; nothing for QUERY and the other notices). All fields
+are in network byte order::
 
      0                   1                   2                   3
      0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 0 1
@@ -43,7 +44,10 @@ A RESULT's `serial` numbers the results one appliance core sends for a job (mod 
 order it sends them; a QUERY flagged SERIAL carries the newest serial its sender has from that
 core. Results to a worker travel one path in order, so a result with an older serial than that
 was lost, and one with a newer serial is still on its way (the appliance resends only the
-first). Zero when unused.
+first). On a first transmission of a CONTRIBUTION, `serial` is its sender's send sequence to
+that core (mod 256, every round of the job counted alike): contributions of one rank travel
+one path in order, so a core that sees the sequence jump knows the contributions in between
+were lost, and says so at once (MISSING). Zero when unused.
 
 A segment is named by (job, round, offset); the slot says where the appliance aggregates it and
 `use` which use of that slot it is. Every rank numbers the uses of each slot alike (1, 2, ... in
@@ -90,7 +94,7 @@ __all__ = [
 ]
 
 MAGIC = 0x5241
-VERSION = 3  # 3: QUERY, and PENDING sent to the ranks a segment waits for
+VERSION = 4  # 4: contributions numbered per core (serial), MISSING
 
 # Byte 7 (`serial`) is read and written apart from HEADER, whose pad byte it is: a datagram
 # packed with HEADER alone carries serial 0.
@@ -122,6 +126,9 @@ class Kind(IntEnum):
     # with the result if finished, else PENDING; 48 bytes instead of a segment, since a lost
     # result or a late peer is likelier than a lost contribution.
     QUERY = 9
+    # appliance core -> one worker: contributions of yours that never came, though later ones
+    # did; payload = their send sequences (one byte each, see `serial`). Resend them now.
+    MISSING = 10
 
 
 class DType(IntEnum):

@@ -56,8 +56,10 @@ _NO_PAYLOAD = memoryview(b"")
 _new_tuple = tuple.__new__
 
 
-# (endpoint, segment): Transmit's first two fields, picked in C (the key runs per segment).
-_by_endpoint: Callable[[Transmit], tuple[int, int]] = operator.itemgetter(0, 1)
+# Transmit's endpoint, picked in C (the key runs per segment). Sorted by it alone, and stably:
+# each core's first transmissions must leave in the order `due` numbered them (SendOrder), or
+# the core would take the numbers' disorder for losses.
+_by_endpoint: Callable[[Transmit], int] = operator.itemgetter(0)
 
 
 def dtype_of(array: NDArray[Any]) -> DType:
@@ -361,6 +363,8 @@ class ApplianceClient:
                 pipeline.stored(rnd, k, now)
         elif h.kind is Kind.PENDING:
             pipeline.on_pending(h, bytes(payload), now, source)
+        elif h.kind is Kind.MISSING:
+            pipeline.on_missing(h, bytes(payload), source)
         elif h.kind is Kind.ABORTED:
             pipeline.on_aborted(h, source)
         elif h.kind is Kind.RESYNC:

@@ -52,7 +52,7 @@ from reduction_appliance.dataplane.wire import (
 )
 
 from .rtt import RttEstimator
-from .session import Address, AllreduceRound, Endpoint, SlotUses, Transmit
+from .session import Address, AllreduceRound, Endpoint, SendOrder, SlotUses, Transmit
 
 __all__ = ["Outcome", "RoundPipeline", "lane_endpoints"]
 
@@ -113,6 +113,9 @@ class RoundPipeline:
         self._busy: list[AllreduceRound | None] = [None] * lanes
         self._in_flight = [0] * len(endpoints)  # per core, over every active round
         self._serials = [-1] * len(endpoints)  # per core, the newest result serial heard
+        self._lost_results: list[dict[int, None]] = [{} for _ in endpoints]  # ... and skipped
+        self.order = SendOrder(len(endpoints))  # first transmissions' numbers, every round's
+        self._core_at = {ep.address: e for e, ep in enumerate(endpoints)}
         self._active: dict[int, AllreduceRound] = {}  # wire round number -> round
         self._requests: dict[int, _Request] = {}  # ticket -> what was asked, while active
         self._queued: deque[_Request] = deque()
@@ -181,8 +184,10 @@ class RoundPipeline:
                 rnd = AllreduceRound(self._lane_endpoints[lane], self.rank, self.world_size,
                                      self._next_round, req.dtype, req.op, req.nbytes,
                                      self.segment_bytes, self.rtt, now, uses=self.uses,
+                                     order=self.order,
                                      epoch=self.epoch, ticket=req.ticket,
-                                     in_flight=self._in_flight, serials=self._serials)
+                                     in_flight=self._in_flight, serials=self._serials,
+                                     lost_results=self._lost_results)
             except ReductionError as exc:
                 self._finished.append(Outcome(req.ticket, exc, 0))
                 continue
@@ -325,6 +330,23 @@ class RoundPipeline:
         if rnd is not None and self._ours(h, source) and h.epoch == self.epoch:
             rnd.on_pending(h, bitmap, now, source)
 
+    def on_missing(self, h: Header, numbers: bytes, source: Address | None) -> None:
+        """A core says first transmissions of ours never came (MISSING: their send numbers):
+        the rounds they belong to resend them now."""
+        if (h.kind is not Kind.MISSING or h.rank != self.rank or h.epoch != self.epoch
+                or not self._ours(h, source)):
+            return
+        core = self._core_at.get(source) if source is not None else None
+        if core is None:
+            return
+        numbered = self.order.sent[core]
+        for number in numbers:
+            sent = numbered[number]
+            if sent is not None:
+                rnd, k, use = sent
+                if self._active.get(rnd.round) is rnd:
+                    rnd.missing(k, use)
+
     def on_aborted(self, h: Header, source: Address | None = None) -> None:
         """The job is gone: every round in flight fails at its next `due`, and so does every
         round started later (the appliance will never answer them)."""
@@ -357,6 +379,8 @@ class RoundPipeline:
         self.epoch = epoch
         self.uses.reset()
         self._serials[:] = [-1] * len(self._serials)  # a restarted core numbers from 0 again
+        for lost in self._lost_results:
+            lost.clear()
         self._next_round = 1
         self._diverged = None
         self._silent_ranks.clear()

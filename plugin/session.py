@@ -21,6 +21,8 @@ While a round is clean, a segment's timer restarts with each answer its core giv
 segment (RFC 6298's 5.3, per core): one that waits its turn behind them is not presumed lost.
 When a whole core stalls, the timers' queries go as PROBEs, which the appliance answers with
 PENDING while the result has only just left (it is on its way), not with a duplicate.
+First transmissions carry their send sequence to the core (`SendOrder`); a core that sees it
+jump says which never came (MISSING, `missing`), and they go again at once.
 
 The transport asks `due(now)` what to send, offers each received RESULT header to `accept`, and
 reports `stored` once the payload sits in the output array. Nothing here touches a socket or a
@@ -49,9 +51,9 @@ from reduction_appliance.dataplane.wire import (
 )
 
 from .rtt import RttEstimator
-from .slotplan import Address, Endpoint, SlotUses, Transmit
+from .slotplan import Address, Endpoint, SendOrder, SlotUses, Transmit
 
-__all__ = ["Address", "AllreduceRound", "Endpoint", "SlotUses", "Transmit"]
+__all__ = ["Address", "AllreduceRound", "Endpoint", "SendOrder", "SlotUses", "Transmit"]
 
 _new_tuple = tuple.__new__  # a NamedTuple built without its keyword-capable __new__
 FAST_RETRANSMIT = 3  # later segments answered before an unanswered one is presumed lost
@@ -75,10 +77,12 @@ class AllreduceRound:
         now: float,
         *,
         uses: SlotUses | None = None,
+        order: SendOrder | None = None,
         epoch: int = 1,
         ticket: int | None = None,
         in_flight: list[int] | None = None,
         serials: list[int] | None = None,
+        lost_results: list[dict[int, None]] | None = None,
     ) -> None:
         if not endpoints:
             raise ReductionError("an allreduce needs at least one appliance endpoint")
@@ -93,6 +97,7 @@ class AllreduceRound:
         self.ticket = round_no if ticket is None else ticket
         self.epoch = epoch
         self._uses = SlotUses() if uses is None else uses
+        self._order = SendOrder(len(endpoints)) if order is None else order
         self.dtype = dtype
         self.op = op
         self.nbytes = nbytes
@@ -112,11 +117,14 @@ class AllreduceRound:
         self._done = bytearray(n)
         self._use = [0] * n  # slot use number given at the first transmission
         # Fast retransmit, per endpoint: the order first transmissions left in, the highest of
-        # those answered, and the unanswered ones oldest first.
+        # those answered, and the candidates: unanswered segments not yet fast-retransmitted,
+        # oldest first. A dict, so that an answer or a repair removes its segment wherever it
+        # stands: behind a hole, a queue kept every answered segment until the hole closed,
+        # and each turn's scan walked them all (at 1% loss, a third of a worker's CPU).
         self._seq = [0] * n
         self._sent_seq = [0] * len(endpoints)
         self._acked_seq = [0] * len(endpoints)
-        self._unanswered: list[deque[int]] = [deque() for _ in endpoints]
+        self._unanswered: list[dict[int, None]] = [{} for _ in endpoints]
         # Sent and unanswered, per core: how many RTT samples a round trip brings. Rounds in
         # flight together (the lanes of pipeline.py) share one estimator, so they share these
         # counts too (`in_flight`); `_mine` is this round's part of them, for `release`.
@@ -125,14 +133,18 @@ class AllreduceRound:
         # The newest RESULT serial heard from each core (-1: none yet), shared like `in_flight`:
         # a query carries it, so the core resends only a result that was lost (wire.Flags).
         self._serials = [-1] * len(endpoints) if serials is None else serials
-        self._fast = bytearray(n)
+        # ... and the serials it skipped: results lost on their way to us, until resent (each
+        # core's results reach us in order, so a skipped serial is a lost one). While a core
+        # has one, a segment overtaken there is asked after at once: it may be that one.
+        self._lost_results: list[dict[int, None]] = (
+            [{} for _ in endpoints] if lost_results is None else lost_results)
         # Retransmissions are QUERYs (48 bytes: "the result, or say what you lack") until the
         # appliance says our contribution never came; then, once, the payload.
         self._payload_sent = [0.0] * n
         self._lacks_ours = bytearray(n)
-        self._nudged: deque[int] = deque()  # a PENDING said ours never came: resend at once
+        self._nudged: deque[int] = deque()  # a PENDING or MISSING said ours never came: resend now
         self.fast_retransmissions = 0
-        self.nudged_retransmissions = 0  # resent because a PENDING said ours never came
+        self.nudged_retransmissions = 0  # resent because a PENDING or MISSING said ours never came
         self.queries = 0  # retransmissions that were QUERYs (header only)
         self.remaining = n
         self._timers: list[tuple[float, int]] = []
@@ -196,7 +208,7 @@ class AllreduceRound:
                 self._resend(k, now, out)
         for k, presumed_lost in self._overtaken():
             if now >= presumed_lost:
-                self._fast[k] = 1
+                del self._unanswered[k % n_ep][k]
                 self.fast_retransmissions += 1
                 self._resend(k, now, out)
         timers = self._timers
@@ -240,6 +252,7 @@ class AllreduceRound:
         endpoints, take, use = self.endpoints, self._uses.take, self._use
         dtype, op, rank, round_no, epoch = self.dtype, self.op, self.rank, self.round, self.epoch
         size, nbytes = self.segment_bytes, self.nbytes
+        numbers, numbered = self._order.next, self._order.sent
         while ready:
             k = ready.popleft()
             e = k % n_ep
@@ -247,9 +260,12 @@ class AllreduceRound:
             slot = ep.slot_base + (k // n_ep) % ep.slots
             use[k] = this_use = take(e, slot)
             offset = k * size
+            number = numbers[e]
+            numbers[e] = (number + 1) % SERIALS
+            numbered[e][number] = (self, k, this_use)
             first = _new_tuple(Header, (
                 Kind.CONTRIBUTION, dtype, op, Flags.NONE, ep.job_id, rank, ep.cookie, round_no,
-                slot, offset, min(size, nbytes - offset), this_use, epoch, 0))
+                slot, offset, min(size, nbytes - offset), this_use, epoch, number))
             sent_at[k] = last_sent[k] = self._payload_sent[k] = now
             rto[k] = rto_of[e]
             timer[k] = when = now + rto_of[e]
@@ -258,7 +274,7 @@ class AllreduceRound:
             in_flight[e] += 1
             mine[e] += 1
             seq[k] = sent_seq[e]
-            unanswered[e].append(k)
+            unanswered[e][k] = None
             out.append(_new_tuple(Transmit, (e, k, first, ticket)))
         return out
 
@@ -312,17 +328,16 @@ class AllreduceRound:
         """Unanswered segments not yet fast-retransmitted that `FAST_RETRANSMIT` later ones
         to the same core have overtaken, each with the time it is presumed lost."""
         found: list[tuple[int, float]] = []
-        done, fast, seq, last_sent = self._done, self._fast, self._seq, self._last_sent
-        for e, waiting in enumerate(self._unanswered):
+        seq, last_sent = self._seq, self._last_sent
+        for e, candidates in enumerate(self._unanswered):
             acked = self._acked_seq[e]
             settle = -1.0  # worked out once it is needed: on a clean network, never
-            for k in waiting:
+            for k in candidates:
                 if seq[k] + FAST_RETRANSMIT > acked:
                     break
-                if not done[k] and not fast[k]:
-                    if settle < 0.0:
-                        settle = self._settle(e)
-                    found.append((k, last_sent[k] + settle))
+                if settle < 0.0:
+                    settle = 0.0 if self._lost_results[e] else self._settle(e)
+                found.append((k, last_sent[k] + settle))
         return found
 
     def wakeup(self) -> float:
@@ -393,9 +408,26 @@ class AllreduceRound:
                 or (source is not None and source != ep.address)):
             return None
         newest = self._serials[e]
-        if newest < 0 or 0 < (serial - newest) % SERIALS < SERIALS // 2:  # serial_newer, in line
+        if serial == (newest + 1) % SERIALS or newest < 0:  # the next, nearly always
             self._serials[e] = serial
+        else:
+            self._serial_jump(e, newest, serial)
         return k
+
+    def _serial_jump(self, e: int, newest: int, serial: int) -> None:
+        """A result from core `e` whose serial is not the next: ahead, the ones between were
+        lost on their way; behind, a lost one came again."""
+        lost = self._lost_results[e]
+        ahead = (serial - newest) % SERIALS
+        if 0 < ahead < SERIALS // 2:
+            self._serials[e] = serial
+            for i in range(1, ahead):
+                lost[(newest + i) % SERIALS] = None
+            # Forget gaps half the serials behind: their rounds ended some other way.
+            for old in [s for s in lost if (serial - s) % SERIALS >= SERIALS // 2]:
+                del lost[old]
+        else:
+            lost.pop(serial, None)
 
     def stored(self, k: int, now: float) -> None:
         """The result of segment k is in place: release the slot's next segment."""
@@ -416,9 +448,7 @@ class AllreduceRound:
         seq = self._seq[k]
         if seq > self._acked_seq[e]:
             self._acked_seq[e] = seq
-        waiting = self._unanswered[e]
-        while waiting and done[waiting[0]]:
-            waiting.popleft()
+        self._unanswered[e].pop(k, None)
         nxt = k + self.endpoints[e].slots * n_ep
         if nxt < self.segments:
             self._ready.append(nxt)
@@ -456,6 +486,14 @@ class AllreduceRound:
         # how long our payload may still be on its way.
         in_flight = self._rtt.srtt(e) or self._rtt.timing.rto_initial
         if h.rank == self.rank or now - self._payload_sent[k] >= in_flight:
+            self._lacks_ours[k] = 1
+            self._nudged.append(k)
+
+    def missing(self, k: int, use: int) -> None:
+        """The core said the first transmission of segment k (its use `use`) never came,
+        though later ones did (MISSING): resend the payload now, unless it is answered or
+        already being resent."""
+        if not self._done[k] and self._use[k] == use and not self._lacks_ours[k]:
             self._lacks_ours[k] = 1
             self._nudged.append(k)
 

@@ -1,14 +1,18 @@
 """What a worker's rounds are cut into and sent to: the appliance cores (`Endpoint`), the
-uses of their slots (`SlotUses`), and what leaves for them (`Transmit`)."""
+uses of their slots (`SlotUses`), the numbering of what leaves for each core (`SendOrder`),
+and what leaves (`Transmit`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from reduction_appliance.dataplane.wire import Header
+from reduction_appliance.dataplane.wire import SERIALS, Header
 
-__all__ = ["Address", "Endpoint", "SlotUses", "Transmit"]
+if TYPE_CHECKING:
+    from .session import AllreduceRound
+
+__all__ = ["Address", "Endpoint", "SendOrder", "SlotUses", "Transmit"]
 
 Address = tuple[str, int]
 
@@ -52,3 +56,20 @@ class SlotUses:
     def reset(self) -> None:
         """A new epoch: every slot starts over."""
         self._count.clear()
+
+
+class SendOrder:
+    """The send sequence (mod `SERIALS`) of a rank's first transmissions to each core, carried
+    in their `serial` byte (wire.py), and the segment each number went with: a core that sees
+    the numbers jump names the ones it never got (MISSING), and `sent` finds their segments.
+    Shared by the rounds of one rank, as `SlotUses` is: a core numbers every round of the job
+    as one stream. Kept across epochs: the core forgets its count on a new epoch."""
+
+    __slots__ = ("next", "sent")
+
+    def __init__(self, cores: int) -> None:
+        self.next = [0] * cores
+        # per core, per number: (round, segment, its slot use) of the latest first
+        # transmission that carried it
+        self.sent: list[list[tuple[AllreduceRound, int, int] | None]] = [
+            [None] * SERIALS for _ in range(cores)]

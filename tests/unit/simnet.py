@@ -39,7 +39,13 @@ from reduction_appliance.dataplane.wire import (
 )
 from reduction_appliance.plugin.pipeline import Outcome, RoundPipeline
 from reduction_appliance.plugin.rtt import RttEstimator, Timing
-from reduction_appliance.plugin.session import AllreduceRound, Endpoint, SlotUses, Transmit
+from reduction_appliance.plugin.session import (
+    AllreduceRound,
+    Endpoint,
+    SendOrder,
+    SlotUses,
+    Transmit,
+)
 
 MULTICAST = ("239.255.0.1", 7100)
 
@@ -93,6 +99,7 @@ class SimNet:
         self._cores = {ep.address for ep in self.endpoints}
         self.rtts = [RttEstimator(self.timing) for _ in range(self.world)]
         self.uses = [SlotUses() for _ in range(self.world)]  # each rank's, kept across rounds
+        self.orders = [SendOrder(self.cores) for _ in range(self.world)]  # ... and these
         self.round = 0
         self._batch = RxBatch()
         self._header = bytearray(HEADER_SIZE)
@@ -157,7 +164,7 @@ class SimNet:
         rounds = [
             AllreduceRound(self.endpoints, r, self.world, self.round, dtype, op,
                            arrays[r].nbytes, self.max_payload, self.rtts[r], self.now,
-                           uses=self.uses[r])
+                           uses=self.uses[r], order=self.orders[r])
             for r in range(self.world)
         ]
         views = [a.reshape(-1).view(np.uint8) for a in arrays]
@@ -166,6 +173,13 @@ class SimNet:
             rnd = rounds[rank]
             if h.kind is Kind.PENDING:
                 rnd.on_pending(h, payload, self.now, source)
+                return
+            if h.kind is Kind.MISSING:
+                if h.rank == rank and source in self._cores:
+                    for number in payload:
+                        sent = self.orders[rank].sent[source[1]][number]
+                        if sent is not None and sent[0] is rnd:
+                            rnd.missing(sent[1], sent[2])
                 return
             if (h.kind is Kind.DIVERGED and source in self._cores
                     and (h.job_id, h.cookie) == (self.spec.job_id, self.spec.cookie)):
@@ -202,6 +216,8 @@ class SimNet:
             p = pipelines[rank]
             if h.kind is Kind.PENDING:
                 p.on_pending(h, payload, self.now, source)
+            elif h.kind is Kind.MISSING:
+                p.on_missing(h, payload, source)
             elif h.kind is Kind.ABORTED:
                 p.on_aborted(h, source)
             elif (wanted := p.accept(h, source)) is not None:

@@ -70,10 +70,10 @@ def pair() -> Iterator[tuple[Aggregator, Aggregator]]:
 
 def contribution(job: int, rank: int, slot: int, use: int, *, round_no: int = 1,
                  kind: Kind = Kind.CONTRIBUTION, flags: int = 0, cookie: int = COOKIE,
-                 length: int = PAYLOAD, value: float = 1.0) -> bytes:
+                 length: int = PAYLOAD, value: float = 1.0, sequence: int = 0) -> bytes:
     dtype = JOBS[job][2] if job in JOBS else DType.FLOAT32
     h = Header(kind, dtype, Op.SUM, flags, job, rank, cookie, round_no, slot,
-               (use * SLOTS + slot) * PAYLOAD, length, use, 1)
+               (use * SLOTS + slot) * PAYLOAD, length, use, 1, sequence)
     buf = bytearray(HEADER_SIZE)
     pack_into(buf, h)
     if kind is Kind.QUERY:
@@ -226,15 +226,18 @@ def test_a_declined_run_of_garbage_is_counted_like_datagrams(
 
 _SPOILS = st.sampled_from(["none"] * 6 + [
     "retransmit", "query", "cookie", "stranger", "garbage", "rank", "round", "short",
-    "heartbeat", "unknown-job", "shuffle", "slot-twice", "next-use"])
+    "heartbeat", "unknown-job", "shuffle", "slot-twice", "next-use", "lost-before"])
 
 
 @st.composite
 def scenarios(draw: st.DrawFn) -> list[tuple[list[bytes], Address]]:
     """Rounds of window passes (uses 1, 2, 3) by every rank in a random order, cut into runs
     of consecutive slots, some shuffled, repeated, reordered or spoiled; now and then a run
-    joined with the next (slots across the window's wrap)."""
+    joined with the next (slots across the window's wrap). First transmissions carry each
+    rank's send sequence, so that spoils, shuffles and reorderings make it skip (a loss, told
+    with MISSING) and go back (a late one)."""
     runs: list[tuple[list[bytes], Address]] = []
+    numbers: dict[tuple[int, int], int] = {}
     for use in range(1, draw(st.integers(1, 3)) + 1):
         for job in draw(st.permutations(list(JOBS))):
             for rank in draw(st.permutations(range(WORLD))):
@@ -242,11 +245,16 @@ def scenarios(draw: st.DrawFn) -> list[tuple[list[bytes], Address]]:
                 while slot < SLOTS:
                     k = draw(st.integers(1, SLOTS - slot))
                     value = float(draw(st.integers(-4, 4)))
-                    run = [contribution(job, rank, s, use, value=value)
+                    spoil = draw(_SPOILS)
+                    first = numbers.get((job, rank), 0)
+                    if spoil == "lost-before":  # numbers skipped: contributions lost
+                        first += draw(st.integers(1, 3))
+                    numbers[(job, rank)] = (first + k) % 256
+                    run = [contribution(job, rank, s, use, value=value,
+                                        sequence=(first + s - slot) % 256)
                            for s in range(slot, slot + k)]
                     source = where(rank)
                     i = draw(st.integers(0, k - 1))
-                    spoil = draw(_SPOILS)
                     if spoil == "retransmit":
                         run[i] = contribution(job, rank, slot + i, use, flags=Flags.RETRANSMIT)
                     elif spoil == "query":

@@ -238,6 +238,27 @@ def test_an_overtaken_segment_gets_time_to_arrive_before_it_is_presumed_lost() -
     assert late.fast_retransmissions == 0 and late.queries == 0
 
 
+def test_an_overtaken_segment_is_asked_after_at_once_while_its_core_skipped_a_serial() -> None:
+    """A core's results reach a worker in order, so a skipped serial is a result lost on its
+    way: while one is missing, an overtaken segment may be the one it answered, and is asked
+    after without the reordering wait. The resent result (its old serial) ends that."""
+    rnd, sent = stalled_window()
+    for t, serial, at in zip(sent[1:4], (0, 2, 3), (0.020, 0.021, 0.022), strict=True):
+        answer(rnd, t, at, serial)  # serial 1 never came
+    due = rnd.due(0.022)
+    assert sorted(t.segment for t in due) == [0, 5, 6, 7]  # 0 asked after at once
+    (query,) = [t for t in due if t.segment == 0]
+    assert query.header.kind is Kind.QUERY and rnd.fast_retransmissions == 1
+    answer(rnd, query, 0.03, 1)  # the lost result, resent
+    assert rnd._lost_results == [{}]
+
+    # Without a skipped serial the same overtaken segment waits for the reordering window.
+    calm, sent = stalled_window()
+    for t, serial, at in zip(sent[1:4], (0, 1, 2), (0.020, 0.021, 0.022), strict=True):
+        answer(calm, t, at, serial)
+    assert all(t.segment != 0 for t in calm.due(0.022))
+
+
 def test_a_query_carries_the_newest_result_serial_heard_from_its_core() -> None:
     """The appliance resends a result only to a worker that has a later one (wire.Flags.SERIAL):
     the query names the newest serial heard from that core, in the serials' wrapping order, and

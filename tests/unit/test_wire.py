@@ -44,8 +44,8 @@ TEST_PORT = 47000
 # value that differs from its neighbours' bytes, so a swapped, shifted or truncated field shows.
 
 CONTRIBUTION_HEX = """
-    5241 03 01     magic "RA", version 3, kind CONTRIBUTION
-    03 02 01 00    dtype BFLOAT16, op AVG, flags RETRANSMIT, zero
+    5241 04 01     magic "RA", version 4, kind CONTRIBUTION
+    03 02 00 5a    dtype BFLOAT16, op AVG, no flags, send sequence 90 (a first transmission)
     0a0b0c0d       job id
     1234 5678      rank, epoch
     deadbeef       cookie (high half)
@@ -58,14 +58,14 @@ CONTRIBUTION_HEX = """
     00000007       use: the slot's 7th use this epoch
 """
 CONTRIBUTION = Header(
-    kind=Kind.CONTRIBUTION, dtype=DType.BFLOAT16, op=Op.AVG, flags=Flags.RETRANSMIT,
+    kind=Kind.CONTRIBUTION, dtype=DType.BFLOAT16, op=Op.AVG, flags=Flags.NONE,
     job_id=0x0A0B0C0D, rank=0x1234, cookie=0xDEADBEEFCAFEF00D, round=0x00C0FFEE, slot=0xABCD,
-    offset=0x12_3456_7800, length=8000, use=7, epoch=0x5678,
+    offset=0x12_3456_7800, length=8000, use=7, epoch=0x5678, serial=90,
 )
 
 # A second golden with the top bit set in every wide field (catches signed packing).
 PENDING_HEX = """
-    5241 03 03     magic "RA", version 3, kind PENDING
+    5241 04 03     magic "RA", version 4, kind PENDING
     01 04 00 00    dtype FLOAT32, op MAX, no flags, zero
     fffffffe       job id
     ffff 8001      rank, epoch
@@ -88,7 +88,7 @@ PENDING = Header(
 # A QUERY ("the result, or say what you lack"): a contribution's header with no payload behind
 # it, so `length` is the segment's length, not the datagram's.
 QUERY_HEX = """
-    5241 03 09     magic "RA", version 3, kind QUERY
+    5241 04 09     magic "RA", version 4, kind QUERY
     02 01 00 00    dtype FLOAT16, op SUM, no flags, zero
     00000021       job id
     0003 0002      rank, epoch
