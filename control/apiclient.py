@@ -3,6 +3,7 @@ on the appliance host (no network traffic, no token: the socket's permissions gu
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -46,8 +47,11 @@ class UnixApi:
         conn = _UnixConnection(self.path, self.timeout_s)
         try:
             data = json.dumps(body).encode() if body is not None else None
-            conn.request(method, url, body=data,
-                         headers={"Content-Type": "application/json"} if data else {})
+            # The server may answer without reading the request and close (a 503 at its
+            # connection cap): sending then fails, but its answer is still ours to read.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                conn.request(method, url, body=data,
+                             headers={"Content-Type": "application/json"} if data else {})
             reply = conn.getresponse()
             raw = reply.read()
         except (OSError, http.client.HTTPException) as exc:  # refused, reset, not HTTP

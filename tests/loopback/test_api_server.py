@@ -283,6 +283,35 @@ def test_unix_and_metrics_listeners_share_the_server(appliance: _Appliance,
     assert not Path(path).exists()
 
 
+def test_an_answer_sent_before_the_request_was_read_still_reaches_the_client(
+        tmp_path: Path) -> None:
+    """At its connection cap the server answers 503 and closes without reading the request;
+    the client's send then fails (EPIPE), but the answer is in its socket and says why (seen in
+    CI: "cannot reach reductiond ... BrokenPipeError" instead of the 503)."""
+    path = str(tmp_path / "api.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(path)
+        listener.listen(1)
+
+        def answer_and_close() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                body = b'{"error": "too many connections; retry later"}'
+                conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: "
+                             b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                             + b"\r\nConnection: close\r\n\r\n" + body)
+
+        server = threading.Thread(target=answer_and_close)
+        server.start()
+        try:
+            with pytest.raises(ApiError) as refused:
+                # larger than the socket's buffers: the send cannot finish before the close
+                UnixApi(path, timeout_s=10).request("POST", "/v1/jobs", {"pad": "x" * 2**22})
+        finally:
+            server.join()
+    assert refused.value.status == 503 and "too many connections" in str(refused.value)
+
+
 def _reset(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     sock.close()
