@@ -52,6 +52,7 @@ from reduction_appliance.dataplane.wire import (
 )
 
 from .rtt import RttEstimator
+from .serials import ResultSerials
 from .session import Address, AllreduceRound, Endpoint, SendOrder, SlotUses, Transmit
 
 __all__ = ["Outcome", "RoundPipeline", "lane_endpoints"]
@@ -112,8 +113,7 @@ class RoundPipeline:
         self._addresses = frozenset(ep.address for ep in endpoints)
         self._busy: list[AllreduceRound | None] = [None] * lanes
         self._in_flight = [0] * len(endpoints)  # per core, over every active round
-        self._serials = [-1] * len(endpoints)  # per core, the newest result serial heard
-        self._lost_results: list[dict[int, None]] = [{} for _ in endpoints]  # ... and skipped
+        self._serials = ResultSerials(len(endpoints))  # the results heard from each core
         self.order = SendOrder(len(endpoints))  # first transmissions' numbers, every round's
         self._core_at = {ep.address: e for e, ep in enumerate(endpoints)}
         self._active: dict[int, AllreduceRound] = {}  # wire round number -> round
@@ -186,8 +186,7 @@ class RoundPipeline:
                                      self.segment_bytes, self.rtt, now, uses=self.uses,
                                      order=self.order,
                                      epoch=self.epoch, ticket=req.ticket,
-                                     in_flight=self._in_flight, serials=self._serials,
-                                     lost_results=self._lost_results)
+                                     in_flight=self._in_flight, serials=self._serials)
             except ReductionError as exc:
                 self._finished.append(Outcome(req.ticket, exc, 0))
                 continue
@@ -378,9 +377,7 @@ class RoundPipeline:
             return
         self.epoch = epoch
         self.uses.reset()
-        self._serials[:] = [-1] * len(self._serials)  # a restarted core numbers from 0 again
-        for lost in self._lost_results:
-            lost.clear()
+        self._serials.reset()  # a restarted core numbers its results from 0 again
         self._next_round = 1
         self._diverged = None
         self._silent_ranks.clear()

@@ -51,6 +51,7 @@ from reduction_appliance.dataplane.wire import (
 )
 
 from .rtt import RttEstimator
+from .serials import ResultSerials
 from .slotplan import Address, Endpoint, SendOrder, SlotUses, Transmit
 
 __all__ = ["Address", "AllreduceRound", "Endpoint", "SendOrder", "SlotUses", "Transmit"]
@@ -81,8 +82,7 @@ class AllreduceRound:
         epoch: int = 1,
         ticket: int | None = None,
         in_flight: list[int] | None = None,
-        serials: list[int] | None = None,
-        lost_results: list[dict[int, None]] | None = None,
+        serials: ResultSerials | None = None,
     ) -> None:
         if not endpoints:
             raise ReductionError("an allreduce needs at least one appliance endpoint")
@@ -120,7 +120,7 @@ class AllreduceRound:
         # those answered, and the candidates: unanswered segments not yet fast-retransmitted,
         # oldest first. A dict, so that an answer or a repair removes its segment wherever it
         # stands: behind a hole, a queue kept every answered segment until the hole closed,
-        # and each turn's scan walked them all (at 1% loss, a third of a worker's CPU).
+        # and each turn's scan walked them all.
         self._seq = [0] * n
         self._sent_seq = [0] * len(endpoints)
         self._acked_seq = [0] * len(endpoints)
@@ -130,14 +130,9 @@ class AllreduceRound:
         # counts too (`in_flight`); `_mine` is this round's part of them, for `release`.
         self._in_flight = [0] * len(endpoints) if in_flight is None else in_flight
         self._mine = [0] * len(endpoints)
-        # The newest RESULT serial heard from each core (-1: none yet), shared like `in_flight`:
-        # a query carries it, so the core resends only a result that was lost (wire.Flags).
-        self._serials = [-1] * len(endpoints) if serials is None else serials
-        # ... and the serials it skipped: results lost on their way to us, until resent (each
-        # core's results reach us in order, so a skipped serial is a lost one). While a core
-        # has one, a segment overtaken there is asked after at once: it may be that one.
-        self._lost_results: list[dict[int, None]] = (
-            [{} for _ in endpoints] if lost_results is None else lost_results)
+        # The result serials heard from each core, shared like `in_flight`: the newest (a
+        # query carries it) and the ones skipped (plugin/serials.py).
+        self._serials = ResultSerials(len(endpoints)) if serials is None else serials
         # Retransmissions are QUERYs (48 bytes: "the result, or say what you lack") until the
         # appliance says our contribution never came; then, once, the payload.
         self._payload_sent = [0.0] * n
@@ -173,7 +168,7 @@ class AllreduceRound:
         offset = k * self.segment_bytes
         query = not self._lacks_ours[k]
         flags = Flags.RETRANSMIT
-        serial = self._serials[k % n_ep] if query else -1
+        serial = self._serials.newest[k % n_ep] if query else -1
         if query and probe:
             flags |= Flags.PROBE
         if serial >= 0:
@@ -336,7 +331,7 @@ class AllreduceRound:
                 if seq[k] + FAST_RETRANSMIT > acked:
                     break
                 if settle < 0.0:
-                    settle = 0.0 if self._lost_results[e] else self._settle(e)
+                    settle = 0.0 if self._serials.lost[e] else self._settle(e)
                 found.append((k, last_sent[k] + settle))
         return found
 
@@ -407,27 +402,12 @@ class AllreduceRound:
         if (job_id != ep.job_id or cookie != ep.cookie
                 or (source is not None and source != ep.address)):
             return None
-        newest = self._serials[e]
-        if serial == (newest + 1) % SERIALS or newest < 0:  # the next, nearly always
-            self._serials[e] = serial
+        serials = self._serials
+        if serial == (serials.newest[e] + 1) % SERIALS:  # the next, nearly always
+            serials.newest[e] = serial
         else:
-            self._serial_jump(e, newest, serial)
+            serials.jump(e, serial)
         return k
-
-    def _serial_jump(self, e: int, newest: int, serial: int) -> None:
-        """A result from core `e` whose serial is not the next: ahead, the ones between were
-        lost on their way; behind, a lost one came again."""
-        lost = self._lost_results[e]
-        ahead = (serial - newest) % SERIALS
-        if 0 < ahead < SERIALS // 2:
-            self._serials[e] = serial
-            for i in range(1, ahead):
-                lost[(newest + i) % SERIALS] = None
-            # Forget gaps half the serials behind: their rounds ended some other way.
-            for old in [s for s in lost if (serial - s) % SERIALS >= SERIALS // 2]:
-                del lost[old]
-        else:
-            lost.pop(serial, None)
 
     def stored(self, k: int, now: float) -> None:
         """The result of segment k is in place: release the slot's next segment."""

@@ -17,6 +17,7 @@ from reduction_appliance.deploy.testnet.reference import (
     same_bits,
 )
 from reduction_appliance.plugin.rtt import RttEstimator, Timing
+from reduction_appliance.plugin.serials import ResultSerials
 from reduction_appliance.plugin.session import (
     FAST_RETRANSMIT,
     REORDER_SHARE,
@@ -250,13 +251,28 @@ def test_an_overtaken_segment_is_asked_after_at_once_while_its_core_skipped_a_se
     (query,) = [t for t in due if t.segment == 0]
     assert query.header.kind is Kind.QUERY and rnd.fast_retransmissions == 1
     answer(rnd, query, 0.03, 1)  # the lost result, resent
-    assert rnd._lost_results == [{}]
+    assert rnd._serials.lost == [{}]
 
     # Without a skipped serial the same overtaken segment waits for the reordering window.
     calm, sent = stalled_window()
     for t, serial, at in zip(sent[1:4], (0, 1, 2), (0.020, 0.021, 0.022), strict=True):
         answer(calm, t, at, serial)
     assert all(t.segment != 0 for t in calm.due(0.022))
+
+
+def test_skipped_result_serials_are_kept_across_the_wrap_until_they_come_or_grow_stale() -> None:
+    serials = ResultSerials(1)
+    serials.jump(0, 254)  # the first heard: nothing skipped
+    assert serials.newest == [254] and serials.lost == [{}]
+    serials.jump(0, 1)  # 255 and 0 skipped, across the wrap
+    assert serials.newest == [1] and sorted(serials.lost[0]) == [0, 255]
+    serials.jump(0, 255)  # a lost one came again; the newest stays
+    assert serials.newest == [1] and sorted(serials.lost[0]) == [0]
+    serials.jump(0, 100)
+    serials.jump(0, 200)  # 0 is now more than half the serials behind: forgotten
+    assert 0 not in serials.lost[0] and 73 in serials.lost[0] and 72 not in serials.lost[0]
+    serials.reset()
+    assert serials.newest == [-1] and serials.lost == [{}]
 
 
 def test_a_query_carries_the_newest_result_serial_heard_from_its_core() -> None:
