@@ -110,7 +110,6 @@ class RoundPipeline:
         # Segments one round may have on the wire at once: its lane's slots on every core (the
         # narrowest lane's, where the slots do not divide evenly).
         self.lane_window = min(sum(ep.slots for ep in lane) for lane in self._lane_endpoints)
-        self._addresses = frozenset(ep.address for ep in endpoints)
         self._busy: list[AllreduceRound | None] = [None] * lanes
         self._in_flight = [0] * len(endpoints)  # per core, over every active round
         self._serials = ResultSerials(len(endpoints))  # the results heard from each core
@@ -287,7 +286,7 @@ class RoundPipeline:
     def _ours(self, h: Header, source: Address | None) -> bool:
         """A notice from one of our appliance cores about our job."""
         ok = (any(h.job_id == ep.job_id and h.cookie == ep.cookie for ep in self.endpoints)
-              and (source is None or source in self._addresses))
+              and (source is None or source in self._core_at))
         if not ok:
             self.rejected += 1
         return ok
@@ -338,13 +337,9 @@ class RoundPipeline:
         core = self._core_at.get(source) if source is not None else None
         if core is None:
             return
-        numbered = self.order.sent[core]
-        for number in numbers:
-            sent = numbered[number]
-            if sent is not None:
-                rnd, k, use = sent
-                if self._active.get(rnd.round) is rnd:
-                    rnd.missing(k, use)
+        for rnd, k in self.order.segments(core, numbers):
+            if self._active.get(rnd.round) is rnd:
+                rnd.missing(k)
 
     def on_aborted(self, h: Header, source: Address | None = None) -> None:
         """The job is gone: every round in flight fails at its next `due`, and so does every

@@ -257,7 +257,7 @@ class AllreduceRound:
             offset = k * size
             number = numbers[e]
             numbers[e] = (number + 1) % SERIALS
-            numbered[e][number] = (self, k, this_use)
+            numbered[e][number] = (self, k)
             first = _new_tuple(Header, (
                 Kind.CONTRIBUTION, dtype, op, Flags.NONE, ep.job_id, rank, ep.cookie, round_no,
                 slot, offset, min(size, nbytes - offset), this_use, epoch, number))
@@ -466,14 +466,12 @@ class AllreduceRound:
         # how long our payload may still be on its way.
         in_flight = self._rtt.srtt(e) or self._rtt.timing.rto_initial
         if h.rank == self.rank or now - self._payload_sent[k] >= in_flight:
-            self._lacks_ours[k] = 1
-            self._nudged.append(k)
+            self.missing(k)
 
-    def missing(self, k: int, use: int) -> None:
-        """The core said the first transmission of segment k (its use `use`) never came,
-        though later ones did (MISSING): resend the payload now, unless it is answered or
-        already being resent."""
-        if not self._done[k] and self._use[k] == use and not self._lacks_ours[k]:
+    def missing(self, k: int) -> None:
+        """Our payload of segment k never came (a MISSING named its first transmission, or a
+        PENDING said so): resend it now, unless it is answered or already being resent."""
+        if not self._done[k] and not self._lacks_ours[k]:
             self._lacks_ours[k] = 1
             self._nudged.append(k)
 

@@ -69,7 +69,13 @@ class SendOrder:
 
     def __init__(self, cores: int) -> None:
         self.next = [0] * cores
-        # per core, per number: (round, segment, its slot use) of the latest first
-        # transmission that carried it
-        self.sent: list[list[tuple[AllreduceRound, int, int] | None]] = [
+        # per core, per number: (round, segment) of the latest first transmission that
+        # carried it
+        self.sent: list[list[tuple[AllreduceRound, int] | None]] = [
             [None] * SERIALS for _ in range(cores)]
+
+    def segments(self, core: int, numbers: bytes) -> list[tuple[AllreduceRound, int]]:
+        """The (round, segment) each of `numbers` went with to `core` (a MISSING's payload),
+        where one did."""
+        sent = self.sent[core]
+        return [found for number in numbers if (found := sent[number]) is not None]

@@ -176,10 +176,9 @@ class SimNet:
                 return
             if h.kind is Kind.MISSING:
                 if h.rank == rank and source in self._cores:
-                    for number in payload:
-                        sent = self.orders[rank].sent[source[1]][number]
-                        if sent is not None and sent[0] is rnd:
-                            rnd.missing(sent[1], sent[2])
+                    for sent_by, k in self.orders[rank].segments(source[1], payload):
+                        if sent_by is rnd:
+                            rnd.missing(k)
                 return
             if (h.kind is Kind.DIVERGED and source in self._cores
                     and (h.job_id, h.cookie) == (self.spec.job_id, self.spec.cookie)):
