@@ -37,12 +37,7 @@ from collections import deque
 
 from reduction_appliance.dataplane.errors import AllreduceTimeout, JobAborted, ReductionError
 from reduction_appliance.dataplane.wire import (
-    HEADER,
-    HEADER_SIZE,
-    MAGIC,
-    SERIAL_AT,
     SERIALS,
-    VERSION,
     DType,
     Flags,
     Header,
@@ -53,6 +48,7 @@ from reduction_appliance.dataplane.wire import (
 from .rtt import RttEstimator
 from .serials import ResultSerials
 from .slotplan import Address, Endpoint, SendOrder, SlotUses, Transmit
+from .stall import stall_report
 
 __all__ = ["Address", "AllreduceRound", "Endpoint", "SendOrder", "SlotUses", "Transmit"]
 
@@ -357,40 +353,15 @@ class AllreduceRound:
         kind, dtype, _, _, job_id, _, cookie, rnd, _, offset, length, use, epoch, serial = h
         if kind is not Kind.RESULT:
             return None
-        return self._wanted(dtype, job_id, cookie, rnd, offset, length, use, epoch, serial,
+        return self.wanted(dtype, job_id, cookie, rnd, offset, length, use, epoch, serial,
                             source)
 
-    def take_results(self, buf: bytearray, view: memoryview, start: int, nbytes: int,
-                     size: int, source: Address, now: float, out: memoryview) -> int:
-        """Store the results of this round that a coalesced receive holds from `start` on
-        (datagrams `size` bytes apart, from `source`) straight into `out`, the round's array:
-        one header unpacking and the checks of `accept` each, no `Header` built. Stops at the
-        first datagram that is anything else (a duplicate, a notice, another round's, a
-        malformed one) and returns where it begins, for the caller to decode the usual way;
-        `nbytes` when it took them all."""
-        unpack_from = HEADER.unpack_from
-        wanted, stored = self._wanted, self.stored
-        for at in range(start, nbytes, size):
-            end = at + size if at + size < nbytes else nbytes
-            if end - at < HEADER_SIZE:
-                return at
-            (magic, version, kind, dtype, _, _, job_id, _, epoch, cookie, rnd, _, offset,
-             length, use) = unpack_from(buf, at)
-            if (magic != MAGIC or version != VERSION or kind != Kind.RESULT
-                    or end - at != HEADER_SIZE + length):
-                return at
-            k = wanted(dtype, job_id, cookie, rnd, offset, length, use, epoch,
-                       buf[at + SERIAL_AT], source)
-            if k is None:
-                return at
-            out[offset:offset + length] = view[at + HEADER_SIZE:end]
-            stored(k, now)
-        return nbytes
-
-    def _wanted(self, dtype: int, job_id: int, cookie: int, rnd: int, offset: int,
+    def wanted(self, dtype: int, job_id: int, cookie: int, rnd: int, offset: int,
                 length: int, use: int, epoch: int, serial: int,
                 source: Address | None) -> int | None:
-        """`accept`'s checks of a RESULT's fields (`dtype` as its number on the wire)."""
+        """`accept`'s checks of a RESULT's fields (`dtype` as its number on the wire), also
+        made per result of a coalesced receive (plugin/result_runs.py): the segment it
+        answers, if we still want it; else None."""
         if rnd != self.round or dtype != self.dtype or epoch != self.epoch:
             return None
         k, rest = divmod(offset, self.segment_bytes)
@@ -497,28 +468,19 @@ class AllreduceRound:
         raise AllreduceTimeout(self.describe_stall(now))
 
     def describe_stall(self, now: float) -> str:
-        waiting: dict[int, int] = {}
+        n_ep = len(self.endpoints)
+        waiting = [0] * n_ep
         for k in range(self.segments):
             if not self._done[k]:
-                e = k % len(self.endpoints)
-                waiting[e] = waiting.get(e, 0) + 1
-        parts = []
-        for e, count in sorted(waiting.items()):
-            text = f"{self.endpoints[e].name} ({count} segments unanswered"
-            if e in self._pending:
-                _, bitmap = self._pending[e]
+                waiting[k % n_ep] += 1
+        unanswered = {self.endpoints[e].name: count for e, count in enumerate(waiting) if count}
+        lacking = {}
+        for e, (_, bitmap) in self._pending.items():
+            if waiting[e]:
                 have = int.from_bytes(bitmap, "little")
-                missing = [r for r in range(self.world_size) if not have >> r & 1]
-                text += f"; it still waits for ranks {_ranks(missing)}"
-            parts.append(text + ")")
-        return (
+                lacking[self.endpoints[e].name] = [r for r in range(self.world_size)
+                                                   if not have >> r & 1]
+        return stall_report(
             f"allreduce round {self.round} of {self.nbytes} bytes ({self.dtype.name}, "
-            f"{self.op.name}) by rank {self.rank} missed its {self._rtt.timing.deadline:g} s "
-            f"deadline after {now - self._started:.1f} s: {self.remaining} of {self.segments} "
-            f"segments unanswered; no answer from " + ", ".join(parts)
-        )
-
-
-def _ranks(ranks: list[int]) -> str:
-    shown = ", ".join(str(r) for r in ranks[:16])
-    return f"[{shown}{', ...' if len(ranks) > 16 else ''}]"
+            f"{self.op.name}) by rank {self.rank}", self._rtt.timing.deadline,
+            now - self._started, self.remaining, self.segments, unanswered, lacking)
