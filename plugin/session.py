@@ -48,7 +48,7 @@ from reduction_appliance.dataplane.wire import (
 from .rtt import RttEstimator
 from .serials import ResultSerials
 from .slotplan import Address, Endpoint, SendOrder, SlotUses, Transmit
-from .stall import stall_report
+from .stall import CoreStall, stall_report
 
 __all__ = ["Address", "AllreduceRound", "Endpoint", "SendOrder", "SlotUses", "Transmit"]
 
@@ -354,11 +354,11 @@ class AllreduceRound:
         if kind is not Kind.RESULT:
             return None
         return self.wanted(dtype, job_id, cookie, rnd, offset, length, use, epoch, serial,
-                            source)
+                           source)
 
     def wanted(self, dtype: int, job_id: int, cookie: int, rnd: int, offset: int,
-                length: int, use: int, epoch: int, serial: int,
-                source: Address | None) -> int | None:
+               length: int, use: int, epoch: int, serial: int,
+               source: Address | None) -> int | None:
         """`accept`'s checks of a RESULT's fields (`dtype` as its number on the wire), also
         made per result of a coalesced receive (plugin/result_runs.py): the segment it
         answers, if we still want it; else None."""
@@ -473,14 +473,15 @@ class AllreduceRound:
         for k in range(self.segments):
             if not self._done[k]:
                 waiting[k % n_ep] += 1
-        unanswered = {self.endpoints[e].name: count for e, count in enumerate(waiting) if count}
-        lacking = {}
-        for e, (_, bitmap) in self._pending.items():
-            if waiting[e]:
-                have = int.from_bytes(bitmap, "little")
-                lacking[self.endpoints[e].name] = [r for r in range(self.world_size)
-                                                   if not have >> r & 1]
+        cores = []
+        for e, count in enumerate(waiting):
+            if count:
+                pending = self._pending.get(e)
+                have = int.from_bytes(pending[1], "little") if pending is not None else 0
+                cores.append(CoreStall(self.endpoints[e].name, count, None if pending is None
+                                       else [r for r in range(self.world_size)
+                                             if not have >> r & 1]))
         return stall_report(
             f"allreduce round {self.round} of {self.nbytes} bytes ({self.dtype.name}, "
             f"{self.op.name}) by rank {self.rank}", self._rtt.timing.deadline,
-            now - self._started, self.remaining, self.segments, unanswered, lacking)
+            now - self._started, self.remaining, self.segments, cores)

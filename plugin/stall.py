@@ -5,24 +5,30 @@ out (the round gathers them, `AllreduceTimeout` carries the text)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
-__all__ = ["stall_report"]
+__all__ = ["CoreStall", "stall_report"]
 
 _RANKS_SHOWN = 16  # a rack's worth; beyond it the list would bury the rest of the message
 
 
+class CoreStall(NamedTuple):
+    name: str  # the core as the operator knows it (appliance address and core number)
+    unanswered: int  # segments of the round it left unanswered
+    waits_for: Sequence[int] | None  # ranks its last PENDING lacked; None: it sent none
+
+
 def stall_report(what: str, deadline_s: float, elapsed_s: float, remaining: int,
-                 segments: int, unanswered: Mapping[str, int],
-                 lacking: Mapping[str, Sequence[int]]) -> str:
-    """`what` names the round ("allreduce round 3 of ... by rank 1"); `unanswered` counts the
-    segments each core (by name, in the order to show) left unanswered; `lacking` lists, for
-    the cores whose PENDING said so, the ranks they still wait for."""
+                 segments: int, cores: Sequence[CoreStall]) -> str:
+    """`what` names the round ("allreduce round 3 of ... by rank 1"); `cores` are the ones that
+    left segments unanswered, in the order to show."""
     parts = []
-    for core, count in unanswered.items():
-        text = f"{core} ({count} segment{'s' if count != 1 else ''} unanswered"
-        if core in lacking:
-            text += f"; it still waits for ranks {_ranks(lacking[core])}"
+    for core in cores:
+        plural = "s" if core.unanswered != 1 else ""
+        text = f"{core.name} ({core.unanswered} segment{plural} unanswered"
+        if core.waits_for is not None:
+            text += f"; it still waits for ranks {_ranks(core.waits_for)}"
         parts.append(text + ")")
     return (
         f"{what} missed its {deadline_s:g} s deadline after {elapsed_s:.1f} s: {remaining} of "

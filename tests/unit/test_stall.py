@@ -3,13 +3,13 @@ waits for where its PENDING said, and a long rank list cut short."""
 
 from __future__ import annotations
 
-from reduction_appliance.plugin.stall import stall_report
+from reduction_appliance.plugin.stall import CoreStall, stall_report
 
 
 def test_names_each_core_and_the_ranks_it_waits_for() -> None:
     text = stall_report("allreduce round 3 of 256 bytes (FLOAT16, AVG) by rank 1", 2.0, 2.04,
-                        3, 4, {"appliance core 0": 2, "appliance core 1": 1},
-                        {"appliance core 0": [0, 3]})
+                        3, 4, [CoreStall("appliance core 0", 2, [0, 3]),
+                               CoreStall("appliance core 1", 1, None)])
     assert text == (
         "allreduce round 3 of 256 bytes (FLOAT16, AVG) by rank 1 missed its 2 s deadline after "
         "2.0 s: 3 of 4 segments unanswered; no answer from appliance core 0 (2 segments "
@@ -17,8 +17,14 @@ def test_names_each_core_and_the_ranks_it_waits_for() -> None:
     )
 
 
+def test_cores_of_the_same_name_are_each_shown() -> None:
+    text = stall_report("round", 1.0, 1.0, 3, 3, [CoreStall("core 0", 1, [2]),
+                                                  CoreStall("core 0", 2, None)])
+    assert "core 0 (1 segment unanswered; it still waits for ranks [2]), core 0 (2 " in text
+
+
 def test_a_long_rank_list_is_cut_short() -> None:
-    text = stall_report("round", 1.0, 1.0, 1, 1, {"core": 1}, {"core": list(range(40))})
+    text = stall_report("round", 1.0, 1.0, 1, 1, [CoreStall("core", 1, list(range(40)))])
     assert "ranks [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, ...]" in text
-    exactly = stall_report("round", 1.0, 1.0, 1, 1, {"core": 1}, {"core": list(range(16))})
+    exactly = stall_report("round", 1.0, 1.0, 1, 1, [CoreStall("core", 1, list(range(16)))])
     assert exactly.endswith("15])")
