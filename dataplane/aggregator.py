@@ -47,7 +47,7 @@ from numpy.typing import NDArray
 
 from .counters import Counter, Counters
 from .errors import AdmissionError, PeerError
-from .gaps import forget_sequences, note_sequence
+from .gaps import forget_sequences, note_sent, note_sequence
 from .notices import answer, pending_notes, to_every_rank
 from .reduce import KernelTable, SegmentKernel
 from .runs import RunPath
@@ -264,6 +264,9 @@ class Aggregator:
             return False
         if h.kind is Kind.CONTRIBUTION and not h.flags & Flags.RETRANSMIT:
             note_sequence(job, h.rank, h.serial, cells, out)
+        elif h.kind is Kind.QUERY and h.flags & Flags.SENT and received == 1:
+            note_sent(job, h.rank, self._pool.views[index][HEADER_SIZE], cells, out)
+            received = 0  # the number was the query's whole payload
         if job.diverged is not None:
             cells[Counter.DROP_MISMATCH] += 1
             cells[Counter.JOB_NOTICES] += 1

@@ -15,7 +15,9 @@ datagram (the network reordered it, or the rank rejoined): the number is taken a
 one expected only when it is ahead. Sans-I/O: the notice is returned as data; the caller counts
 and sends it. The one-by-one and the burst path note every first transmission's number in the
 order the datagrams came (the burst path in line while they run in order, `note_sequence`
-when one does not), so both leave the same sends.
+when one does not), so both leave the same sends. The last contributions before a pause show
+no jump: a QUERY names its sender's newest number (wire.Flags.SENT), and `note_sent` tells the
+gap up to it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from .slotstate import JobState
 from .transport import Send
 from .wire import HEADER_SIZE, SERIALS, DType, Header, Kind, Op, pack_into
 
-__all__ = ["forget_sequences", "note_sequence"]
+__all__ = ["forget_sequences", "note_sent", "note_sequence"]
 
 _AHEAD = SERIALS // 2  # a jump of fewer numbers than this is a gap; more, a late datagram
 
@@ -45,11 +47,31 @@ def note_sequence(job: JobState, rank: int, sequence: int, cells: NDArray[np.uin
     if ahead >= _AHEAD:
         return  # late: its place was skipped already (and told), or the rank started over
     job.next_sequence[rank] = (sequence + 1) % SERIALS
+    _tell_missing(job, rank, expected, ahead, cells, out)
+
+
+def note_sent(job: JobState, rank: int, newest: int, cells: NDArray[np.uint64],
+              out: list[Send]) -> None:
+    """A QUERY from `rank` says its newest first transmission here was numbered `newest`: when
+    that and the ones before it since the last seen never came (the last contributions before
+    a pause, which no later number reveals), tell the rank which."""
+    expected = job.next_sequence[rank]
+    if expected < 0:
+        return
+    gap = (newest - expected) % SERIALS  # 0: the newest itself is missing
+    if gap >= _AHEAD:
+        return  # seen already (newest = expected - 1), or from before a rejoin
+    job.next_sequence[rank] = (newest + 1) % SERIALS
+    _tell_missing(job, rank, expected, gap + 1, cells, out)
+
+
+def _tell_missing(job: JobState, rank: int, first: int, count: int, cells: NDArray[np.uint64],
+                  out: list[Send]) -> None:
     address = job.spec.endpoints[rank]
     if address is None:
         return
-    missing = bytes((expected + i) % SERIALS for i in range(ahead))
-    cells[Counter.CONTRIBUTIONS_MISSED] += ahead
+    missing = bytes((first + i) % SERIALS for i in range(count))
+    cells[Counter.CONTRIBUTIONS_MISSED] += count
     header = bytearray(HEADER_SIZE)
     spec = job.spec
     pack_into(header, Header(Kind.MISSING, DType.FLOAT32, Op.SUM, 0, spec.job_id, rank,

@@ -2,7 +2,8 @@
 
 Every datagram is a fixed 48-byte header followed by the payload (a segment of a tensor in the
 dtype named by the header, a rank bitmap for PENDING, a reason for DIVERGED, silent-rank records
-for LIVENESS, send sequences for MISSING; nothing for QUERY and the other notices). All fields
+for LIVENESS, send sequences for MISSING, its sender's newest send sequence for a QUERY
+flagged SENT; nothing for the other notices). All fields
 are in network byte order::
 
      0                   1                   2                   3
@@ -47,7 +48,9 @@ was lost, and one with a newer serial is still on its way (the appliance resends
 first). On a first transmission of a CONTRIBUTION, `serial` is its sender's send sequence to
 that core (mod 256, every round of the job counted alike): contributions of one rank travel
 one path in order, so a core that sees the sequence jump knows the contributions in between
-were lost, and says so at once (MISSING). Zero when unused.
+were lost, and says so at once (MISSING). A gap at the end (the last contributions before a
+pause) shows no jump; a QUERY names its sender's newest send sequence (SENT) and shows it.
+Zero when unused.
 
 A segment is named by (job, round, offset); the slot says where the appliance aggregates it and
 `use` which use of that slot it is. Every rank numbers the uses of each slot alike (1, 2, ... in
@@ -94,7 +97,7 @@ __all__ = [
 ]
 
 MAGIC = 0x5241
-VERSION = 4  # 4: contributions numbered per core (serial), MISSING
+VERSION = 5  # 4: contributions numbered per core (serial), MISSING; 5: QUERY's SENT
 
 # Byte 7 (`serial`) is read and written apart from HEADER, whose pad byte it is: a datagram
 # packed with HEADER alone carries serial 0.
@@ -160,6 +163,9 @@ class Flags(IntFlag):
     PROBE = 2
     # On a QUERY: `serial` is the newest RESULT serial its sender has from that core.
     SERIAL = 4
+    # On a QUERY: its one-byte payload is the send sequence of the newest first transmission
+    # its sender made to that core, so that the core sees a gap at the end of what it got.
+    SENT = 8
 
 
 class WireError(PeerError):

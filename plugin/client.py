@@ -52,7 +52,6 @@ _GRO_REFUSALS_LOGGED: set[str] = set()
 _FRAGMENTING_LOGGED: set[str] = set()
 
 
-_NO_PAYLOAD = memoryview(b"")
 _new_tuple = tuple.__new__
 
 
@@ -324,8 +323,8 @@ class ApplianceClient:
             # segment sent.)
             self.transport.send([
                 _new_tuple(Outgoing, (addresses[e], h, views[ticket][h.offset:h.offset + h.length]
-                                      if h.kind is Kind.CONTRIBUTION else _NO_PAYLOAD))  # QUERY
-                for e, _, h, ticket in due])
+                                      if h.kind is Kind.CONTRIBUTION else memoryview(note)))
+                for e, _, h, ticket, note in due])
 
     def _on_run(self, buf: bytearray, view: memoryview, nbytes: int, size: int,
                 source: Address) -> None:

@@ -53,7 +53,9 @@ from .stall import CoreStall, stall_report
 __all__ = ["Address", "AllreduceRound", "Endpoint", "SendOrder", "SlotUses", "Transmit"]
 
 _new_tuple = tuple.__new__  # a NamedTuple built without its keyword-capable __new__
+_NUMBER = [bytes((n,)) for n in range(SERIALS)]  # a QUERY's payload, made once
 FAST_RETRANSMIT = 3  # later segments answered before an unanswered one is presumed lost
+_STALL_SHARE = 4  # a stall holds more than a quarter of the core's window (see `due`)
 REORDER_SHARE = 1.0  # ... and gone a smoothed round trip and this much of another (`_settle`)
 
 
@@ -107,9 +109,15 @@ class AllreduceRound:
         self._last_sent = [0.0] * n  # latest transmission
         self._heard_at = [-1.0] * len(endpoints)  # latest answer from each endpoint
         self._progress_at = [-1.0] * len(endpoints)  # latest result of a first transmission
+        self._pending_at = [-1.0] * len(endpoints)  # latest PENDING from each endpoint
+        # A stalled core's one query at a time (`due`): when it left, and until when the
+        # others wait for its answer.
+        self._stall_query_at = [-1.0] * len(endpoints)
+        self._stall_until = [-1.0] * len(endpoints)
         self._rto = [0.0] * n
         self._timer = [0.0] * n  # retransmission time of an outstanding segment
         self._retransmitted = bytearray(n)
+        self._timed_out = bytearray(n)  # its timer ran out while a stall query spoke for it
         self._done = bytearray(n)
         self._use = [0] * n  # slot use number given at the first transmission
         # Fast retransmit, per endpoint: the order first transmissions left in, the highest of
@@ -163,7 +171,7 @@ class AllreduceRound:
         slot = ep.slot_base + (k // n_ep) % ep.slots
         offset = k * self.segment_bytes
         query = not self._lacks_ours[k]
-        flags = Flags.RETRANSMIT
+        flags = Flags.RETRANSMIT | Flags.SENT if query else Flags.RETRANSMIT
         serial = self._serials.newest[k % n_ep] if query else -1
         if query and probe:
             flags |= Flags.PROBE
@@ -216,6 +224,24 @@ class AllreduceRound:
                     self._timer[k] = restart
                     heapq.heappush(timers, (restart, k))
                     continue
+            if (self._clean() and self._acked_seq[e] < self._seq[k]
+                    and self._mine[e] * _STALL_SHARE > self.endpoints[e].slots):
+                # A stall in a clean round: every segment in flight to the core times out
+                # together, and one query says why as well as all of them would (its PENDING
+                # names the late ranks; the core tells those ranks too). The others wait an RTO
+                # for it; while each such query hears a PENDING the core is waiting for peers,
+                # and the next one goes alone again. One that heard none (a result that was
+                # lost, or silence) lets every timer go, as in a lossy round.
+                if now < self._stall_until[e]:
+                    # Its timer ran out: its answer, however late, is no round-trip sample
+                    # (a late rank's wait, not the path's; Karn's rule, as for a resend).
+                    self._timed_out[k] = 1
+                    self._timer[k] = self._stall_until[e]
+                    heapq.heappush(timers, (self._stall_until[e], k))
+                    continue
+                if self._stall_until[e] < 0 or self._pending_at[e] >= self._stall_query_at[e]:
+                    self._stall_query_at[e] = now
+                    self._stall_until[e] = now + self._rtt.rto(e)
             if self._heard_at[e] >= self._last_sent[k]:
                 # The core answered since and lacks something of ours: a random loss, not an
                 # overloaded or dead core, so waiting longer would only idle the slot.
@@ -266,7 +292,7 @@ class AllreduceRound:
             mine[e] += 1
             seq[k] = sent_seq[e]
             unanswered[e][k] = None
-            out.append(_new_tuple(Transmit, (e, k, first, ticket)))
+            out.append(_new_tuple(Transmit, (e, k, first, ticket, b"")))
         return out
 
     def _waits_its_turn(self, k: int, e: int) -> bool:
@@ -296,7 +322,11 @@ class AllreduceRound:
         else:
             self._payload_sent[k] = now
             self._lacks_ours[k] = 0
-        out.append(Transmit(k % len(self.endpoints), k, header, self.ticket))
+        e = k % len(self.endpoints)
+        note = b""
+        if header.kind is Kind.QUERY:  # (Flags.SENT) our newest first transmission to the core
+            note = _NUMBER[(self._order.next[e] - 1) % SERIALS]
+        out.append(Transmit(e, k, header, self.ticket, note))
 
     def _arm(self, k: int, now: float) -> None:
         self._last_sent[k] = now
@@ -393,7 +423,8 @@ class AllreduceRound:
         in_flight = self._in_flight
         if not self._retransmitted[k]:
             self._progress_at[e] = now
-            self._rtt.sample(e, now - self._sent_at[k], in_flight[e])
+            if not self._timed_out[k]:
+                self._rtt.sample(e, now - self._sent_at[k], in_flight[e])
         in_flight[e] -= 1
         self._mine[e] -= 1
         seq = self._seq[k]
@@ -427,7 +458,7 @@ class AllreduceRound:
         if source is not None and source != self.endpoints[e].address:
             return
         have = int.from_bytes(bitmap, "little")
-        self._heard_at[e] = now
+        self._heard_at[e] = self._pending_at[e] = now
         self._pending[e] = (have.bit_count(), bytes(bitmap))
         if self._done[k] or h.use != self._use[k]:
             return

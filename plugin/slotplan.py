@@ -35,6 +35,7 @@ class Transmit(NamedTuple):
     segment: int
     header: Header
     ticket: int  # the round as its submitter knows it (see pipeline.RoundPipeline.submit)
+    note: bytes  # a QUERY's payload (wire.Flags.SENT); a CONTRIBUTION's is the tensor's
 
 
 class SlotUses:

@@ -128,8 +128,9 @@ class SimNet:
         for t in due:
             pack_into(self._header, t.header)
             payload = view(t)[t.header.offset:t.header.offset + t.header.length] \
-                if t.header.kind is Kind.CONTRIBUTION else view(t)[:0]  # a QUERY
-            self.worker_ends[rank].sendto(bytes(self._header) + payload.tobytes(),
+                if t.header.kind is Kind.CONTRIBUTION else None  # a QUERY: its note
+            body = payload.tobytes() if payload is not None else t.note
+            self.worker_ends[rank].sendto(bytes(self._header) + body,
                                           self.endpoints[t.endpoint].address)
 
     def _tick(self, wake: float, receive: Callable[[int, Header, bytes, Address], None]) -> None:

@@ -72,6 +72,42 @@ def test_late_retransmitted_and_queried_contributions_tell_nothing(
     assert a.counters.cells[Counter.CONTRIBUTIONS_MISSED] == 0
 
 
+def sent_query(rank: int, slot: int, newest: int, payload: bytes | None = None) -> bytes:
+    """A QUERY naming its sender's newest send number (Flags.SENT), or another payload."""
+    head = contribution(5, rank, slot, 1, kind=Kind.QUERY, flags=Flags.RETRANSMIT | Flags.SENT)
+    return head + (bytes([newest]) if payload is None else payload)
+
+
+def test_a_query_naming_the_newest_number_tells_the_gap_at_the_end(
+        pair: tuple[Aggregator, Aggregator]) -> None:
+    """The last contributions before a pause show no jump; the query's number does."""
+    a, b = pair
+    take_both(a, b, [contribution(5, 2, s, 1, sequence=n) for s, n in ((0, 40), (1, 41))],
+              where(2))
+    # 42 and 43 never came: the query says 43 left, so both are told at once.
+    assert missing_notes(take_both(a, b, [sent_query(2, 0, 43)], where(2))) == [
+        (where(2), 2, bytes([42, 43]))]
+    # Told once: the same query again, and one naming a number seen, tell nothing.
+    assert missing_notes(take_both(a, b, [sent_query(2, 0, 43)], where(2))) == []
+    assert missing_notes(take_both(a, b, [sent_query(2, 1, 41)], where(2))) == []
+    # The count goes on after the told numbers: 44 is the next expected.
+    assert missing_notes(take_both(a, b, [contribution(5, 2, 2, 1, sequence=44)],
+                                   where(2))) == []
+    assert a.counters.cells[Counter.CONTRIBUTIONS_MISSED] == 2
+
+
+def test_a_query_whose_number_is_not_one_byte_tells_nothing(
+        pair: tuple[Aggregator, Aggregator]) -> None:
+    """Two bytes are malformed (dropped, counted); none is a query without the number."""
+    a, b = pair
+    take_both(a, b, [contribution(5, 1, 0, 1, sequence=7)], where(1))
+    assert take_both(a, b, [sent_query(1, 0, 9, b"\x09\x0a")], where(1)) == []
+    assert a.counters.cells[Counter.DROP_BAD_LENGTH] == 1
+    assert missing_notes(take_both(a, b, [sent_query(1, 0, 9, b"")], where(1))) == []
+    assert a.counters.cells[Counter.DROP_BAD_LENGTH] == 1
+    assert a.counters.cells[Counter.CONTRIBUTIONS_MISSED] == 0
+
+
 def test_a_rejoined_rank_and_a_new_epoch_start_the_count_afresh() -> None:
     arena = SlotArena(capacity=SLOTS, max_payload=64, rx_buffers=256)
     agg = Aggregator(arena, select_kernels("numpy"), Counters())

@@ -61,7 +61,7 @@ def test_unanswered_segments_are_retransmitted_with_backoff() -> None:
         now = rnd.wakeup()
         (t,) = rnd.due(now)
         # a retransmission, and a probe: nothing came back from the core since it left
-        assert t.header.flags == Flags.RETRANSMIT | Flags.PROBE
+        assert t.header.flags == Flags.RETRANSMIT | Flags.PROBE | Flags.SENT
         times.append(round(now, 3))
     assert times == [0.1, 0.3, 0.7, 1.1]  # 0.1, 0.2, 0.4, then capped at 0.4
 
@@ -180,13 +180,47 @@ def test_a_segment_waiting_its_turn_behind_answered_ones_is_not_queried() -> Non
     answer(rnd, sent[1], 0.15)
     assert [t.segment for t in rnd.due(0.15)] == [5]
     assert rnd.wakeup() == pytest.approx(0.19) and rnd.due(0.19) == []  # 1 answered at 0.15
-    queries = rnd.due(0.25)  # 0.1 of silence: ask after everything unanswered
-    assert sorted(t.segment for t in queries) == [2, 3, 4, 5]
-    assert all(t.header.kind is Kind.QUERY for t in queries) and rnd.retransmissions == 4
-    # Stalls, not holes (nothing sent after them was answered): each query is a PROBE, which
-    # the appliance answers with PENDING while the result has only just left.
-    assert all(t.header.flags == Flags.RETRANSMIT | Flags.PROBE | Flags.SERIAL
-               for t in queries)
+    # 0.1 of silence: the core is stalled, and one query asks for all of it (the oldest).
+    (query,) = rnd.due(0.25)
+    assert query.segment == 2 and query.header.kind is Kind.QUERY
+    # A stall, not a hole (nothing sent after it was answered): a PROBE, which the appliance
+    # answers with PENDING while the result has only just left.
+    assert query.header.flags == Flags.RETRANSMIT | Flags.PROBE | Flags.SERIAL | Flags.SENT
+    assert query.note == bytes([5])  # the newest number sent to the core: segment 5's
+    # No PENDING came back within an RTO (the answer was lost, or a result is): every
+    # unanswered segment asks, as in a lossy round.
+    queries = rnd.due(0.35)
+    assert sorted(t.segment for t in queries) == [2, 3, 4, 5] and rnd.retransmissions == 5
+
+
+def test_a_stalled_core_that_answers_pending_is_asked_one_query_at_a_time() -> None:
+    """At n = 8 on two shared CPUs a late rank stalls every segment in flight at once; each
+    one's own query would cost a PENDING (or a resent result) apiece."""
+    rnd, _ = stalled_window()
+    (first,) = rnd.due(0.1)
+    assert first.segment == 0 and rnd.wakeup() == pytest.approx(0.2)
+    assert rnd.due(0.15) == []
+    late = first.header._replace(kind=Kind.PENDING, rank=0)
+    rnd.on_pending(late, bytes([0b01]), 0.15)  # ours is in: the core waits for rank 1
+    (second,) = rnd.due(0.2)  # the next one goes alone
+    assert second.segment == 0 and rnd.retransmissions == 2  # its own timer came first
+    assert rnd.due(0.25) == []
+    # A round that repaired a loss asks at every timer again.
+    rnd.missing(3)
+    assert [t.segment for t in rnd.due(0.26)] == [3]
+    assert len(rnd.due(0.31)) >= 2
+
+
+def test_a_segment_whose_timer_ran_out_behind_a_stall_query_gives_no_rtt_sample() -> None:
+    """Its answer, however late, measures the wait for a late rank, not the path: a sample of
+    it would stretch every later timer of the core (a whole second on the rack)."""
+    rnd, sent = stalled_window()
+    (_,) = rnd.due(0.1)  # segment 0 asks; 1, 2, 3 wait for its answer
+    answer(rnd, sent[1], 0.9)
+    assert rnd._rtt.srtt(0) is None
+    fresh = [t for t in rnd.due(0.9) if t.header.kind is Kind.CONTRIBUTION]
+    answer(rnd, fresh[0], 0.92)  # a first transmission answered in time: sampled
+    assert rnd._rtt.srtt(0) == pytest.approx(0.02)
 
 
 def test_a_hole_is_queried_at_its_own_timer() -> None:
@@ -196,7 +230,7 @@ def test_a_hole_is_queried_at_its_own_timer() -> None:
     rnd.due(0.05)  # segment 5 goes out
     (query,) = [t for t in rnd.due(0.1) if t.segment == 0]
     assert query.header.kind is Kind.QUERY
-    assert query.header.flags == Flags.RETRANSMIT | Flags.SERIAL  # not a PROBE: due now
+    assert query.header.flags == Flags.RETRANSMIT | Flags.SERIAL | Flags.SENT  # not a PROBE
 
 
 def test_three_later_answers_repair_a_hole_at_once_with_a_plain_query() -> None:
@@ -208,7 +242,7 @@ def test_three_later_answers_repair_a_hole_at_once_with_a_plain_query() -> None:
         released = rnd.due(0.01 * (n + 1))
     (query,) = [t for t in released if t.segment == 0]
     assert query.header.kind is Kind.QUERY
-    assert query.header.flags == Flags.RETRANSMIT | Flags.SERIAL
+    assert query.header.flags == Flags.RETRANSMIT | Flags.SERIAL | Flags.SENT
     assert rnd.fast_retransmissions == 1
 
 
@@ -303,7 +337,7 @@ def test_a_round_that_repaired_a_loss_queries_at_each_timer() -> None:
     queries = rnd.due(0.1)
     assert sorted(t.segment for t in queries) == [1, 2]
     # Plain queries, not PROBEs: in a round that repaired a loss, a stall may be a repair.
-    assert all(t.header.flags == Flags.RETRANSMIT | Flags.SERIAL for t in queries)
+    assert all(t.header.flags == Flags.RETRANSMIT | Flags.SERIAL | Flags.SENT for t in queries)
 
 
 def test_deadline_raises_naming_silent_cores_and_missing_ranks() -> None:
