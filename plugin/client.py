@@ -174,7 +174,9 @@ class ApplianceClient:
             # is merely slow to serialise; samples still bring it down to the path's RTT.
             timing = replace(timing, rto_initial=max(timing.rto_initial, RELIABLE_RTO_S),
                              rto_min=max(timing.rto_min, RELIABLE_RTO_S / 5),
-                             rto_max=max(timing.rto_max, 5 * RELIABLE_RTO_S))
+                             rto_max=max(timing.rto_max, 5 * RELIABLE_RTO_S),
+                             # and a silent core is busy, not unlucky: full backoff
+                             silent_query_gap=max(timing.rto_max, 5 * RELIABLE_RTO_S))
         self.rtt = RttEstimator(timing)
         liveness = min(j.liveness_s for j in self.jobs)
         self.pipeline = RoundPipeline(self.endpoints, rank, self.world_size, self.segment_bytes,

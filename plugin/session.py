@@ -17,10 +17,8 @@ segments sent to the same core after one that is still unanswered, and it has be
 smoothed round trips, that one goes again (fast retransmit; the time keeps a segment that is
 only late, waiting for a peer's repair, from being asked after). A lost segment holds only
 its own slot: the other slots keep the pipe full.
-While a round is clean, a segment's timer restarts with each answer its core gives to an earlier
-segment (RFC 6298's 5.3, per core): one that waits its turn behind them is not presumed lost.
-When a whole core stalls, the timers' queries go as PROBEs, which the appliance answers with
-PENDING while the result has only just left (it is on its way), not with a duplicate.
+What an expired timer does (wait its turn, let one query speak for a stalled core, or ask now
+with a backed-off timeout) is decided in plugin/expiry.py from what the core said lately.
 First transmissions carry their send sequence to the core (`SendOrder`); a core that sees it
 jump says which never came (MISSING, `missing`), and they go again at once.
 
@@ -45,6 +43,7 @@ from reduction_appliance.dataplane.wire import (
     Op,
 )
 
+from .expiry import STALL_SHARE, CoreSigns, Expiry
 from .rtt import RttEstimator
 from .serials import ResultSerials
 from .slotplan import Address, Endpoint, SendOrder, SlotUses, Transmit
@@ -55,7 +54,6 @@ __all__ = ["Address", "AllreduceRound", "Endpoint", "SendOrder", "SlotUses", "Tr
 _new_tuple = tuple.__new__  # a NamedTuple built without its keyword-capable __new__
 _NUMBER = [bytes((n,)) for n in range(SERIALS)]  # a QUERY's payload, made once
 FAST_RETRANSMIT = 3  # later segments answered before an unanswered one is presumed lost
-_STALL_SHARE = 4  # a stall holds more than a quarter of the core's window (see `due`)
 REORDER_SHARE = 1.0  # ... and gone a smoothed round trip and this much of another (`_settle`)
 
 
@@ -107,13 +105,7 @@ class AllreduceRound:
         n = self.segments
         self._sent_at = [0.0] * n  # first transmission (RTT samples)
         self._last_sent = [0.0] * n  # latest transmission
-        self._heard_at = [-1.0] * len(endpoints)  # latest answer from each endpoint
-        self._progress_at = [-1.0] * len(endpoints)  # latest result of a first transmission
-        self._pending_at = [-1.0] * len(endpoints)  # latest PENDING from each endpoint
-        # A stalled core's one query at a time (`due`): when it left, and until when the
-        # others wait for its answer.
-        self._stall_query_at = [-1.0] * len(endpoints)
-        self._stall_until = [-1.0] * len(endpoints)
+        self._signs = CoreSigns(len(endpoints))  # what each core said lately (`due`'s timers)
         self._rto = [0.0] * n
         self._timer = [0.0] * n  # retransmission time of an outstanding segment
         self._retransmitted = bytearray(n)
@@ -211,49 +203,27 @@ class AllreduceRound:
                 self.fast_retransmissions += 1
                 self._resend(k, now, out)
         timers = self._timers
-        rto_max = self._rtt.timing.rto_max
+        signs, timing = self._signs, self._rtt.timing
         while timers and timers[0][0] <= now:
             when, k = heapq.heappop(timers)
             if self._done[k] or when != self._timer[k]:
                 continue  # answered, or superseded by a later timer
             e = k % n_ep
-            if self._waits_its_turn(k, e):
-                # RFC 6298's 5.3, per core: the timer restarts with each answer.
-                restart = self._progress_at[e] + self._rtt.rto(e)
-                if now < restart:
-                    self._timer[k] = restart
-                    heapq.heappush(timers, (restart, k))
-                    continue
-            if (self._clean() and self._acked_seq[e] < self._seq[k]
-                    and self._mine[e] * _STALL_SHARE > self.endpoints[e].slots):
-                # A stall in a clean round: every segment in flight to the core times out
-                # together, and one query says why as well as all of them would (its PENDING
-                # names the late ranks; the core tells those ranks too). The others wait an RTO
-                # for it; while each such query hears a PENDING the core is waiting for peers,
-                # and the next one goes alone again. One that heard none (a result that was
-                # lost, or silence) lets every timer go, as in a lossy round.
-                if now < self._stall_until[e]:
-                    # Its timer ran out: its answer, however late, is no round-trip sample
-                    # (a late rank's wait, not the path's; Karn's rule, as for a resend).
-                    self._timed_out[k] = 1
-                    self._timer[k] = self._stall_until[e]
-                    heapq.heappush(timers, (self._stall_until[e], k))
-                    continue
-                if self._stall_until[e] < 0 or self._pending_at[e] >= self._stall_query_at[e]:
-                    self._stall_query_at[e] = now
-                    self._stall_until[e] = now + self._rtt.rto(e)
-            if self._heard_at[e] >= self._last_sent[k]:
-                # The core answered since and lacks something of ours: a random loss, not an
-                # overloaded or dead core, so waiting longer would only idle the slot.
-                self._rto[k] = self._rtt.rto(e)
-            else:  # a silent core, or one waiting for late ranks: ask less and less often
-                self._rto[k] = min(max(self._rto[k] * 2, self._rtt.rto(e)), rto_max)
-            # Nothing sent to the core after k has been answered, in a round that has repaired
-            # no loss: a stall, not a hole, and k's result may be queued behind the others, so
-            # the query says so (a PROBE): the appliance then holds back a result it has only
-            # just sent (dataplane.aggregator). Once the round repaired a loss, a stall may be a
-            # late rank's own repair, and its queries go plain, as every repair does.
-            self._resend(k, now, out, probe=self._clean() and self._acked_seq[e] < self._seq[k])
+            verdict = signs.on_expiry(
+                e, now, stall=self._clean() and self._acked_seq[e] < self._seq[k],
+                crowded=self._mine[e] * STALL_SHARE > self.endpoints[e].slots,
+                last_sent=self._last_sent[k], timeout=self._rto[k], rto=self._rtt.rto(e),
+                in_flight=self._in_flight[e], timing=timing)
+            if verdict.expiry is Expiry.ASK:
+                self._rto[k] = verdict.at
+                self._resend(k, now, out, probe=verdict.probe)
+                continue
+            if verdict.expiry is Expiry.DEFER:
+                # Its answer, however late, is no round-trip sample (a late rank's wait, not
+                # the path's; Karn's rule, as for a resend).
+                self._timed_out[k] = 1
+            self._timer[k] = verdict.at
+            heapq.heappush(timers, (verdict.at, k))
         ready = self._ready
         if not ready:
             return out
@@ -294,19 +264,6 @@ class AllreduceRound:
             unanswered[e][k] = None
             out.append(_new_tuple(Transmit, (e, k, first, ticket, b"")))
         return out
-
-    def _waits_its_turn(self, k: int, e: int) -> bool:
-        """Is unanswered segment k queued behind earlier ones rather than lost? Yes when
-        nothing sent to its core after k has been answered (else k is a hole: a loss, for
-        fast retransmit or its timer), the core has answered an earlier segment's first
-        transmission since k last left (the pipeline moves; k's turn has not come), and this
-        round has repaired no loss yet (then recovery runs as before, so that no repair waits
-        behind another). On a clean network a late rank or a busy host stalls every segment
-        in flight at once: each one's own timer would send a query, and the appliance would
-        resend every result that was already on its way (at n=8, every resent result arrived
-        as a duplicate)."""
-        return (self._clean() and self._acked_seq[e] < self._seq[k]
-                and self._progress_at[e] > self._last_sent[k])
 
     def _clean(self) -> bool:
         """Has this round repaired no loss yet (no fast retransmission, no nudged resend)?"""
@@ -419,10 +376,10 @@ class AllreduceRound:
         self.remaining -= 1
         n_ep = len(self.endpoints)
         e = k % n_ep
-        self._heard_at[e] = now
+        self._signs.heard_at[e] = now
         in_flight = self._in_flight
         if not self._retransmitted[k]:
-            self._progress_at[e] = now
+            self._signs.progress_at[e] = now
             if not self._timed_out[k]:
                 self._rtt.sample(e, now - self._sent_at[k], in_flight[e])
         in_flight[e] -= 1
@@ -458,7 +415,7 @@ class AllreduceRound:
         if source is not None and source != self.endpoints[e].address:
             return
         have = int.from_bytes(bitmap, "little")
-        self._heard_at[e] = self._pending_at[e] = now
+        self._signs.heard_at[e] = self._signs.pending_at[e] = now
         self._pending[e] = (have.bit_count(), bytes(bitmap))
         if self._done[k] or h.use != self._use[k]:
             return

@@ -50,20 +50,39 @@ def test_window_releases_a_slot_only_after_its_result() -> None:
     assert rnd.accept(h) is None  # a duplicate result is not wanted twice
 
 
+def queried_at(rnd: AllreduceRound, segment: int, times: int) -> list[float]:
+    """When `segment` asks, over the round's first `times` queries of it, no core answering."""
+    asked: list[float] = []
+    while len(asked) < times:
+        now = rnd.wakeup()
+        for t in rnd.due(now):
+            if t.segment == segment:
+                # a retransmission, and a probe: nothing came back from the core since it left
+                assert t.header.flags == Flags.RETRANSMIT | Flags.PROBE | Flags.SENT
+                asked.append(round(now, 3))
+    return asked
+
+
 def test_unanswered_segments_are_retransmitted_with_backoff() -> None:
     timing = Timing(rto_initial=0.1, rto_min=0.01, rto_max=0.4, deadline=5.0)
-    rnd = AllreduceRound(endpoints(1, 1), 0, 2, 1, DType.FLOAT32, Op.SUM, 64, 64,
+    rnd = AllreduceRound(endpoints(1, 32), 0, 2, 1, DType.FLOAT32, Op.SUM, 32 * 64, 64,
                          RttEstimator(timing), 0.0)
-    rnd.due(0.0)
-    times = []
-    now = 0.0
-    for _ in range(4):
-        now = rnd.wakeup()
-        (t,) = rnd.due(now)
-        # a retransmission, and a probe: nothing came back from the core since it left
-        assert t.header.flags == Flags.RETRANSMIT | Flags.PROBE | Flags.SENT
-        times.append(round(now, 3))
-    assert times == [0.1, 0.3, 0.7, 1.1]  # 0.1, 0.2, 0.4, then capped at 0.4
+    assert len(rnd.due(0.0)) == 32
+    # 0.1, 0.2, 0.4, then capped at rto_max (32 in flight x silent_query_gap is more)
+    assert queried_at(rnd, 0, 4) == [0.1, 0.3, 0.7, 1.1]
+
+
+def test_a_silent_cores_last_segments_are_asked_after_every_query_gap() -> None:
+    """At a round's tail a lost answer is likelier than a dead core: a lone segment's timer
+    backs off no further than `silent_query_gap` per segment in flight."""
+    timing = Timing(rto_initial=0.01, rto_min=0.01, rto_max=0.4, deadline=5.0,
+                    silent_query_gap=0.025)
+    for in_flight, waits in ((1, [0.01, 0.02, 0.025, 0.025]), (2, [0.01, 0.02, 0.04, 0.05])):
+        rnd = AllreduceRound(endpoints(1, in_flight), 0, 2, 1, DType.FLOAT32, Op.SUM,
+                             in_flight * 64, 64, RttEstimator(timing), 0.0)
+        assert len(rnd.due(0.0)) == in_flight
+        asked = queried_at(rnd, 0, 4)
+        assert [round(b - a, 3) for a, b in zip([0.0, *asked[:-1]], asked, strict=True)] == waits
 
 
 def test_a_window_of_alike_samples_does_not_collapse_the_timer() -> None:
@@ -141,7 +160,8 @@ def test_a_pending_for_a_peer_nudges_only_once_ours_had_time_to_arrive() -> None
 
 
 def test_no_backoff_while_the_core_answers_and_backoff_when_it_is_silent() -> None:
-    rnd, _ = one_segment(Timing(rto_initial=0.1, rto_min=0.01, rto_max=0.8, deadline=5.0))
+    rnd, _ = one_segment(Timing(rto_initial=0.1, rto_min=0.01, rto_max=0.8, deadline=5.0,
+                                silent_query_gap=1.0))
     times = []
     for answered in (False, True, False, False, False):
         now = rnd.wakeup()
