@@ -214,7 +214,8 @@ def _open(cfg: CoreConfig, mailbox: Connection, counters: Counters) -> CoreLoop:
     """The core's loop over UDP, or over UDP and RoCE (its arena registered for the NIC)."""
     if cfg.roce is None:
         return CoreLoop(cfg, mailbox, counters, UdpCoreTransport.open(cfg))
-    from .roce import DualCoreTransport, RoceCoreTransport
+    from .dual import DualCoreTransport
+    from .roce import RoceCoreTransport
     from .verbs import RoceDevice
 
     settings = cfg.roce

@@ -52,7 +52,7 @@ from .verbs import (
 )
 from .wire import HEADER_SIZE, Kind
 
-__all__ = ["ROCE_GROUP_PORT", "ROCE_PORTS", "DualCoreTransport", "RoceCoreTransport"]
+__all__ = ["ROCE_GROUP_PORT", "ROCE_PORTS", "RoceCoreTransport"]
 
 #: The ports of RoCE peers' addresses `(worker IP, port)`: the control plane hands them out,
 #: below 1024 so that no worker's UDP socket (an ephemeral port) can have the same address on
@@ -463,54 +463,3 @@ class RoceCoreTransport:
         self._cq.close()
         self._staging.close()
         self._mr.close()
-
-
-class DualCoreTransport:
-    """A core's UDP socket and its RoCE queue pairs as one `CoreTransport`: a send goes over
-    RoCE when its destination is a connected queue pair's address (ports in `ROCE_PORTS`),
-    else over UDP."""
-
-    def __init__(self, udp: Any, roce: RoceCoreTransport) -> None:
-        self.udp = udp
-        self.roce = roce
-        self.idle_block_s = roce.idle_block_s
-        self._roce_first = True
-
-    def fileno(self) -> int:
-        return int(self.udp.fileno())
-
-    def receive(self, pool: Any, batch: RxBatch, limit: int) -> int:
-        # One half per call (each fills the batch afresh), taking turns so that neither can
-        # starve the other; the other half is tried at once when the first has nothing.
-        first, second = (self.roce, self.udp) if self._roce_first else (self.udp, self.roce)
-        self._roce_first = not self._roce_first
-        got = int(first.receive(pool, batch, limit))
-        if got or batch.truncated:
-            return got
-        return int(second.receive(pool, batch, limit))
-
-    def send(self, sends: Sequence[Send]) -> None:
-        served = self.roce.serves
-        roce = [s for s in sends if served(s.dest)]
-        if roce:
-            self.roce.send(roce)
-            if len(roce) < len(sends):
-                self.udp.send([s for s in sends if not served(s.dest)])
-        else:
-            self.udp.send(sends)
-
-    def take_counts(self) -> TransportCounts:
-        a, b = self.udp.take_counts(), self.roce.take_counts()
-        return TransportCounts(a.datagrams_sent + b.datagrams_sent, a.bytes_sent + b.bytes_sent,
-                               a.send_errors + b.send_errors)
-
-    def fallbacks(self) -> tuple[str, ...]:
-        return tuple(self.udp.fallbacks())
-
-    def close(self) -> None:
-        """Both halves, and the RDMA device (this transport owns it)."""
-        try:
-            self.roce.close()
-            self.roce.device.close()
-        finally:
-            self.udp.close()

@@ -12,14 +12,10 @@ import pytest
 from reduction_appliance.control.config import parse, to_toml
 from reduction_appliance.control.registry import JobRequest, Registry
 from reduction_appliance.control.service import _check_landings, parse_request
+from reduction_appliance.dataplane.dual import DualCoreTransport
 from reduction_appliance.dataplane.errors import BadRequest, ConfigError
 from reduction_appliance.dataplane.registration import JobDescription
-from reduction_appliance.dataplane.roce import (
-    ROCE_GROUP_PORT,
-    ROCE_PORTS,
-    DualCoreTransport,
-    RoceCoreTransport,
-)
+from reduction_appliance.dataplane.roce import ROCE_GROUP_PORT, ROCE_PORTS, RoceCoreTransport
 from reduction_appliance.dataplane.slots import RxPool
 from reduction_appliance.dataplane.transport import RxBatch, Send, TransportCounts
 from reduction_appliance.dataplane.verbs import (
