@@ -192,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--cores", type=int, default=2, help="appliance data-plane cores")
+    p.add_argument("--slots", type=int, default=32,
+                   help="slots per appliance core per job (jobs.slots): each worker's window")
     p.add_argument("--unicast", action="store_true", help="appliance results by unicast fan-out")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the comparison N times; print the median and spread of the ratio")
@@ -199,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
+    if args.slots < 1 or args.cores < 1:
+        p.error("--slots and --cores must be at least 1")
     bad = [d for d in args.dtypes if d not in DTYPE_CHOICES]
     if bad:
         p.error(f"unknown dtypes {bad}; choose from {', '.join(DTYPE_CHOICES)}")
@@ -206,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                      rate=args.rate if args.network == "rack" else None, sizes=tuple(args.sizes),
                      dtypes=tuple(args.dtypes), ops=tuple(args.ops),
                      modes=("multicast",), iters=args.iters, warmup=args.warmup, cores=args.cores,
+                     slots=args.slots,
                      appliance_rate=args.appliance_rate if args.network == "rack" else None)
     if args.unicast or not multicast_possible(plan):  # not root: the host's loopback, unicast
         plan = dataclasses.replace(plan, modes=("unicast",))

@@ -130,6 +130,7 @@ class SweepPlan:
     warmup: int
     cores: int
     check: bool = True
+    slots: int = 32  # slots per appliance core per job: each worker's window on that core
     gloo: bool = True
     loss_pct: float = 0.0  # random loss on every worker link, each direction (rack only)
     # The appliance's own link (tc syntax); None: unshaped, standing for its fat uplink. Below
@@ -183,6 +184,9 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=5, help="timed iterations per case")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations per case")
     p.add_argument("--cores", type=int, default=2, help="appliance data-plane cores")
+    p.add_argument("--slots", type=int, default=32,
+                   help="slots per appliance core per job (jobs.slots): each worker's window "
+                        "on that core (default: 32)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the numpy reference check (it costs seconds at 256 MiB)")
     p.add_argument("--no-gloo", action="store_true", help="appliance only, no Gloo ring pass")
@@ -191,13 +195,13 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def plan_from_args(args: argparse.Namespace) -> SweepPlan:
-    if args.iters < 1 or args.warmup < 0 or args.cores < 1:
-        raise ValueError("--iters >= 1, --warmup >= 0 and --cores >= 1, please")
+    if args.iters < 1 or args.warmup < 0 or args.cores < 1 or args.slots < 1:
+        raise ValueError("--iters >= 1, --warmup >= 0, --cores >= 1 and --slots >= 1, please")
     return SweepPlan(
         network=args.network, workers=tuple(args.workers),
         rate=args.rate if args.network == "rack" else None, sizes=tuple(args.sizes),
         dtypes=tuple(args.dtypes), ops=tuple(args.ops), modes=tuple(args.modes),
         iters=args.iters, warmup=args.warmup, cores=args.cores, check=not args.no_check,
-        gloo=not args.no_gloo, loss_pct=args.loss,
+        slots=args.slots, gloo=not args.no_gloo, loss_pct=args.loss,
         appliance_rate=args.appliance_rate if args.network == "rack" else None,
     )

@@ -255,7 +255,8 @@ def _run_pass(plan: SweepPlan, net: _Net, workers: int, system: str,
             rows.append(_gloo_case(plan, net, workers, index, case))
             listener.row(rows[-1])
         return rows
-    with start_appliance(net.net, cores=plan.cores, multicast=system == "multicast") as appl:
+    with start_appliance(net.net, cores=plan.cores, slots=plan.slots,
+                         multicast=system == "multicast") as appl:
         pids = descendants(appl.process.pid)
         counters = appl.counters()
         for index, case in enumerate(plan.cases()):

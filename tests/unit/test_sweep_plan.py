@@ -89,3 +89,12 @@ def test_an_appliance_rate_shapes_the_appliance_link_and_bounds_the_server() -> 
     assert unshaped.appliance_rate is None and unshaped.appliance_rate_bps is None
     with pytest.raises(SystemExit):
         p.parse_args(["--appliance-rate", "fast"])
+
+
+def test_slots_reach_the_plan_and_must_be_positive() -> None:
+    p = argparse.ArgumentParser()
+    add_sweep_arguments(p)
+    assert plan_from_args(p.parse_args([])).slots == 32  # the appliance's default jobs.slots
+    assert plan_from_args(p.parse_args(["--slots", "16"])).slots == 16
+    with pytest.raises(ValueError, match="--slots >= 1"):
+        plan_from_args(p.parse_args(["--slots", "0"]))
