@@ -14,7 +14,9 @@ segment costs is what a change to the hot path should move. Two measurements, ea
   Microseconds per segment, both directions (one contribution sent, one result taken in).
 * appliance: `Aggregator.on_batch` taking 64 MiB from each of 8 ranks in coalesced receives of
   seven of one rank's segments, left in a staging buffer as a UDP GRO receive leaves them (the
-  burst path, `dataplane.runs`), the reduce kernels included. Microseconds per datagram.
+  burst path, `dataplane.runs`), the reduce kernels included. Microseconds per datagram; then
+  the same in fp16 and bf16 (accumulated in fp32: widened on the way in, narrowed on the way
+  out).
 
 Compare trees by running the command in each, interleaved, and reading the best figures.
 """
@@ -146,8 +148,8 @@ def worker_us_per_segment() -> float:
     return spent / -(-NBYTES // SEGMENT) * 1e6
 
 
-def appliance_us_per_datagram() -> float:
-    """8 ranks' 64 MiB through one appliance core's aggregator: us per datagram."""
+def appliance_us_per_datagram(dtype: DType = DType.FLOAT32) -> float:
+    """8 ranks' 64 MiB of `dtype` through one appliance core's aggregator: us per datagram."""
     segments = -(-NBYTES // SEGMENT) // len(CORES)  # one core's share
     where = [(f"198.18.0.{101 + r}", 9000) for r in range(RANKS)]
     with SlotArena(capacity=SLOTS, max_payload=SEGMENT, rx_buffers=4096) as arena:
@@ -156,7 +158,7 @@ def appliance_us_per_datagram() -> float:
                             endpoints=tuple(where), hold_buffers=0), 0.0)
         size = HEADER_SIZE + SEGMENT
         staging = Staging(GRO_BUFFER)
-        payload = np.ones(SEGMENT // 4, np.float32).tobytes()
+        payload = _ones(dtype, SEGMENT)
         batch, spent, count = RxBatch(), 0.0, 0
         for window in range(0, segments, SLOTS):  # every rank sends its window, then the next
             last = min(window + SLOTS, segments)
@@ -166,7 +168,7 @@ def appliance_us_per_datagram() -> float:
                     at = 0
                     for k in range(first, min(first + GRO_BATCH, last)):
                         pack_into(staging.buffer, Header(
-                            Kind.CONTRIBUTION, DType.FLOAT32, Op.SUM, 0, 5, rank, 77, 1,
+                            Kind.CONTRIBUTION, dtype, Op.SUM, 0, 5, rank, 77, 1,
                             k % SLOTS, k * SEGMENT, SEGMENT, k // SLOTS + 1, 1,
                             k % SERIALS), at)  # numbered, as a worker numbers its sends
                         staging.buffer[at + HEADER_SIZE:at + size] = payload
@@ -181,6 +183,15 @@ def appliance_us_per_datagram() -> float:
         return spent / count * 1e6
 
 
+def _ones(dtype: DType, nbytes: int) -> bytes:
+    """A segment of 1.0s in `dtype`'s wire bits (bf16's 1.0 is fp32's top half)."""
+    one = np.ones(1, np.float32)
+    bits = {DType.FLOAT32: one.view(np.uint8),
+            DType.FLOAT16: one.astype(np.float16).view(np.uint8),
+            DType.BFLOAT16: one.view(np.uint16)[1:].view(np.uint8)}[dtype]
+    return np.tile(bits, nbytes // len(bits)).tobytes()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m reduction_appliance.bench.hotpath",
                                      description=__doc__.split("\n\n")[0])
@@ -190,10 +201,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--repeat must be at least 1")
     worker = [worker_us_per_segment() for _ in range(args.repeat)]
     appliance = [appliance_us_per_datagram() for _ in range(args.repeat)]
+    halves = {d: [appliance_us_per_datagram(d) for _ in range(args.repeat)]
+              for d in (DType.FLOAT16, DType.BFLOAT16)}
     print(f"worker:    {min(worker):.2f} us of Python per segment (sent and answered); "
           f"runs {', '.join(f'{w:.2f}' for w in worker)}")
     print(f"appliance: {min(appliance):.2f} us per datagram (reduce included); "
           f"runs {', '.join(f'{a:.2f}' for a in appliance)}")
+    for d, runs in halves.items():  # accumulated in fp32: widened on the way in, narrowed out
+        print(f"  {d.name.lower()}: {min(runs):.2f} us per datagram; "
+              f"runs {', '.join(f'{a:.2f}' for a in runs)}")
     return 0
 
 

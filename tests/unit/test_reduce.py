@@ -288,6 +288,46 @@ def test_avg_needs_a_contribution(table: KernelTable) -> None:
         )
 
 
+def _strided_rows(data: NDArray[np.uint8], rows: int, gap: int, n: int,
+                  dtype: DType) -> NDArray[np.generic]:
+    """`rows` payloads of `n` elements, each behind a `gap`-byte header: a GRO receive."""
+    stride = gap + n * dtype.itemsize
+    view = np.lib.stride_tricks.as_strided(data[gap:], (rows, n * dtype.itemsize), (stride, 1))
+    return view.view(NP_DTYPE[dtype] if dtype is DType.FLOAT32 else np.uint16)
+
+
+@pytest.mark.parametrize("op", list(Op), ids=lambda o: o.name)
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
+@pytest.mark.parametrize("n", [2224, 40000], ids=["segment", "past-a-chunk"])
+def test_a_bursts_rows_fold_as_each_row_alone(
+    table: KernelTable, dtype: DType, op: Op, n: int
+) -> None:
+    """first_rows/add_rows over a burst's strided payloads (48-byte headers between them) into
+    strided accumulator rows (an arena's slots) give each row what first/add give it alone."""
+    rows, gap, slot = 7, 48, n + 16  # accumulators a slot apart, wider than a segment
+    rng = np.random.default_rng(n)
+    kernel = table.kernel(dtype, op)
+    parts = [[a.view(np.uint8) for a in contributions(rng, dtype, n, rows)] for _ in range(3)]
+    bursts = []
+    for part in parts:
+        data = np.zeros(rows * (gap + n * dtype.itemsize) + gap, np.uint8)
+        payload = _strided_rows(data, rows, gap, n, dtype)
+        for r in range(rows):
+            payload[r] = part[r].view(payload.dtype)
+        bursts.append(payload)
+    arena = np.full(rows * slot, 12345.0, np.float32)
+    together = arena.reshape(rows, slot)[:, :n]
+    kernel.first_rows(together, bursts[0])
+    for burst in bursts[1:]:
+        kernel.add_rows(together, burst)
+    for r in range(rows):
+        alone = np.full(n, -1.0, np.float32)
+        kernel.first(alone, np.ascontiguousarray(bursts[0][r]))
+        for burst in bursts[1:]:
+            kernel.add(alone, np.ascontiguousarray(burst[r]))
+        np.testing.assert_array_equal(together[r], alone, f"row {r}")
+
+
 @pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
 def test_steady_state_allocates_nothing(table: KernelTable, dtype: DType) -> None:
     """After a warm-up call, first/add/finish allocate no array memory (numpy reports its
