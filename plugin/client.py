@@ -172,11 +172,11 @@ class ApplianceClient:
             # RC loses nothing in transit: a timer only repairs what the appliance dropped on
             # purpose (a full queue), so it starts long and never fires at a large segment that
             # is merely slow to serialise; samples still bring it down to the path's RTT.
+            # A silent core is busy, not unlucky: its timers back off all the way.
+            rto_max = max(timing.rto_max, 5 * RELIABLE_RTO_S)
             timing = replace(timing, rto_initial=max(timing.rto_initial, RELIABLE_RTO_S),
                              rto_min=max(timing.rto_min, RELIABLE_RTO_S / 5),
-                             rto_max=max(timing.rto_max, 5 * RELIABLE_RTO_S),
-                             # and a silent core is busy, not unlucky: full backoff
-                             silent_query_gap=max(timing.rto_max, 5 * RELIABLE_RTO_S))
+                             rto_max=rto_max, silent_query_gap=rto_max)
         self.rtt = RttEstimator(timing)
         liveness = min(j.liveness_s for j in self.jobs)
         self.pipeline = RoundPipeline(self.endpoints, rank, self.world_size, self.segment_bytes,

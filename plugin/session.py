@@ -274,15 +274,14 @@ class AllreduceRound:
         self.retransmissions += 1
         self._arm(k, now)
         header = self._repeat_header(k, probe)
+        e = k % len(self.endpoints)
+        note = b""
         if header.kind is Kind.QUERY:
             self.queries += 1
+            note = _NUMBER[(self._order.next[e] - 1) % SERIALS]  # (SENT) our newest to the core
         else:
             self._payload_sent[k] = now
             self._lacks_ours[k] = 0
-        e = k % len(self.endpoints)
-        note = b""
-        if header.kind is Kind.QUERY:  # (Flags.SENT) our newest first transmission to the core
-            note = _NUMBER[(self._order.next[e] - 1) % SERIALS]
         out.append(Transmit(e, k, header, self.ticket, note))
 
     def _arm(self, k: int, now: float) -> None:
@@ -464,11 +463,11 @@ class AllreduceRound:
         cores = []
         for e, count in enumerate(waiting):
             if count:
-                pending = self._pending.get(e)
-                have = int.from_bytes(pending[1], "little") if pending is not None else 0
-                cores.append(CoreStall(self.endpoints[e].name, count, None if pending is None
-                                       else [r for r in range(self.world_size)
-                                             if not have >> r & 1]))
+                waits_for = None  # it sent no PENDING
+                if (pending := self._pending.get(e)) is not None:
+                    have = int.from_bytes(pending[1], "little")
+                    waits_for = [r for r in range(self.world_size) if not have >> r & 1]
+                cores.append(CoreStall(self.endpoints[e].name, count, waits_for))
         return stall_report(
             f"allreduce round {self.round} of {self.nbytes} bytes ({self.dtype.name}, "
             f"{self.op.name}) by rank {self.rank}", self._rtt.timing.deadline,
