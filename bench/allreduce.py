@@ -146,6 +146,9 @@ def _report_appliance(plan: SweepPlan, pairs: list[dict[str, Any]]) -> None:
             line += f"; worker CPU {a['worker_cpu_s_per_gb']:.2f} s per GB allreduced"
         if a.get("retx_share") is not None:
             line += f"; retransmissions {a['retx_share']:.2%} of segments"
+        if a.get("window_cuts") is not None:
+            line += (f"; congestion windows cut {a['window_cuts']} times, least "
+                     f"{a['window_least']} of {plan.slots} segments per core")
         if (a.get("machine_kernel_share") is not None
                 and g.get("machine_kernel_share") is not None):
             line += (f"; machine CPU per GB allreduced (all processes and the kernel, per rank's "
@@ -194,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cores", type=int, default=2, help="appliance data-plane cores")
     p.add_argument("--slots", type=int, default=32,
                    help="slots per appliance core per job (jobs.slots): each worker's window")
+    p.add_argument("--queue-target", type=float, default=0.025, metavar="SECONDS",
+                   help="jobs.queue_target_s: the congestion windows' round-trip target "
+                        "(0: fixed windows of --slots)")
     p.add_argument("--unicast", action="store_true", help="appliance results by unicast fan-out")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the comparison N times; print the median and spread of the ratio")
@@ -203,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--repeat must be at least 1")
     if args.slots < 1 or args.cores < 1:
         p.error("--slots and --cores must be at least 1")
+    if not 0 <= args.queue_target <= 10:
+        p.error("--queue-target must be 0..10 seconds")
     bad = [d for d in args.dtypes if d not in DTYPE_CHOICES]
     if bad:
         p.error(f"unknown dtypes {bad}; choose from {', '.join(DTYPE_CHOICES)}")
@@ -210,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                      rate=args.rate if args.network == "rack" else None, sizes=tuple(args.sizes),
                      dtypes=tuple(args.dtypes), ops=tuple(args.ops),
                      modes=("multicast",), iters=args.iters, warmup=args.warmup, cores=args.cores,
-                     slots=args.slots,
+                     slots=args.slots, queue_target_s=args.queue_target,
                      appliance_rate=args.appliance_rate if args.network == "rack" else None)
     if args.unicast or not multicast_possible(plan):  # not root: the host's loopback, unicast
         plan = dataclasses.replace(plan, modes=("unicast",))

@@ -131,6 +131,7 @@ class SweepPlan:
     cores: int
     check: bool = True
     slots: int = 32  # slots per appliance core per job: each worker's window on that core
+    queue_target_s: float = 0.025  # jobs.queue_target_s (plugin/congestion.py); 0: fixed windows
     gloo: bool = True
     loss_pct: float = 0.0  # random loss on every worker link, each direction (rack only)
     # The appliance's own link (tc syntax); None: unshaped, standing for its fat uplink. Below
@@ -187,6 +188,9 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slots", type=int, default=32,
                    help="slots per appliance core per job (jobs.slots): each worker's window "
                         "on that core (default: 32)")
+    p.add_argument("--queue-target", type=float, default=0.025, metavar="SECONDS",
+                   help="jobs.queue_target_s: a completer's round trip above this shrinks the "
+                        "workers' windows (default: 0.025; 0: fixed windows of --slots)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the numpy reference check (it costs seconds at 256 MiB)")
     p.add_argument("--no-gloo", action="store_true", help="appliance only, no Gloo ring pass")
@@ -197,11 +201,14 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
 def plan_from_args(args: argparse.Namespace) -> SweepPlan:
     if args.iters < 1 or args.warmup < 0 or args.cores < 1 or args.slots < 1:
         raise ValueError("--iters >= 1, --warmup >= 0, --cores >= 1 and --slots >= 1, please")
+    if not 0 <= args.queue_target <= 10:
+        raise ValueError("--queue-target must be 0..10 seconds (0: fixed windows)")
     return SweepPlan(
         network=args.network, workers=tuple(args.workers),
         rate=args.rate if args.network == "rack" else None, sizes=tuple(args.sizes),
         dtypes=tuple(args.dtypes), ops=tuple(args.ops), modes=tuple(args.modes),
         iters=args.iters, warmup=args.warmup, cores=args.cores, check=not args.no_check,
-        slots=args.slots, gloo=not args.no_gloo, loss_pct=args.loss,
+        slots=args.slots, queue_target_s=args.queue_target, gloo=not args.no_gloo,
+        loss_pct=args.loss,
         appliance_rate=args.appliance_rate if args.network == "rack" else None,
     )

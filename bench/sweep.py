@@ -144,6 +144,9 @@ def summarize(plan: SweepPlan, net: _Net, workers: int, outputs: list[list[Row]]
         row["machine_kernel_share"] = kernel / (user + kernel) if user + kernel else None
     if "segments" in first and "retransmissions" in row:
         row["retx_share"] = row["retransmissions"] / max(1, sum(c["segments"] for c in cases))
+    if "window_cuts" in first:  # the congestion windows: cuts on every rank, the least one
+        row["window_cuts"] = sum(c["window_cuts"] for c in cases)
+        row["window_least"] = min(c["window_least"] for c in cases)
     if "worker_cpu_s" in first:  # the median rank's CPU per GB it allreduced
         row["worker_cpu_s_per_gb"] = statistics.median(
             c["worker_cpu_s"] for c in cases) / (moved / 1e9)
@@ -256,6 +259,7 @@ def _run_pass(plan: SweepPlan, net: _Net, workers: int, system: str,
             listener.row(rows[-1])
         return rows
     with start_appliance(net.net, cores=plan.cores, slots=plan.slots,
+                         queue_target_s=plan.queue_target_s,
                          multicast=system == "multicast") as appl:
         pids = descendants(appl.process.pid)
         counters = appl.counters()

@@ -134,6 +134,10 @@ class JobDefaults:
     # a rank (or the appliance) silent this long is declared dead; workers heartbeat well
     # within it, so a slow but live rank never is
     liveness_timeout_s: float = 5.0
+    # advised to workers: a round trip longer than this, taken by the rank whose contribution
+    # completed the segment, means a queue stands on the path, and every worker's window on
+    # that core shrinks until it drains (plugin/congestion.py); 0 = fixed windows of `slots`
+    queue_target_s: float = 0.025
     # receive buffers per core a deterministic job may hold (early ranks' contributions
     # waiting for their turn), reserved at admission so that no job can starve another
     hold_buffers: int = 128
@@ -321,6 +325,7 @@ def parse(raw: dict[str, Any], source: str = "<memory>") -> ApplianceConfig:
     _check(jobs.idle_timeout_s > 0, "jobs.idle_timeout_s", "must be > 0")
     _check(jobs.deadline_s > 0, "jobs.deadline_s", "must be > 0")
     _check(0.5 <= jobs.liveness_timeout_s <= 3600, "jobs.liveness_timeout_s", "must be 0.5..3600")
+    _check(0 <= jobs.queue_target_s <= 10, "jobs.queue_target_s", "must be 0..10 (0 = off)")
     holdable = holdable_buffers(dataplane.rx_buffers)
     _check(1 <= jobs.hold_buffers <= holdable, "jobs.hold_buffers",
            f"must be between 1 and the {holdable} receive buffers deterministic jobs may hold "

@@ -156,6 +156,7 @@ class JobPlan:
                             for i in range(dp.cores)),
             multicast=self.spec.multicast, epoch=self.spec.epoch,
             liveness_s=self.spec.liveness_timeout, transport=self.request.transport,
+            queue_target_s=cfg.jobs.queue_target_s,
         )
 
 

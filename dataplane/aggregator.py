@@ -329,7 +329,7 @@ class Aggregator:
             if query or h.flags & Flags.RETRANSMIT:
                 self._waiting(job, copy, h, source, out)
             return False
-        return self._accumulate(job, copy, h.rank, index, now, out)
+        return self._accumulate(job, copy, h.rank, index, now, out, h.flags & Flags.QUEUED)
 
     def _member(self, h: Header, source: Address, out: list[Send]) -> JobState | None:
         """The job `h` is from, when it comes from a rank bound there (its cookie, its rank,
@@ -398,11 +398,12 @@ class Aggregator:
         self._release_held(job, copy)
         copy.begin(h.use, h.round, h.offset, h.dtype, h.op, self._kernels.kernel(h.dtype, h.op),
                    h.length, now)
-        return self._accumulate(job, copy, h.rank, index, now, out)
+        return self._accumulate(job, copy, h.rank, index, now, out, h.flags & Flags.QUEUED)
 
     def _accumulate(self, job: JobState, copy: SlotCopy, rank: int, index: int, now: float,
-                    out: list[Send]) -> bool:
-        """Fold the payload in buffer `index` in; True when the buffer is kept (held)."""
+                    out: list[Send], queued: int = 0) -> bool:
+        """Fold the payload in buffer `index` in; True when the buffer is kept (held).
+        `queued`: the contribution's QUEUED flag, echoed if it completes the copy."""
         kernel = copy.kernel
         assert kernel is not None
         acc = copy.acc_n
@@ -441,11 +442,14 @@ class Aggregator:
             copy.state = move(copy.state, Event.ADD)
             return held
         copy.finished = now
-        self._finish(job, copy, kernel, acc, out)
+        self._finish(job, copy, kernel, acc, out, rank, queued)
         return held
 
     def _finish(self, job: JobState, copy: SlotCopy, kernel: SegmentKernel,
-                acc: NDArray[np.float32], out: list[Send]) -> None:
+                acc: NDArray[np.float32], out: list[Send], completer: int,
+                queued: int) -> None:
+        """The contribution of rank `completer` made `copy` whole: send its result (the
+        header names `completer` and echoes its contribution's QUEUED flag, see wire.py)."""
         spec = job.spec
         copy.result = memoryview(kernel.finish(acc, spec.world_size, copy.out))  # type: ignore[arg-type]
         copy.state = move(copy.state, Event.LAST)
@@ -453,8 +457,8 @@ class Aggregator:
         # Into the arena right before the result (fp32: the accumulator; fp16/bf16: the
         # narrowed buffer), so that header and payload are one contiguous message.
         copy.header = copy.heads[copy.dtype is not DType.FLOAT32]
-        HEADER.pack_into(copy.header, 0, MAGIC, VERSION, Kind.RESULT, copy.dtype, copy.op, 0,
-                         spec.job_id, 0, spec.epoch, spec.cookie, copy.round, copy.slot,
+        HEADER.pack_into(copy.header, 0, MAGIC, VERSION, Kind.RESULT, copy.dtype, copy.op, queued,
+                         spec.job_id, completer, spec.epoch, spec.cookie, copy.round, copy.slot,
                          copy.offset, copy.length, copy.use)
         copy.serial = copy.header[SERIAL_AT] = job.serial
         job.serial = (job.serial + 1) % SERIALS

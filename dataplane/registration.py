@@ -80,6 +80,8 @@ class JobDescription:
     # spoke 2): a worker of another version would be dropped as malformed, so it refuses.
     wire_version: int = VERSION
     transport: str = "udp"  # "roce": ranks connect queue pairs (`/connect`) before joining
+    # advised: a completer's round trip above this shrinks the windows (0: fixed windows)
+    queue_target_s: float = 0.0
 
     def public(self) -> JobDescription:
         """The description without the cookie or the secret, for listings."""
@@ -96,6 +98,7 @@ class JobDescription:
                           else {"group": self.multicast[0], "port": self.multicast[1]}),
             "epoch": self.epoch, "secret": self.secret, "liveness_s": self.liveness_s,
             "wire_version": self.wire_version, "transport": self.transport,
+            "queue_target_s": self.queue_target_s,
         }
 
     @classmethod
@@ -132,4 +135,6 @@ class JobDescription:
             liveness_s=_field(data, "liveness_s", float, where),
             wire_version=_field(data, "wire_version", int, where) if "wire_version" in data else 2,
             transport=_field(data, "transport", str, where) if "transport" in data else "udp",
+            queue_target_s=(_field(data, "queue_target_s", float, where)
+                            if "queue_target_s" in data else 0.0),
         )

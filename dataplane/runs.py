@@ -48,6 +48,7 @@ from .wire import (
     SERIALS,
     VERSION,
     DType,
+    Flags,
     Kind,
     Op,
 )
@@ -61,8 +62,11 @@ _DTYPES = {int(d): d for d in DType}
 _OPS = {int(o): o for o in Op}
 _FILLING = CopyState.FILLING
 
-#: finish(job, copy, kernel, acc, out): the aggregator's own, for a copy every rank is in
-Finish = Callable[[JobState, SlotCopy, SegmentKernel, NDArray[np.float32], list[Send]], None]
+#: finish(job, copy, kernel, acc, out, completer, queued): the aggregator's own, for a copy
+#: every rank is in (`completer` the rank whose contribution made it whole, `queued` that
+#: contribution's QUEUED flag)
+Finish = Callable[[JobState, SlotCopy, SegmentKernel, NDArray[np.float32], list[Send], int,
+                   int], None]
 #: one(index, nbytes, source, now, out): the aggregator's one-by-one path, for a datagram in
 #: receive-pool buffer `index`
 One = Callable[[int, int, Address, float, list[Send]], None]
@@ -127,9 +131,10 @@ class RunPath:
         buf = staging.buffer
         (magic, version, kind, dtype_no, op_no, flags, job_id, rank, epoch, cookie, round_no,
          _, _, length, _) = HEADER.unpack_from(buf, start)
-        # Only first transmissions of contributions (flags 0).
-        if (magic != MAGIC or version != VERSION or kind != Kind.CONTRIBUTION or flags
-                or length != size - HEADER_SIZE):
+        # Only first transmissions of contributions (no flag but QUEUED, the same on every
+        # datagram of the run: the header tails compared below include it).
+        if (magic != MAGIC or version != VERSION or kind != Kind.CONTRIBUTION
+                or flags & ~Flags.QUEUED or length != size - HEADER_SIZE):
             return 0
         job = self._jobs.get(job_id)
         if job is None:
@@ -206,7 +211,7 @@ class RunPath:
                 copy.state = move(copy.state, Event.ADD)
             else:
                 copy.finished = now
-                self._finish(job, copy, kernel, copy.acc_n, out)
+                self._finish(job, copy, kernel, copy.acc_n, out, rank, flags)
         return len(plan)
 
     def _fold(self, job: JobState, plan: list[tuple[SlotCopy, bool, int, int, int, int]],

@@ -52,6 +52,11 @@ were lost, and says so at once (MISSING). A gap at the end (the last contributio
 pause) shows no jump; a QUERY names its sender's newest send sequence (SENT) and shows it.
 Zero when unused.
 
+A RESULT's `rank` is the rank whose contribution completed it (the last to arrive): that
+rank alone may take the result's round trip as a sample of the path's queues, since it waited
+for no peer, and its contribution's QUEUED flag, echoed in the RESULT, tells the other ranks
+what it found (plugin/congestion.py).
+
 A segment is named by (job, round, offset); the slot says where the appliance aggregates it and
 `use` which use of that slot it is. Every rank numbers the uses of each slot alike (1, 2, ... in
 the order the slot is used), so the appliance accepts exactly the slot's current use, the one
@@ -114,7 +119,7 @@ class Kind(IntEnum):
     """What a datagram is."""
 
     CONTRIBUTION = 1  # worker -> appliance: one rank's segment
-    RESULT = 2  # appliance -> workers: the reduced segment
+    RESULT = 2  # appliance -> workers: the reduced segment; rank = the one that completed it
     # appliance -> one worker: segment not finished; payload = arrived-rank bitmap. Sent to a
     # worker that retransmitted or queried, and to each rank the segment still waits for (its
     # bit clear: "yours never came", so it resends at once instead of at its timer).
@@ -166,6 +171,11 @@ class Flags(IntFlag):
     # On a QUERY: its one-byte payload is the send sequence of the newest first transmission
     # its sender made to that core, so that the core sees a gap at the end of what it got.
     SENT = 8
+    # On a CONTRIBUTION: its sender's latest round trip to the core, from a result its own
+    # contribution completed, was over the job's queue target (a queue stands on the path).
+    # On a RESULT: the contribution that completed it said so, and every rank's window on the
+    # core shrinks, not only the completer's (plugin/congestion.py): in-band, as ECN's echo.
+    QUEUED = 16
 
 
 class WireError(PeerError):

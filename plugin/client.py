@@ -28,6 +28,7 @@ from reduction_appliance.dataplane.transport import Address
 from reduction_appliance.dataplane.wire import (
     HEADER_SIZE,
     DType,
+    Flags,
     Header,
     Kind,
     Op,
@@ -37,6 +38,7 @@ from reduction_appliance.dataplane.wire import (
 )
 
 from . import rendezvous
+from .congestion import Congestion
 from .lease import Lease
 from .pipeline import Outcome, RoundPipeline
 from .rendezvous import JobInfo
@@ -90,9 +92,12 @@ class ApplianceClient:
     The client joins every registered job as `rank` from the endpoint its transport sends from
     (`rejoin=True` for a restarted worker: see plugin/rendezvous.py); a job given already joined
     (with its cookie) is used as it is. Without `timing`, the appliance's advised deadline
-    applies. A thread of its own (`lease`) sends a HEARTBEAT to every appliance ten times per
-    liveness timeout, whatever the caller does between allreduces, so a slow rank is never
-    declared dead; the answers name dead ranks (see plugin/pipeline.py). `transport`, `clock`
+    applies. `congestion` is the policy of each core's congestion window (plugin/congestion.py;
+    over datagrams only: RoCE's reliable connections lose nothing to queues); without it, the
+    appliances' advised target (the least of them) applies, and none where one advises 0. A
+    thread of its own (`lease`) sends a HEARTBEAT to every appliance ten times per liveness
+    timeout, whatever the caller does between allreduces, so a slow rank is never declared
+    dead; the answers name dead ranks (see plugin/pipeline.py). `transport`, `clock`
     and `join` replace the UDP sockets, the monotonic clock and the API call (tests pass an
     in-memory network and its simulated clock, and `lease=False`: they call `heartbeat()`).
     """
@@ -104,6 +109,7 @@ class ApplianceClient:
         *,
         local_address: str = "0.0.0.0",
         timing: Timing | None = None,
+        congestion: Congestion | None = None,
         lanes: int = 1,
         transport: WorkerTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -181,7 +187,9 @@ class ApplianceClient:
         liveness = min(j.liveness_s for j in self.jobs)
         self.pipeline = RoundPipeline(self.endpoints, rank, self.world_size, self.segment_bytes,
                                       self.rtt, lanes, epoch=epochs.pop(),
-                                      liveness_timeout=liveness)
+                                      liveness_timeout=liveness,
+                                      congestion=None if self.transport.reliable
+                                      else congestion or self._advised_congestion())
         self._appliance_of = {e.address: e.appliance for e in self.endpoints}
         self._beat_to = [(j.cores[0].host, j.cores[0].port) for j in self.jobs]
         self._beat_header = bytearray(HEADER_SIZE)
@@ -282,6 +290,12 @@ class ApplianceClient:
             ended = self.progress()  # (it takes the unclaimed list over: extend after)
             self._unclaimed.extend(ended)
 
+    def _advised_congestion(self) -> Congestion:
+        """The window policy the appliances advise: the least of their targets; fixed windows
+        when one advises none (0)."""
+        target = min(j.queue_target_s for j in self.jobs)
+        return Congestion(target=target) if target > 0 else Congestion(enabled=False)
+
     def progress(self, timeout: float | None = None,
                  wake: socket.socket | None = None) -> list[Outcome]:
         """One turn of the transport: send what is due, wait for datagrams (at most until the
@@ -361,7 +375,7 @@ class ApplianceClient:
             if wanted is not None:
                 rnd, k = wanted
                 self._views[rnd.ticket][h.offset:h.offset + h.length] = payload
-                pipeline.stored(rnd, k, now)
+                pipeline.stored(rnd, k, now, h.rank, h.flags & Flags.QUEUED)
         elif h.kind is Kind.PENDING:
             pipeline.on_pending(h, bytes(payload), now, source)
         elif h.kind is Kind.MISSING:

@@ -51,6 +51,7 @@ from reduction_appliance.dataplane.wire import (
     peek_round,
 )
 
+from .congestion import Congestion, CongestionWindow
 from .result_runs import take_results
 from .rtt import RttEstimator
 from .serials import ResultSerials
@@ -96,7 +97,8 @@ class RoundPipeline:
 
     def __init__(self, endpoints: tuple[Endpoint, ...], rank: int, world_size: int,
                  segment_bytes: int, rtt: RttEstimator, lanes: int = 1, epoch: int = 1,
-                 liveness_timeout: float = float("inf")) -> None:
+                 liveness_timeout: float = float("inf"),
+                 congestion: Congestion | None = None) -> None:
         if not endpoints:
             raise ReductionError("an allreduce needs at least one appliance endpoint")
         self.endpoints = endpoints
@@ -113,6 +115,11 @@ class RoundPipeline:
         self.lane_window = min(sum(ep.slots for ep in lane) for lane in self._lane_endpoints)
         self._busy: list[AllreduceRound | None] = [None] * lanes
         self._in_flight = [0] * len(endpoints)  # per core, over every active round
+        # ... and how many it may be (plugin/congestion.py): at most the core's slots, the
+        # job's whole window
+        self.window: CongestionWindow | None = None
+        if congestion is not None and congestion.enabled:
+            self.window = CongestionWindow([ep.slots for ep in endpoints], congestion)
         self._serials = ResultSerials(len(endpoints))  # the results heard from each core
         self.order = SendOrder(len(endpoints))  # first transmissions' numbers, every round's
         self._core_at = {ep.address: e for e, ep in enumerate(endpoints)}
@@ -186,7 +193,8 @@ class RoundPipeline:
                                      self.segment_bytes, self.rtt, now, uses=self.uses,
                                      order=self.order,
                                      epoch=self.epoch, ticket=req.ticket,
-                                     in_flight=self._in_flight, serials=self._serials)
+                                     in_flight=self._in_flight, serials=self._serials,
+                                     window=self.window)
             except ReductionError as exc:
                 self._finished.append(Outcome(req.ticket, exc, 0))
                 continue
@@ -318,8 +326,9 @@ class RoundPipeline:
             self._finish(rnd, None)
         return at
 
-    def stored(self, rnd: AllreduceRound, k: int, now: float) -> None:
-        rnd.stored(k, now)
+    def stored(self, rnd: AllreduceRound, k: int, now: float, completer: int = -1,
+               queued: int = 0) -> None:
+        rnd.stored(k, now, completer, queued)
         if rnd.done:
             self._finish(rnd, None)
 

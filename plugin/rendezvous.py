@@ -67,6 +67,7 @@ class JobInfo:
     epoch: int = 1
     liveness_s: float = 5.0  # a rank or appliance silent this long is declared dead
     transport: str = "udp"  # "roce": queue pairs (plugin.roce), not datagrams
+    queue_target_s: float = 0.0  # the appliance's advice (plugin/congestion.py); 0: fixed windows
 
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:
@@ -157,7 +158,8 @@ def _info(appliance: str, job: JobDescription, secret: str | None,
     return JobInfo(appliance, job.job_id, job.name, job.world_size, job.segment_bytes,
                    job.multicast, job.deterministic, job.deadline_s, job.endpoints,
                    secret=job.secret or secret, token=token, cookie=job.cookie,
-                   epoch=job.epoch, liveness_s=job.liveness_s, transport=job.transport)
+                   epoch=job.epoch, liveness_s=job.liveness_s, transport=job.transport,
+                   queue_target_s=job.queue_target_s)
 
 
 def register(

@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from reduction_appliance.dataplane.wire import HEADER, HEADER_SIZE, MAGIC, SERIAL_AT, VERSION, Kind
+from reduction_appliance.dataplane.wire import (
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    SERIAL_AT,
+    VERSION,
+    Flags,
+    Kind,
+)
 
 from .slotplan import Address
 
@@ -20,6 +28,8 @@ if TYPE_CHECKING:
     from .session import AllreduceRound
 
 __all__ = ["take_results"]
+
+QUEUED = int(Flags.QUEUED)
 
 
 def take_results(rnd: AllreduceRound, buf: bytearray, view: memoryview, start: int,
@@ -35,8 +45,8 @@ def take_results(rnd: AllreduceRound, buf: bytearray, view: memoryview, start: i
         end = at + size if at + size < nbytes else nbytes
         if end - at < HEADER_SIZE:
             return at
-        (magic, version, kind, dtype, _, _, job_id, _, epoch, cookie, round_no, _, offset,
-         length, use) = unpack_from(buf, at)
+        (magic, version, kind, dtype, _, flags, job_id, completer, epoch, cookie, round_no, _,
+         offset, length, use) = unpack_from(buf, at)
         if (magic != MAGIC or version != VERSION or kind != Kind.RESULT
                 or end - at != HEADER_SIZE + length):
             return at
@@ -45,5 +55,5 @@ def take_results(rnd: AllreduceRound, buf: bytearray, view: memoryview, start: i
         if k is None:
             return at
         out[offset:offset + length] = view[at + HEADER_SIZE:end]
-        stored(k, now)
+        stored(k, now, completer, flags & QUEUED)
     return nbytes

@@ -43,11 +43,12 @@ from reduction_appliance.dataplane.wire import (
     Op,
 )
 
+from .congestion import CongestionWindow, admit, any_admitted
 from .expiry import STALL_SHARE, CoreSigns, Expiry
 from .rtt import RttEstimator
 from .serials import ResultSerials
 from .slotplan import Address, Endpoint, SendOrder, SlotUses, Transmit
-from .stall import CoreStall, stall_report
+from .stall import stall_report, stalled_cores
 
 __all__ = ["Address", "AllreduceRound", "Endpoint", "SendOrder", "SlotUses", "Transmit"]
 
@@ -79,6 +80,7 @@ class AllreduceRound:
         ticket: int | None = None,
         in_flight: list[int] | None = None,
         serials: ResultSerials | None = None,
+        window: CongestionWindow | None = None,
     ) -> None:
         if not endpoints:
             raise ReductionError("an allreduce needs at least one appliance endpoint")
@@ -129,6 +131,10 @@ class AllreduceRound:
         # The result serials heard from each core, shared like `in_flight`: the newest (a
         # query carries it) and the ones skipped (plugin/serials.py).
         self._serials = ResultSerials(len(endpoints)) if serials is None else serials
+        # The congestion window per core, shared like `in_flight` (plugin/congestion.py), and
+        # this round's lowest unanswered segment to each core, which goes whatever the window.
+        self._window = window
+        self._lowest = list(range(len(endpoints)))
         # Retransmissions are QUERYs (48 bytes: "the result, or say what you lack") until the
         # appliance says our contribution never came; then, once, the payload.
         self._payload_sent = [0.0] * n
@@ -163,7 +169,7 @@ class AllreduceRound:
         slot = ep.slot_base + (k // n_ep) % ep.slots
         offset = k * self.segment_bytes
         query = not self._lacks_ours[k]
-        flags = Flags.RETRANSMIT | Flags.SENT if query else Flags.RETRANSMIT
+        flags = Flags.RETRANSMIT | Flags.SENT if query else Flags.RETRANSMIT | self._queued(k)
         serial = self._serials.newest[k % n_ep] if query else -1
         if query and probe:
             flags |= Flags.PROBE
@@ -227,6 +233,9 @@ class AllreduceRound:
         ready = self._ready
         if not ready:
             return out
+        window = self._window
+        if window is not None and window.shrunk:  # a queue stood on the path: lowest first
+            ready = admit(ready, n_ep, self._in_flight, window.limit, self._lowest)
         # First transmissions: the per-segment work of a fast link, so the timer is armed in
         # line and each core's RTO is worked out once per call, not once per segment.
         rto_of = [self._rtt.rto(e) for e in range(n_ep)]
@@ -240,6 +249,7 @@ class AllreduceRound:
         dtype, op, rank, round_no, epoch = self.dtype, self.op, self.rank, self.round, self.epoch
         size, nbytes = self.segment_bytes, self.nbytes
         numbers, numbered = self._order.next, self._order.sent
+        queued = window.queued if window is not None else [False] * n_ep
         while ready:
             k = ready.popleft()
             e = k % n_ep
@@ -251,7 +261,8 @@ class AllreduceRound:
             numbers[e] = (number + 1) % SERIALS
             numbered[e][number] = (self, k)
             first = _new_tuple(Header, (
-                Kind.CONTRIBUTION, dtype, op, Flags.NONE, ep.job_id, rank, ep.cookie, round_no,
+                Kind.CONTRIBUTION, dtype, op, Flags.QUEUED if queued[e] else Flags.NONE,
+                ep.job_id, rank, ep.cookie, round_no,
                 slot, offset, min(size, nbytes - offset), this_use, epoch, number))
             sent_at[k] = last_sent[k] = self._payload_sent[k] = now
             rto[k] = rto_of[e]
@@ -264,6 +275,12 @@ class AllreduceRound:
             unanswered[e][k] = None
             out.append(_new_tuple(Transmit, (e, k, first, ticket, b"")))
         return out
+
+    def _queued(self, k: int) -> Flags:
+        """Segment k's contribution says a queue stands (wire.Flags.QUEUED), or nothing."""
+        window = self._window
+        return Flags.QUEUED if window is not None and window.queued[k % len(self.endpoints)] \
+            else Flags.NONE
 
     def _clean(self) -> bool:
         """Has this round repaired no loss yet (no fast retransmission, no nudged resend)?"""
@@ -319,10 +336,17 @@ class AllreduceRound:
 
     def wakeup(self) -> float:
         """The time `due` next has work, unless a result arrives first."""
-        if self._ready or self._nudged:
+        if self._nudged or (self._ready and self._admits()):
             return 0.0
         overtaken = min((at for _, at in self._overtaken()), default=math.inf)
         return min(self.next_timer(), overtaken, self._deadline)
+
+    def _admits(self) -> bool:
+        """May a ready segment go now? (Not while the congestion window holds them all: a
+        result, freeing room, is what lets one go.)"""
+        window = self._window
+        return window is None or not window.shrunk or any_admitted(
+            self._ready, len(self.endpoints), self._in_flight, window.limit, self._lowest)
 
     def next_timer(self) -> float:
         """When the earliest live retransmission timer expires (inf: none is armed)."""
@@ -366,8 +390,10 @@ class AllreduceRound:
             serials.jump(e, serial)
         return k
 
-    def stored(self, k: int, now: float) -> None:
-        """The result of segment k is in place: release the slot's next segment."""
+    def stored(self, k: int, now: float, completer: int = -1, queued: int = 0) -> None:
+        """The result of segment k is in place: release the slot's next segment. `completer`:
+        the rank whose contribution completed it (the RESULT's rank; -1: not known); `queued`:
+        the RESULT's QUEUED flag (that rank found a queue)."""
         done = self._done
         if done[k]:
             return
@@ -377,16 +403,34 @@ class AllreduceRound:
         e = k % n_ep
         self._signs.heard_at[e] = now
         in_flight = self._in_flight
+        window = self._window
         if not self._retransmitted[k]:
             self._signs.progress_at[e] = now
             if not self._timed_out[k]:
                 self._rtt.sample(e, now - self._sent_at[k], in_flight[e])
+            if window is not None and window.shrunk:
+                window.on_answer(e)
+        if completer == self.rank and window is not None:
+            # Ours came last, so the round trip of our payload is the path's: its queues, not
+            # a peer's wait. Unambiguous even for a repaired segment, unlike the RTO's samples
+            # (Karn's rule): a payload goes again only once the core said ours never came, so
+            # the newest one is what completed it; and under an incast nearly every segment
+            # is repaired, and the window must hear of the queue then above all.
+            window.on_delay(e, now - self._payload_sent[k], now)
+        elif completer >= 0 and window is not None:
+            window.on_mark(e, bool(queued), now, self._rtt.srtt(e) or self._rtt.rto(e))
         in_flight[e] -= 1
         self._mine[e] -= 1
         seq = self._seq[k]
         if seq > self._acked_seq[e]:
             self._acked_seq[e] = seq
         self._unanswered[e].pop(k, None)
+        lowest = self._lowest
+        if k == lowest[e]:
+            low = k
+            while low < self.segments and done[low]:
+                low += n_ep
+            lowest[e] = low
         nxt = k + self.endpoints[e].slots * n_ep
         if nxt < self.segments:
             self._ready.append(nxt)
@@ -455,19 +499,9 @@ class AllreduceRound:
         raise AllreduceTimeout(self.describe_stall(now))
 
     def describe_stall(self, now: float) -> str:
-        n_ep = len(self.endpoints)
-        waiting = [0] * n_ep
-        for k in range(self.segments):
-            if not self._done[k]:
-                waiting[k % n_ep] += 1
-        cores = []
-        for e, count in enumerate(waiting):
-            if count:
-                waits_for = None  # it sent no PENDING
-                if (pending := self._pending.get(e)) is not None:
-                    have = int.from_bytes(pending[1], "little")
-                    waits_for = [r for r in range(self.world_size) if not have >> r & 1]
-                cores.append(CoreStall(self.endpoints[e].name, count, waits_for))
+        cores = stalled_cores([ep.name for ep in self.endpoints], self._done,
+                              {e: bitmap for e, (_, bitmap) in self._pending.items()},
+                              self.world_size)
         return stall_report(
             f"allreduce round {self.round} of {self.nbytes} bytes ({self.dtype.name}, "
             f"{self.op.name}) by rank {self.rank}", self._rtt.timing.deadline,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-__all__ = ["CoreStall", "stall_report"]
+__all__ = ["CoreStall", "stall_report", "stalled_cores"]
 
 _RANKS_SHOWN = 16  # a rack's worth; beyond it the list would bury the rest of the message
 
@@ -17,6 +17,26 @@ class CoreStall(NamedTuple):
     name: str  # the core as the operator knows it (appliance address and core number)
     unanswered: int  # segments of the round it left unanswered
     waits_for: Sequence[int] | None  # ranks its last PENDING lacked; None: it sent none
+
+
+def stalled_cores(names: Sequence[str], done: bytes | bytearray,
+                  pending: dict[int, bytes], world_size: int) -> list[CoreStall]:
+    """The cores that left segments unanswered: segment k went to core k mod len(`names`)
+    and is answered where `done[k]`; `pending` holds each core's last PENDING bitmap."""
+    cores = len(names)
+    waiting = [0] * cores
+    for k, answered in enumerate(done):
+        if not answered:
+            waiting[k % cores] += 1
+    stalled = []
+    for e, count in enumerate(waiting):
+        if count:
+            waits_for = None  # it sent no PENDING
+            if (bitmap := pending.get(e)) is not None:
+                have = int.from_bytes(bitmap, "little")
+                waits_for = [r for r in range(world_size) if not have >> r & 1]
+            stalled.append(CoreStall(names[e], count, waits_for))
+    return stalled
 
 
 def stall_report(what: str, deadline_s: float, elapsed_s: float, remaining: int,

@@ -144,6 +144,8 @@ def _run_case(client: ApplianceClient, args: argparse.Namespace, case: int, dtyp
     times: list[float] = []
     bad = 0
     before = client.retransmissions
+    window = client.pipeline.window  # the congestion window (None: fixed windows)
+    cuts_before = window.cuts if window is not None else 0
     probe = probe_of(args)
     cpu_s = 0.0  # this process's CPU time in the timed calls (its heartbeat thread included)
     for i in range(args.warmup + args.iters):
@@ -168,6 +170,9 @@ def _run_case(client: ApplianceClient, args: argparse.Namespace, case: int, dtyp
         "retransmissions": client.retransmissions - before,
         "segments": -(-(n * itemsize) // client.segment_bytes) * (args.warmup + args.iters),
         "worker_cpu_s": cpu_s,
+        # the congestion window: its cuts in this case, and the least any core's came to
+        **({"window_cuts": window.cuts - cuts_before, "window_least": window.least}
+           if window is not None else {}),
         "numpy_dtype": str(info(dtype).numpy), **probe.report(),
     }
 

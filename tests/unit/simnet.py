@@ -31,12 +31,14 @@ from reduction_appliance.dataplane.transport import (
 from reduction_appliance.dataplane.wire import (
     HEADER_SIZE,
     DType,
+    Flags,
     Header,
     Kind,
     Op,
     pack_into,
     unpack,
 )
+from reduction_appliance.plugin.congestion import Congestion, CongestionWindow
 from reduction_appliance.plugin.pipeline import Outcome, RoundPipeline
 from reduction_appliance.plugin.rtt import RttEstimator, Timing
 from reduction_appliance.plugin.session import (
@@ -59,6 +61,28 @@ class Faults:
 
 
 @dataclass
+class Bottleneck:
+    """The appliance's one link in: a FIFO drained at `rate` bytes/s that drops what finds
+    more than `queue_s` of backlog waiting (tbf's limit, as the emulated rack has it)."""
+
+    rate: float
+    queue_s: float
+    busy_until: float = 0.0
+    dropped: int = 0
+    longest_s: float = 0.0  # the longest wait any datagram had
+
+    def enter(self, now: float, size: int) -> float | None:
+        """The datagram's wait plus serialisation from `now`, or None: dropped."""
+        start = max(now, self.busy_until)
+        if start - now > self.queue_s:
+            self.dropped += 1
+            return None
+        self.busy_until = start + size / self.rate
+        self.longest_s = max(self.longest_s, start - now)
+        return self.busy_until - now
+
+
+@dataclass
 class SimNet:
     kernels: KernelTable
     world: int
@@ -74,11 +98,15 @@ class SimNet:
     # every datagram sent.
     adversary: Callable[[MemoryNetwork], None] | None = None
     tap: Callable[[Address, Address, bytes], None] | None = None
+    # Each rank's congestion window (plugin/congestion.py), kept across rounds; None: none.
+    congestion: Congestion | None = None
+    bottleneck: Bottleneck | None = None  # the appliance's link in; None: as fast as memory
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.faults.seed)
         self.net = MemoryNetwork(self._fault, self.tap)
-        self.arenas = [SlotArena(8, self.max_payload, 64) for _ in range(self.cores)]
+        self.arenas = [SlotArena(max(8, self.slots), self.max_payload, 64)
+                       for _ in range(self.cores)]
         self.aggregators = [Aggregator(a, self.kernels, Counters()) for a in self.arenas]
         self.spec = JobSpec(7, 0xC0FFEE, self.world, self.slots, self.deterministic,
                             MULTICAST if self.multicast else None,
@@ -100,6 +128,8 @@ class SimNet:
         self.rtts = [RttEstimator(self.timing) for _ in range(self.world)]
         self.uses = [SlotUses() for _ in range(self.world)]  # each rank's, kept across rounds
         self.orders = [SendOrder(self.cores) for _ in range(self.world)]  # ... and these
+        self.windows = [CongestionWindow([self.slots] * self.cores, self.congestion)
+                        if self.congestion is not None else None for _ in range(self.world)]
         self.round = 0
         self._batch = RxBatch()
         self._header = bytearray(HEADER_SIZE)
@@ -121,7 +151,11 @@ class SimNet:
         copies = 0 if self.rng.random() < f.drop else 1
         if copies and self.rng.random() < f.duplicate:
             copies = 2
-        return [1e-5 + self.rng.random() * f.max_delay for _ in range(copies)]
+        delays = [1e-5 + self.rng.random() * f.max_delay for _ in range(copies)]
+        if self.bottleneck is not None and dest in self._cores:
+            queued = [self.bottleneck.enter(self.net.now, len(datagram)) for _ in delays]
+            delays = [d + q for d, q in zip(delays, queued, strict=True) if q is not None]
+        return delays
 
     def _send(self, rank: int, due: list[Transmit],
               view: Callable[[Transmit], NDArray[np.uint8]]) -> None:
@@ -165,7 +199,7 @@ class SimNet:
         rounds = [
             AllreduceRound(self.endpoints, r, self.world, self.round, dtype, op,
                            arrays[r].nbytes, self.max_payload, self.rtts[r], self.now,
-                           uses=self.uses[r], order=self.orders[r])
+                           uses=self.uses[r], order=self.orders[r], window=self.windows[r])
             for r in range(self.world)
         ]
         views = [a.reshape(-1).view(np.uint8) for a in arrays]
@@ -187,7 +221,7 @@ class SimNet:
             k = rnd.accept(h, source)
             if k is not None:
                 views[rank][h.offset:h.offset + h.length] = np.frombuffer(payload, np.uint8)
-                rnd.stored(k, self.now)
+                rnd.stored(k, self.now, h.rank, h.flags & Flags.QUEUED)
 
         for r in order or range(self.world):
             self._send(r, rounds[r].due(self.now), lambda t, r=r: views[r])  # type: ignore[misc]
@@ -204,7 +238,8 @@ class SimNet:
         `RoundPipeline` per rank with `lanes` lanes, all submitted at once. Returns rank 0's
         outcomes and the most rounds any rank had in flight at one time."""
         pipelines = [RoundPipeline(self.endpoints, r, self.world, self.max_payload,
-                                   self.rtts[r], lanes) for r in range(self.world)]
+                                   self.rtts[r], lanes, congestion=self.congestion)
+                     for r in range(self.world)]
         views: list[dict[int, NDArray[np.uint8]]] = [{} for _ in range(self.world)]
         for batch in batches:
             for r, p in enumerate(pipelines):
@@ -224,7 +259,7 @@ class SimNet:
                 rnd, k = wanted
                 views[rank][rnd.ticket][h.offset:h.offset + h.length] = np.frombuffer(
                     payload, np.uint8)
-                p.stored(rnd, k, self.now)
+                p.stored(rnd, k, self.now, h.rank, h.flags & Flags.QUEUED)
 
         while not all(p.idle for p in pipelines):
             for r in range(self.world):

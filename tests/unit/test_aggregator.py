@@ -104,6 +104,37 @@ def test_complete_segment_is_multicast_once(arena: SlotArena) -> None:
     assert agg.counters[Counter.SEGMENTS_REDUCED] == 1
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("order", [(2, 0, 1), (0, 1, 2), (1, 2, 0)])
+def test_a_result_names_the_rank_whose_contribution_completed_it(
+        arena: SlotArena, deterministic: bool, order: tuple[int, int, int]) -> None:
+    """The congestion windows' delay signal (plugin/congestion.py): only the last rank in
+    waited for no peer. In deterministic mode too, where early ranks' datagrams are held."""
+    agg = make(arena, deterministic=deterministic)
+    sends: list[Send] = []
+    for rank in order:
+        sends = contribute(agg, rank, np.full(16, rank + 1, np.float32))
+    assert len(sends) == 1
+    assert unpack(bytes(sends[0].header)).rank == order[-1]
+    # A resend of that result (a query after it left) names the same rank.
+    query = contribute(agg, order[0], np.full(16, 1, np.float32), flags=Flags.RETRANSMIT,
+                       now=1.0)
+    assert [unpack(bytes(s.header)).rank for s in query] == [order[-1]]
+
+
+def test_a_result_echoes_the_queued_flag_of_the_contribution_that_completed_it(
+        arena: SlotArena) -> None:
+    agg = make(arena)
+    one = np.ones(16, np.float32)
+    for slot, marks in ((0, (True, False, True)), (1, (True, True, False))):
+        sends: list[Send] = []
+        for rank, marked in enumerate(marks):
+            sends = contribute(agg, rank, one, slot=slot, offset=64 * slot,
+                               flags=Flags.QUEUED if marked else 0)
+        h = unpack(bytes(sends[0].header))
+        assert bool(h.flags & Flags.QUEUED) is marks[-1]
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_a_result_header_sits_right_before_its_payload_in_the_arena(
         arena: SlotArena, dtype: type) -> None:

@@ -137,9 +137,28 @@ def test_a_regular_run_is_taken_whole_with_one_fold(pair: tuple[Aggregator, Aggr
         out = take_both(a, b, run, where(rank))
         assert taken(a) == rank + 1  # the burst path took every one of them
     assert len(out) == SLOTS  # the last rank finished every slot: one result each
-    for dest, _, payload in out:
+    for dest, header, payload in out:
         assert dest == GROUP
+        assert unpack(header).rank == WORLD - 1  # named as the one that completed it
         assert np.all(np.frombuffer(payload, np.float32) == 6.0)
+
+
+@pytest.mark.parametrize("last_marked", [True, False])
+def test_a_run_marked_queued_is_taken_whole_and_its_mark_echoed_only_by_the_completer(
+        pair: tuple[Aggregator, Aggregator], last_marked: bool) -> None:
+    """QUEUED (plugin/congestion.py) keeps a run on the burst path; the RESULTs carry the
+    completing rank's mark, whatever the earlier ranks' said."""
+    a, b = pair
+    for rank in range(WORLD):
+        marked = last_marked if rank == WORLD - 1 else not last_marked
+        run = [contribution(5, rank, s, 1, flags=Flags.QUEUED if marked else 0)
+               for s in range(SLOTS)]
+        out = take_both(a, b, run, where(rank))
+        assert taken(a) == rank + 1
+    assert len(out) == SLOTS
+    for _, header, _ in out:
+        h = unpack(header)
+        assert h.rank == WORLD - 1 and bool(h.flags & Flags.QUEUED) is last_marked
 
 
 def test_fp16_runs_fold_row_by_row_and_match(pair: tuple[Aggregator, Aggregator]) -> None:

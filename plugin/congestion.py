@@ -1,0 +1,156 @@
+"""A worker's congestion window per appliance core: how many segments it keeps in flight to
+the core, every round together, shrunk while a queue stands on the path and grown back while
+none does (delay-based AIMD, as Swift has it).
+
+The signal. A result's round trip is mostly the wait for the slowest rank, not the path: a
+rank's sample says nothing about queues unless its own contribution was the one the slot
+waited for. So the appliance names, in each RESULT, the rank whose contribution completed it
+(wire.py), and only that rank takes the round trip of its payload as a delay sample: its
+contribution found every other one already there, so what it waited for was the path (its own
+uplink, the appliance's link, the core's socket). That rank's contributions then carry what it
+found (wire.Flags.QUEUED) and the appliance echoes it in the RESULTs they complete, so every
+rank hears of the queue, as ECN's echo has it. Without the echo only the completers shrank
+their windows; the others kept theirs whole, and each round's first burst overflowed the queue
+again (tests/unit/test_congestion.py).
+
+The window. It starts at the job's whole window (the core's slots), so a clean path with a
+fat uplink runs exactly as without it. A sample longer than the `target` round trip cuts the
+window in proportion to the excess, by at most `max_decrease`; an echoed mark, which carries
+no measure of the excess, by `mark_decrease`; either at most once per round trip. Every answer
+while no queue stands grows it by 1/window (one segment per round trip). Random loss does not
+cut it: a loss is no queue, and 1% loss must keep 70% of the lossless throughput.
+
+Deadlock freedom (plugin/session.py applies the gate): a slot completes only once every rank
+sent its segment, so two ranks that filled their windows with different segments would wait
+for each other forever. A round's lowest unanswered segment to a core therefore always goes,
+window or not: every rank eventually sends the lowest incomplete segment, so it completes.
+
+Sans-I/O: time and samples are passed in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+__all__ = ["Congestion", "CongestionWindow", "admit", "any_admitted"]
+
+
+@dataclass(frozen=True)
+class Congestion:
+    """The window's policy; `enabled=False` keeps every core's window at its slots."""
+
+    enabled: bool = True
+    # A completer's round trip longer than this means a queue stands on the path. An absolute
+    # bound, not one above the least round trip seen (TCP Vegas's): the job's first window
+    # leaves in one burst, so the least round trip a rank ever sees already holds the queue
+    # that burst built (on the simulated incast of tests/unit/test_congestion.py, 17 ms of a
+    # 50 ms queue). Above a busy 2-core host's scheduling jitter and a worker's own window
+    # serialised on its uplink (64 segments of 8.9 KB: 9 ms at 500 Mbit/s), below the 50 ms a
+    # shaped link of the emulated rack queues before it drops. A rack whose switches drop
+    # sooner wants it lower: its base round trip plus a share of the shallowest buffer.
+    target: float = 0.025
+    min_window: int = 2
+    beta: float = 0.8  # the cut: window *= 1 - beta * excess / round trip ...
+    max_decrease: float = 0.5  # ... but never by more than this share at once
+    # A peer's mark carries no measure of the excess: a fixed cut, once per round trip.
+    mark_decrease: float = 0.2
+
+    def __post_init__(self) -> None:
+        if (not self.target > 0 or self.min_window < 1 or not 0 < self.max_decrease < 1
+                or not 0 < self.mark_decrease < 1):
+            raise ValueError(f"congestion policy out of range: {self}")
+
+
+class CongestionWindow:
+    """Per appliance core: the window (`limit`), shared by the rounds of one rank in flight
+    together, as their in-flight counts are."""
+
+    def __init__(self, ceilings: list[int], policy: Congestion | None = None) -> None:
+        self.policy = policy or Congestion()
+        self.ceiling = list(ceilings)
+        self.limit = list(ceilings)  # whole segments: what the gate compares with
+        self.shrunk = False  # is any core's window below its ceiling? (the gate's fast path)
+        cores = len(ceilings)
+        self._window = [float(c) for c in ceilings]
+        # A queue stands: this rank's latest delay sample was over target, or the latest
+        # result a peer completed said its sample was (QUEUED). First transmissions carry it.
+        self.queued = [False] * cores
+        self._cut_at = [-math.inf] * cores
+        self._last = [0.0] * cores  # the previous delay sample
+        self.samples = 0
+        self.cuts = 0
+        self.least = min(ceilings) if ceilings else 0  # the smallest window any core had
+
+    def on_delay(self, e: int, rtt: float, now: float) -> None:
+        """A round trip to core `e` whose result this rank's contribution completed."""
+        policy = self.policy
+        if not policy.enabled:
+            return
+        self.samples += 1
+        # A queue stands when two samples in a row say so: the lesser is the measure. One
+        # sample alone may be a busy host's scheduling (a worker not run for a few ms), and
+        # through the echo it would cut every rank's window.
+        rtt, self._last[e] = min(rtt, self._last[e]), rtt
+        self.queued[e] = queued = rtt > policy.target
+        if not queued or now - self._cut_at[e] < rtt:
+            return  # once per round trip: the cut's effect shows one round trip later
+        self._cut_at[e] = now
+        share = min(policy.max_decrease, policy.beta * (rtt - policy.target) / rtt)
+        self._set(e, self._window[e] * (1.0 - share))
+        self.cuts += 1
+
+    def on_mark(self, e: int, queued: bool, now: float, rtt: float) -> None:
+        """A result to core `e` that a peer's contribution completed; `queued`: that peer's
+        latest sample was over target (the RESULT's QUEUED flag). The peer's own window took
+        its measure; this one shrinks by `mark_decrease`, once per round trip (`rtt`)."""
+        policy = self.policy
+        if not policy.enabled:
+            return
+        self.queued[e] = queued
+        if not queued or now - self._cut_at[e] < rtt:
+            return
+        self._cut_at[e] = now
+        self._set(e, self._window[e] * (1.0 - policy.mark_decrease))
+        self.cuts += 1
+
+    def on_answer(self, e: int) -> None:
+        """A first transmission to core `e` was answered: one segment more per round trip
+        while no queue stands."""
+        if self.queued[e] or self._window[e] >= self.ceiling[e]:
+            return
+        self._set(e, self._window[e] + 1.0 / self._window[e])
+
+    def _set(self, e: int, window: float) -> None:
+        window = min(float(self.ceiling[e]), max(float(self.policy.min_window), window))
+        self._window[e] = window
+        self.limit[e] = limit = int(window)
+        self.least = min(self.least, limit)
+        self.shrunk = any(lim < ceil for lim, ceil in zip(self.limit, self.ceiling, strict=True))
+
+
+def admit(ready: deque[int], cores: int, in_flight: list[int], limit: list[int],
+          lowest: list[int]) -> deque[int]:
+    """The segments of `ready` that the window lets go now, lowest first; the rest stay in
+    `ready`, in order. A round's lowest unanswered segment to a core (`lowest`) always goes
+    (the module's deadlock freedom). Segment k goes to core k mod `cores`."""
+    room = [limit[e] - in_flight[e] for e in range(cores)]
+    go: deque[int] = deque()
+    held: list[int] = []
+    for k in sorted(ready):
+        e = k % cores
+        if room[e] > 0 or k == lowest[e]:
+            room[e] -= 1
+            go.append(k)
+        else:
+            held.append(k)
+    ready.clear()
+    ready.extend(held)
+    return go
+
+
+def any_admitted(ready: deque[int], cores: int, in_flight: list[int], limit: list[int],
+                 lowest: list[int]) -> bool:
+    """Would `admit` let any of `ready` go now?"""
+    return any(in_flight[k % cores] < limit[k % cores] or k == lowest[k % cores] for k in ready)

@@ -1,0 +1,176 @@
+"""The congestion window (plugin/congestion.py): its arithmetic with plain numbers, its gate,
+and on the simulated network: an incast at the appliance's link, and deadlock freedom with
+windows of one segment under loss."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import pytest
+
+from reduction_appliance.dataplane.reduce import select_kernels
+from reduction_appliance.dataplane.wire import DType, Op
+from reduction_appliance.plugin.congestion import (
+    Congestion,
+    CongestionWindow,
+    admit,
+    any_admitted,
+)
+from reduction_appliance.plugin.rtt import Timing
+
+from .simnet import Bottleneck, Faults, SimNet
+
+KERNELS = select_kernels()
+POLICY = Congestion(target=0.02, min_window=2, beta=0.8, max_decrease=0.5)
+
+
+def test_a_window_starts_whole_and_a_sample_below_target_leaves_it() -> None:
+    w = CongestionWindow([32, 16], POLICY)
+    assert w.limit == [32, 16] and not w.shrunk
+    w.on_delay(0, 0.019, now=1.0)
+    w.on_answer(0)
+    assert w.limit == [32, 16] and not w.shrunk and w.cuts == 0 and w.samples == 1
+
+
+def test_a_lone_sample_over_target_is_no_queue() -> None:
+    w = CongestionWindow([32], POLICY)
+    w.on_delay(0, 0.5, now=1.0)  # a worker not run for half a second: no cut, no mark
+    assert w.limit == [32] and not w.queued[0]
+    w.on_delay(0, 0.005, now=1.1)
+    w.on_delay(0, 0.5, now=1.2)
+    assert w.limit == [32] and w.cuts == 0
+
+
+def test_a_queue_cuts_in_proportion_to_its_excess_once_per_round_trip() -> None:
+    w = CongestionWindow([32, 32], POLICY)
+    w.on_delay(0, 0.03, now=0.99)
+    w.on_delay(0, 0.025, now=1.0)  # the lesser of two: 5 ms over 20: 1 - 0.8 * 5/25 = 0.84
+    assert w.limit == [26, 32] and w.shrunk and w.cuts == 1 and w.queued == [True, False]
+    w.on_delay(0, 0.1, now=1.02)  # within the round trip after the cut: its effect not yet due
+    assert w.limit[0] == 26 and w.cuts == 1
+    w.on_delay(0, 0.1, now=1.2)  # later: cut again, by at most half
+    assert w.limit[0] == 13 and w.cuts == 2
+    for t in range(10):  # and never below the floor
+        w.on_delay(0, 1.0, now=3.0 + 2 * t)
+    assert w.limit[0] == 2 and w.least == 2
+    assert w.limit[1] == 32  # each core its own window
+
+
+def test_a_peers_mark_cuts_by_a_fixed_share_once_per_round_trip_and_its_absence_clears() -> None:
+    w = CongestionWindow([20], POLICY)
+    w.on_mark(0, True, now=1.0, rtt=0.05)
+    assert w.limit == [16] and w.queued == [True]  # 20 * (1 - 0.2)
+    w.on_mark(0, True, now=1.02, rtt=0.05)
+    assert w.limit == [16] and w.cuts == 1
+    w.on_answer(0)  # no growth while marked
+    assert w.limit == [16]
+    w.on_mark(0, False, now=1.03, rtt=0.05)
+    assert w.queued == [False]
+    for _ in range(17):
+        w.on_answer(0)
+    assert w.limit == [17]
+
+
+def test_answers_grow_a_shrunk_window_one_segment_per_window_and_no_further_than_whole() -> None:
+    w = CongestionWindow([8], POLICY)
+    w.on_delay(0, 1.0, now=0.5)
+    w.on_delay(0, 1.0, now=1.0)
+    assert w.limit == [4]
+    w.on_answer(0)  # the latest sample said a queue stands: no growth
+    assert w.limit == [4]
+    w.on_delay(0, 0.001, now=2.0)
+    for _ in range(4):  # 1/4 + 1/4.25 + ...: not quite one segment yet
+        w.on_answer(0)
+    assert w.limit == [4]
+    w.on_answer(0)  # about a window's worth of answers: one segment more
+    assert w.limit == [5]
+    for _ in range(100):
+        w.on_answer(0)
+    assert w.limit == [8] and not w.shrunk
+
+
+def test_a_disabled_policy_keeps_the_window_whole() -> None:
+    w = CongestionWindow([8], Congestion(enabled=False))
+    w.on_delay(0, 10.0, now=1.0)
+    assert w.limit == [8] and not w.shrunk and w.samples == 0
+
+
+@pytest.mark.parametrize("bad", [dict(target=0.0), dict(target=-1.0), dict(min_window=0),
+                                 dict(max_decrease=1.0), dict(max_decrease=0.0)])
+def test_a_policy_out_of_range_is_refused(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        Congestion(**bad)  # type: ignore[arg-type]
+
+
+def test_the_gate_sends_lowest_first_within_room_and_the_lowest_unanswered_always() -> None:
+    ready = deque([6, 2, 4, 3, 5, 7])  # two cores: even to core 0, odd to core 1
+    in_flight, limit = [3, 4], [4, 4]
+    go = admit(ready, 2, in_flight, limit, lowest=[2, 1])
+    # Core 0 has room for one: 2, its lowest. Core 1 none; 3 is not its lowest unanswered (1).
+    assert list(go) == [2] and list(ready) == [3, 4, 5, 6, 7]
+    assert not any_admitted(ready, 2, [4, 4], limit, lowest=[2, 1])
+    go = admit(ready, 2, [4, 4], limit, lowest=[4, 3])  # full, but each core's lowest goes
+    assert list(go) == [3, 4] and list(ready) == [5, 6, 7]
+    assert any_admitted(ready, 2, [4, 4], limit, lowest=[6, 9])
+
+
+def _rounds(net: SimNet, count: int, elements: int) -> list[float]:
+    """`count` allreduces of integer values on every rank, each checked; their times."""
+    times = []
+    for i in range(count):
+        arrays = [np.full(elements, r + i, np.float32) for r in range(net.world)]
+        start = net.now
+        net.allreduce(arrays, DType.FLOAT32, Op.SUM)
+        times.append(net.now - start)
+        want = sum(r + i for r in range(net.world))
+        assert all((a == want).all() for a in arrays)
+    return times
+
+
+def _incast(congestion: Congestion | None, seed: int) -> tuple[SimNet, list[tuple[float, int]]]:
+    """Eight ranks' whole windows (8 x 16 segments of 8 KiB: 1.05 MB) into an appliance link
+    that queues 625 KB (50 ms at 100 Mbit/s) before it drops, as the emulated rack's tbf does:
+    each round's time and the datagrams the link dropped in it."""
+    link = Bottleneck(rate=12.5e6, queue_s=0.05)
+    net = SimNet(KERNELS, 8, cores=1, slots=16, max_payload=8192,
+                 faults=Faults(max_delay=0.0002, seed=seed), timing=Timing(0.05, 0.01, 1.0, 60.0),
+                 congestion=congestion, bottleneck=link)
+    rounds = []
+    for _ in range(5):
+        before = link.dropped
+        rounds.append((_rounds(net, 1, 1 << 17)[0], link.dropped - before))  # 512 KiB each
+    net.close()
+    return net, rounds
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_an_incast_at_the_appliance_link_stops_dropping_once_the_windows_shrink(
+        seed: int) -> None:
+    """The job's first burst overflows the queue either way. Then fixed windows go on
+    overflowing it every round, each loss waiting for its repair; the shrinking windows settle
+    within two rounds, keep it below its bound, and every round then takes the link's time
+    (4 MiB at 100 Mbit/s: 336 ms)."""
+    _, fixed = _incast(None, seed)
+    net, shrunk = _incast(Congestion(target=0.025), seed)
+    assert all(dropped > 100 for _, dropped in fixed)
+    assert shrunk[0][1] > 100  # the first burst
+    assert sum(dropped for _, dropped in shrunk[2:]) <= 10  # settled within two rounds
+    ideal = 8 * (1 << 19) / 12.5e6
+    assert all(t < 1.03 * ideal for t, _ in shrunk[2:])
+    assert all(t > 1.05 * ideal for t, _ in fixed)
+    # Every rank shrank its window, the completers by their samples, the others by the echo.
+    assert all(w is not None and w.cuts > 0 and w.limit[0] < 16 for w in net.windows)
+
+
+def test_windows_of_one_segment_never_deadlock_under_loss_and_reordering() -> None:
+    """Every completer sample is over target, so every window falls to one segment; ranks
+    release segments in whatever order their results came (20% loss each way, reordering).
+    Without the lowest unanswered segment's exemption two ranks' windows would hold
+    different segments and each wait for the other until the deadline."""
+    policy = Congestion(target=1e-9, min_window=1, max_decrease=0.9)
+    net = SimNet(KERNELS, 4, cores=2, slots=8, max_payload=256,
+                 faults=Faults(drop=0.2, max_delay=0.003, seed=11), congestion=policy)
+    _rounds(net, 6, 64 * 32)  # 32 segments per core per round: four times the slots
+    assert all(w is not None and w.least == 1 for w in net.windows)
+    net.close()
