@@ -40,6 +40,7 @@ def test_reference_config_loads() -> None:
         ({"dataplane": {"kernels": "tensorflow"}}, "dataplane.kernels: must be one of"),
         ({"dataplane": {"kernels": "Torch"}}, "dataplane.kernels"),
         ({"jobs": {"slots": 100000}}, "jobs.slots"),
+        ({"jobs": {"queue_target_s": -0.01}}, "jobs.queue_target_s: must be 0..10"),
         ({"api": {"listen": "localhost"}}, "api.listen"),
         ({"dataplan": {}}, "dataplan: unknown section"),
     ],
@@ -75,6 +76,11 @@ def test_registration_is_idempotent_and_refuses_disagreement() -> None:
     assert described.segment_bytes == parse({}).dataplane.max_payload
     # The one schema both ends use: what the API sends, a worker parses back unchanged.
     assert JobDescription.from_json(json.loads(json.dumps(described.to_json()))) == described
+    # The congestion target is the appliance's advice; an older appliance's answer has none,
+    # and its workers keep fixed windows.
+    assert described.queue_target_s == parse({}).jobs.queue_target_s == 0.025
+    old = {k: v for k, v in described.to_json().items() if k != "queue_target_s"}
+    assert JobDescription.from_json(old).queue_target_s == 0.0
 
 
 def test_bad_job_requests_are_refused() -> None:

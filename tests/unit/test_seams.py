@@ -163,3 +163,20 @@ def test_a_dead_rank_is_named_to_the_others_within_the_liveness_timeout() -> Non
         loop.close()
         ours.close()
         theirs.close()
+
+
+@pytest.mark.parametrize(("targets", "want"), [((0.02,), 0.02), ((0.03, 0.01), 0.01),
+                                                ((0.0,), None), ((0.02, 0.0), None)])
+def test_a_client_takes_the_least_congestion_target_its_appliances_advise(
+        targets: tuple[float, ...], want: float | None) -> None:
+    net = MemoryNetwork()
+    infos = [JobInfo(f"memory{a}", 4, "advised", 1, 1024, GROUP, False, 60.0,
+                     (EndpointInfo(0, *CORE, 4),), cookie=0xBEEF, queue_target_s=target)
+             for a, target in enumerate(targets)]
+    with ApplianceClient(infos, 0, clock=net.clock, lease=False,
+                         transport=MemoryWorkerTransport(net, ("198.18.0.101", 40000),
+                                                         [GROUP])) as client:
+        window = client.pipeline.window
+        assert (None if window is None else window.policy.target) == want
+        if window is not None:
+            assert window.limit == [4] * len(targets)  # whole: each core's slots
