@@ -78,7 +78,10 @@ class CongestionWindow:
         # result a peer completed said its sample was (QUEUED). First transmissions carry it.
         self.queued = [False] * cores
         self._cut_at = [-math.inf] * cores
-        self._last = [0.0] * cores  # the previous delay sample
+        # The least delay sample of this receive turn and of the one before, per core.
+        self._turn_at = [-math.inf] * cores
+        self._least = [0.0] * cores
+        self._before = [0.0] * cores
         self.samples = 0
         self.cuts = 0
         self.least = min(ceilings) if ceilings else 0  # the smallest window any core had
@@ -89,10 +92,16 @@ class CongestionWindow:
         if not policy.enabled:
             return
         self.samples += 1
-        # A queue stands when two samples in a row say so: the lesser is the measure. One
-        # sample alone may be a busy host's scheduling (a worker not run for a few ms), and
-        # through the echo it would cut every rank's window.
-        rtt, self._last[e] = min(rtt, self._last[e]), rtt
+        # A queue stands when the samples of two receive turns say so: the least of them is
+        # the measure. A busy host's scheduling (a worker not run for tens of ms on two cores
+        # shared by nine processes) inflates every sample of the one turn after it, and
+        # through the echo it would cut every rank's window; a queue inflates every turn's.
+        if now != self._turn_at[e]:
+            self._turn_at[e] = now
+            self._before[e], self._least[e] = self._least[e], rtt
+        elif rtt < self._least[e]:
+            self._least[e] = rtt
+        rtt = min(self._before[e], self._least[e])
         self.queued[e] = queued = rtt > policy.target
         if not queued or now - self._cut_at[e] < rtt:
             return  # once per round trip: the cut's effect shows one round trip later

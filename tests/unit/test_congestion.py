@@ -33,13 +33,17 @@ def test_a_window_starts_whole_and_a_sample_below_target_leaves_it() -> None:
     assert w.limit == [32, 16] and not w.shrunk and w.cuts == 0 and w.samples == 1
 
 
-def test_a_lone_sample_over_target_is_no_queue() -> None:
+def test_one_receive_turn_over_target_is_no_queue() -> None:
     w = CongestionWindow([32], POLICY)
-    w.on_delay(0, 0.5, now=1.0)  # a worker not run for half a second: no cut, no mark
-    assert w.limit == [32] and not w.queued[0]
+    w.on_delay(0, 0.005, now=0.9)
+    for _ in range(5):  # a worker not run for half a second: every sample of its next turn
+        w.on_delay(0, 0.5, now=1.0)
+    assert w.limit == [32] and not w.queued[0] and w.cuts == 0
     w.on_delay(0, 0.005, now=1.1)
     w.on_delay(0, 0.5, now=1.2)
     assert w.limit == [32] and w.cuts == 0
+    w.on_delay(0, 0.03, now=1.3)  # two turns in a row over target: the lesser, 30 ms, counts
+    assert w.queued[0] and w.cuts == 1 and w.limit == [int(32 * (1 - 0.8 * 0.01 / 0.03))]
 
 
 def test_a_queue_cuts_in_proportion_to_its_excess_once_per_round_trip() -> None:
