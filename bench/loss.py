@@ -99,13 +99,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--cores", type=int, default=2, help="appliance data-plane cores")
+    p.add_argument("--queue-target", type=float, default=0.025, metavar="SECONDS",
+                   help="jobs.queue_target_s: the congestion windows' round-trip target "
+                        "(0: fixed windows)")
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     args = p.parse_args(argv)
+    if not 0 <= args.queue_target <= 10:
+        p.error("--queue-target must be 0..10 seconds (0: fixed windows)")
     losses = sorted(set([0.0, *args.losses]))
     base = SweepPlan(network="rack", workers=(args.workers,), rate=args.rate,
                      sizes=tuple(args.sizes), dtypes=("fp32",), ops=("sum",),
                      modes=("multicast",), iters=args.iters, warmup=1, cores=args.cores,
-                     gloo=False)
+                     queue_target_s=args.queue_target, gloo=False)
     listener = _Progress(args.repeat * len(losses) * len(args.sizes))
     rows: list[Row] = []
     times: dict[tuple[float, int], list[float]] = {}

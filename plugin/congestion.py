@@ -55,7 +55,7 @@ class Congestion:
     beta: float = 0.8  # the cut: window *= 1 - beta * excess / round trip ...
     max_decrease: float = 0.5  # ... but never by more than this share at once
     # A peer's mark carries no measure of the excess: a fixed cut, once per round trip.
-    mark_decrease: float = 0.2
+    mark_decrease: float = 0.1
 
     def __post_init__(self) -> None:
         if (not self.target > 0 or self.min_window < 1 or not 0 < self.max_decrease < 1

@@ -415,7 +415,11 @@ class AllreduceRound:
             # a peer's wait. Unambiguous even for a repaired segment, unlike the RTO's samples
             # (Karn's rule): a payload goes again only once the core said ours never came, so
             # the newest one is what completed it; and under an incast nearly every segment
-            # is repaired, and the window must hear of the queue then above all.
+            # is repaired, and the window must hear of the queue then above all. (Even once a
+            # QUERY went after it: under an incast the timers fire while the queue drains,
+            # and without those samples the windows of tests/unit/test_congestion.py's
+            # incast settled rounds later. A lost result's repair may inflate one; it takes
+            # two receive turns over target to cut.)
             window.on_delay(e, now - self._payload_sent[k], now)
         elif completer >= 0 and window is not None:
             window.on_mark(e, bool(queued), now, self._rtt.srtt(e) or self._rtt.rto(e))

@@ -22,7 +22,7 @@ from reduction_appliance.plugin.rtt import Timing
 from .simnet import Bottleneck, Faults, SimNet
 
 KERNELS = select_kernels()
-POLICY = Congestion(target=0.02, min_window=2, beta=0.8, max_decrease=0.5)
+POLICY = Congestion(target=0.02, min_window=2, beta=0.8, max_decrease=0.5, mark_decrease=0.2)
 
 
 def test_a_window_starts_whole_and_a_sample_below_target_leaves_it() -> None:
