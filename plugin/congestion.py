@@ -75,8 +75,12 @@ class CongestionWindow:
         cores = len(ceilings)
         self._window = [float(c) for c in ceilings]
         # A queue stands: this rank's latest delay sample was over target, or the latest
-        # result a peer completed said its sample was (QUEUED). First transmissions carry it.
+        # result a peer completed said its sample was (QUEUED); no growth meanwhile.
         self.queued = [False] * cores
+        # ... by this rank's own samples alone: what its contributions carry (QUEUED). Not
+        # the echo: a rank that passed on a peer's mark would have the appliance echo it
+        # again, and one queue would go round the ranks as marks long after it drained.
+        self.measured = [False] * cores
         self._cut_at = [-math.inf] * cores
         # The least delay sample of this receive turn and of the one before, per core.
         self._turn_at = [-math.inf] * cores
@@ -102,7 +106,7 @@ class CongestionWindow:
         elif rtt < self._least[e]:
             self._least[e] = rtt
         rtt = min(self._before[e], self._least[e])
-        self.queued[e] = queued = rtt > policy.target
+        self.queued[e] = self.measured[e] = queued = rtt > policy.target
         if not queued or now - self._cut_at[e] < rtt:
             return  # once per round trip: the cut's effect shows one round trip later
         self._cut_at[e] = now

@@ -249,7 +249,7 @@ class AllreduceRound:
         dtype, op, rank, round_no, epoch = self.dtype, self.op, self.rank, self.round, self.epoch
         size, nbytes = self.segment_bytes, self.nbytes
         numbers, numbered = self._order.next, self._order.sent
-        queued = window.queued if window is not None else [False] * n_ep
+        queued = window.measured if window is not None else [False] * n_ep
         while ready:
             k = ready.popleft()
             e = k % n_ep
@@ -279,7 +279,7 @@ class AllreduceRound:
     def _queued(self, k: int) -> Flags:
         """Segment k's contribution says a queue stands (wire.Flags.QUEUED), or nothing."""
         window = self._window
-        return Flags.QUEUED if window is not None and window.queued[k % len(self.endpoints)] \
+        return Flags.QUEUED if window is not None and window.measured[k % len(self.endpoints)] \
             else Flags.NONE
 
     def _clean(self) -> bool:

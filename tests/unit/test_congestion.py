@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 
 from reduction_appliance.dataplane.reduce import select_kernels
-from reduction_appliance.dataplane.wire import DType, Op
+from reduction_appliance.dataplane.wire import DType, Flags, Op
 from reduction_appliance.plugin.congestion import (
     Congestion,
     CongestionWindow,
     admit,
     any_admitted,
 )
-from reduction_appliance.plugin.rtt import Timing
+from reduction_appliance.plugin.rtt import RttEstimator, Timing
+from reduction_appliance.plugin.session import AllreduceRound, Endpoint
 
 from .simnet import Bottleneck, Faults, SimNet
 
@@ -65,6 +66,7 @@ def test_a_peers_mark_cuts_by_a_fixed_share_once_per_round_trip_and_its_absence_
     w = CongestionWindow([20], POLICY)
     w.on_mark(0, True, now=1.0, rtt=0.05)
     assert w.limit == [16] and w.queued == [True]  # 20 * (1 - 0.2)
+    assert w.measured == [False]  # passed on to no one: only its own samples are
     w.on_mark(0, True, now=1.02, rtt=0.05)
     assert w.limit == [16] and w.cuts == 1
     w.on_answer(0)  # no growth while marked
@@ -178,3 +180,24 @@ def test_windows_of_one_segment_never_deadlock_under_loss_and_reordering() -> No
     _rounds(net, 6, 64 * 32)  # 32 segments per core per round: four times the slots
     assert all(w is not None and w.least == 1 for w in net.windows)
     net.close()
+
+
+def test_contributions_carry_their_senders_own_measure_and_a_gated_round_waits_for_room() -> None:
+    """QUEUED on a contribution is the sender's own samples' verdict, never a peer's echoed
+    mark (passed on, the appliance would echo it again and again); and a round whose window
+    is full sends nothing more and asks to be woken by no timer of the window's."""
+    endpoint = (Endpoint(("a", 0), 1, 99, 8, "appliance core 0"),)
+    window = CongestionWindow([8], POLICY)
+    rnd = AllreduceRound(endpoint, 0, 2, 1, DType.FLOAT32, Op.SUM, 16 * 64, 64,
+                         RttEstimator(Timing()), 0.0, window=window)
+    window.on_mark(0, True, now=0.0, rtt=0.05)  # a peer's mark: 8 -> 6
+    first = rnd.due(0.0)
+    assert [t.segment for t in first] == list(range(6))  # the window's room, lowest first
+    assert all(not t.header.flags & Flags.QUEUED for t in first)
+    assert rnd.wakeup() > 0.0  # segments 6 and 7 wait for room, not a busy loop
+    window.on_delay(0, 0.05, now=0.01)
+    window.on_delay(0, 0.05, now=0.02)  # two turns over target: our own measure
+    rnd.stored(0, 0.03, completer=1)  # a peer completed it, without a mark: room for one
+    more = rnd.due(0.03)
+    assert [t.segment for t in more] == [6]
+    assert all(t.header.flags & Flags.QUEUED for t in more)
