@@ -61,6 +61,8 @@ _TAIL_AT = HEADER_SIZE - _TAIL.size
 _DTYPES = {int(d): d for d in DType}
 _OPS = {int(o): o for o in Op}
 _FILLING = CopyState.FILLING
+_NOT_QUEUED = ~int(Flags.QUEUED)  # every other bit, known or not (as a plain int: an IntFlag's
+# complement keeps only the defined bits, and a stray bit would pass)
 
 #: finish(job, copy, kernel, acc, out, completer, queued): the aggregator's own, for a copy
 #: every rank is in (`completer` the rank whose contribution made it whole, `queued` that
@@ -134,7 +136,7 @@ class RunPath:
         # Only first transmissions of contributions (no flag but QUEUED, the same on every
         # datagram of the run: the header tails compared below include it).
         if (magic != MAGIC or version != VERSION or kind != Kind.CONTRIBUTION
-                or flags & ~Flags.QUEUED or length != size - HEADER_SIZE):
+                or flags & _NOT_QUEUED or length != size - HEADER_SIZE):
             return 0
         job = self._jobs.get(job_id)
         if job is None:

@@ -143,6 +143,14 @@ def test_a_regular_run_is_taken_whole_with_one_fold(pair: tuple[Aggregator, Aggr
         assert np.all(np.frombuffer(payload, np.float32) == 6.0)
 
 
+def test_a_run_with_any_other_flag_goes_alone(pair: tuple[Aggregator, Aggregator]) -> None:
+    a, b = pair
+    for rank, flags in enumerate((Flags.QUEUED | Flags.RETRANSMIT, 32)):  # a flag, a stray bit
+        run = [contribution(5, rank, s, 1, flags=flags) for s in range(SLOTS)]
+        take_both(a, b, run, where(rank))
+    assert taken(a) == 0
+
+
 @pytest.mark.parametrize("last_marked", [True, False])
 def test_a_run_marked_queued_is_taken_whole_and_its_mark_echoed_only_by_the_completer(
         pair: tuple[Aggregator, Aggregator], last_marked: bool) -> None:
