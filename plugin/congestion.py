@@ -107,12 +107,9 @@ class CongestionWindow:
             self._least[e] = rtt
         rtt = min(self._before[e], self._least[e])
         self.queued[e] = self.measured[e] = queued = rtt > policy.target
-        if not queued or now - self._cut_at[e] < rtt:
-            return  # once per round trip: the cut's effect shows one round trip later
-        self._cut_at[e] = now
-        share = min(policy.max_decrease, policy.beta * (rtt - policy.target) / rtt)
-        self._set(e, self._window[e] * (1.0 - share))
-        self.cuts += 1
+        if queued:
+            share = min(policy.max_decrease, policy.beta * (rtt - policy.target) / rtt)
+            self._cut(e, share, now, rtt)
 
     def on_mark(self, e: int, queued: bool, now: float, rtt: float) -> None:
         """A result to core `e` that a peer's contribution completed; `queued`: that peer's
@@ -122,11 +119,8 @@ class CongestionWindow:
         if not policy.enabled:
             return
         self.queued[e] = queued
-        if not queued or now - self._cut_at[e] < rtt:
-            return
-        self._cut_at[e] = now
-        self._set(e, self._window[e] * (1.0 - policy.mark_decrease))
-        self.cuts += 1
+        if queued:
+            self._cut(e, policy.mark_decrease, now, rtt)
 
     def on_answer(self, e: int) -> None:
         """A first transmission to core `e` was answered: one segment more per round trip
@@ -134,6 +128,15 @@ class CongestionWindow:
         if self.queued[e] or self._window[e] >= self.ceiling[e]:
             return
         self._set(e, self._window[e] + 1.0 / self._window[e])
+
+    def _cut(self, e: int, share: float, now: float, rtt: float) -> None:
+        """Shrink core `e`'s window by `share`, unless it was cut less than `rtt` ago: a cut's
+        effect shows only a round trip later."""
+        if now - self._cut_at[e] < rtt:
+            return
+        self._cut_at[e] = now
+        self._set(e, self._window[e] * (1.0 - share))
+        self.cuts += 1
 
     def _set(self, e: int, window: float) -> None:
         window = min(float(self.ceiling[e]), max(float(self.policy.min_window), window))

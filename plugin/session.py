@@ -135,6 +135,8 @@ class AllreduceRound:
         # this round's lowest unanswered segment to each core, which goes whatever the window.
         self._window = window
         self._lowest = list(range(len(endpoints)))
+        # What our contributions say of the path (wire.Flags.QUEUED): the window's own measure.
+        self._measured = window.measured if window is not None else [False] * len(endpoints)
         # Retransmissions are QUERYs (48 bytes: "the result, or say what you lack") until the
         # appliance says our contribution never came; then, once, the payload.
         self._payload_sent = [0.0] * n
@@ -169,7 +171,9 @@ class AllreduceRound:
         slot = ep.slot_base + (k // n_ep) % ep.slots
         offset = k * self.segment_bytes
         query = not self._lacks_ours[k]
-        flags = Flags.RETRANSMIT | Flags.SENT if query else Flags.RETRANSMIT | self._queued(k)
+        flags = Flags.RETRANSMIT | Flags.SENT if query else Flags.RETRANSMIT
+        if not query and self._measured[k % n_ep]:
+            flags |= Flags.QUEUED  # our own measure of the path (plugin/congestion.py)
         serial = self._serials.newest[k % n_ep] if query else -1
         if query and probe:
             flags |= Flags.PROBE
@@ -249,7 +253,7 @@ class AllreduceRound:
         dtype, op, rank, round_no, epoch = self.dtype, self.op, self.rank, self.round, self.epoch
         size, nbytes = self.segment_bytes, self.nbytes
         numbers, numbered = self._order.next, self._order.sent
-        queued = window.measured if window is not None else [False] * n_ep
+        queued = self._measured
         while ready:
             k = ready.popleft()
             e = k % n_ep
@@ -275,12 +279,6 @@ class AllreduceRound:
             unanswered[e][k] = None
             out.append(_new_tuple(Transmit, (e, k, first, ticket, b"")))
         return out
-
-    def _queued(self, k: int) -> Flags:
-        """Segment k's contribution says a queue stands (wire.Flags.QUEUED), or nothing."""
-        window = self._window
-        return Flags.QUEUED if window is not None and window.measured[k % len(self.endpoints)] \
-            else Flags.NONE
 
     def _clean(self) -> bool:
         """Has this round repaired no loss yet (no fast retransmission, no nudged resend)?"""
@@ -335,18 +333,14 @@ class AllreduceRound:
         return found
 
     def wakeup(self) -> float:
-        """The time `due` next has work, unless a result arrives first."""
-        if self._nudged or (self._ready and self._admits()):
+        """The time `due` next has work, unless a result arrives first (ready segments that
+        the congestion window holds wait for a result to make room, not for a time)."""
+        window, ready = self._window, self._ready
+        if self._nudged or (ready and (window is None or not window.shrunk or any_admitted(
+                ready, len(self.endpoints), self._in_flight, window.limit, self._lowest))):
             return 0.0
         overtaken = min((at for _, at in self._overtaken()), default=math.inf)
         return min(self.next_timer(), overtaken, self._deadline)
-
-    def _admits(self) -> bool:
-        """May a ready segment go now? (Not while the congestion window holds them all: a
-        result, freeing room, is what lets one go.)"""
-        window = self._window
-        return window is None or not window.shrunk or any_admitted(
-            self._ready, len(self.endpoints), self._in_flight, window.limit, self._lowest)
 
     def next_timer(self) -> float:
         """When the earliest live retransmission timer expires (inf: none is armed)."""
@@ -410,19 +404,11 @@ class AllreduceRound:
                 self._rtt.sample(e, now - self._sent_at[k], in_flight[e])
             if window is not None and window.shrunk:
                 window.on_answer(e)
-        if completer == self.rank and window is not None:
-            # Ours came last, so the round trip of our payload is the path's: its queues, not
-            # a peer's wait. Unambiguous even for a repaired segment, unlike the RTO's samples
-            # (Karn's rule): a payload goes again only once the core said ours never came, so
-            # the newest one is what completed it; and under an incast nearly every segment
-            # is repaired, and the window must hear of the queue then above all. (Even once a
-            # QUERY went after it: under an incast the timers fire while the queue drains,
-            # and without those samples the windows of tests/unit/test_congestion.py's
-            # incast settled rounds later. A lost result's repair may inflate one; it takes
-            # two receive turns over target to cut.)
-            window.on_delay(e, now - self._payload_sent[k], now)
-        elif completer >= 0 and window is not None:
-            window.on_mark(e, bool(queued), now, self._rtt.srtt(e) or self._rtt.rto(e))
+        if window is not None and completer >= 0:
+            if completer == self.rank:  # ours came last: our payload's round trip is the path's
+                window.on_delay(e, now - self._payload_sent[k], now)
+            else:  # a peer's: what it found, echoed (plugin/congestion.py)
+                window.on_mark(e, bool(queued), now, self._rtt.srtt(e) or self._rtt.rto(e))
         in_flight[e] -= 1
         self._mine[e] -= 1
         seq = self._seq[k]
