@@ -10,7 +10,9 @@ segment costs is what a change to the hot path should move. Two measurements, ea
 * worker: `ApplianceClient.allreduce` of 64 MiB fp32 through `UdpWorkerTransport`'s own send and
   receive code, over a stand-in socket that answers every contribution with its result, ten
   results per wakeup in coalesced (GRO) batches of seven: the shape of a worker's turns on the
-  rack at n = 8 (about 10.7 results per turn). The stand-in's own time is subtracted.
+  rack at n = 8 (about 10.7 results per turn). The stand-in's own time is subtracted. The
+  congestion windows run as the appliance advises by default (`jobs.queue_target_s`), and as
+  at n = 8 a peer completes seven results of eight, none of them queued.
   Microseconds per segment, both directions (one contribution sent, one result taken in).
 * appliance: `Aggregator.on_batch` taking 64 MiB from each of 8 ranks in coalesced receives of
   seven of one rank's segments, left in a staging buffer as a UDP GRO receive leaves them (the
@@ -33,6 +35,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from reduction_appliance.control.config import JobDefaults
 from reduction_appliance.dataplane.aggregator import Aggregator
 from reduction_appliance.dataplane.counters import Counter, Counters
 from reduction_appliance.dataplane.reduce import select_kernels
@@ -83,7 +86,10 @@ class _Answering:
         for header, payload in zip(iov[::2], iov[1::2], strict=True):
             h = unpack(bytes(header))
             body = bytes(payload) if h.kind is Kind.CONTRIBUTION else bytes(h.length)
-            self.queue.append((h._replace(kind=Kind.RESULT, flags=Flags.NONE), body, dest))
+            # The rank whose contribution completed it: a peer's, but for one result in RANKS.
+            completer = h.rank if h.serial % RANKS == 0 else (h.rank + 1) % RANKS
+            self.queue.append((h._replace(kind=Kind.RESULT, flags=Flags.NONE, rank=completer),
+                               body, dest))
             sent += len(header) + len(payload)
         self.spent += time.perf_counter() - start
         return sent
@@ -136,7 +142,7 @@ def worker_us_per_segment() -> float:
     answering = _Answering()
     job = JobInfo("bench", 5, "hotpath", RANKS, SEGMENT, None, False, 60.0,
                   tuple(EndpointInfo(i, host, port, SLOTS) for i, (host, port) in enumerate(CORES)),
-                  cookie=77)
+                  cookie=77, queue_target_s=JobDefaults.queue_target_s)
     array = np.ones(NBYTES // 4, np.float32)
     transport = _InMemoryTransport.answered_by(answering)
     with ApplianceClient([job], 0, transport=transport, lease=False) as c:

@@ -20,7 +20,7 @@ import errno
 import socket
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from .slots import RxPool
 from .spec import CoreConfig
@@ -114,28 +114,31 @@ class DatagramBatcher:
         self.datagrams_sent = self.bytes_sent = self.send_errors = 0
         return counts
 
-    def add_header(self, dest: Address, header: Header, payload: memoryview) -> None:
-        """Queue a datagram whose header is packed here (into a buffer owned by the batcher).
-        `add`'s rules, spelled out for the one case a worker sends per segment."""
-        size = HEADER_SIZE + len(payload)
-        count = self._count
-        if count and (dest != self._dest or self._closed_group or size > self._size
-                      or count >= _MAX_GSO_SEGMENTS or self._bytes + size > _MAX_GSO_BYTES
-                      or not self.gso):
-            self.flush()
-            count = 0
-        # A group's i-th datagram takes the i-th header buffer: a group holds at most
-        # _MAX_GSO_SEGMENTS, and its buffers are free again once it has left (flush).
-        buf = self._headers[count]
-        pack_into(buf, header)
-        if not count:
-            self._dest, self._size = dest, size
-            self._closed_group = dest in self._unsegmentable  # then one datagram per call
-        elif size < self._size:
-            self._closed_group = True
-        self._iov += (buf, payload)
-        self._bytes += size
-        self._count = count + 1
+    def add_headers(self, datagrams: Iterable[tuple[Address, Header, memoryview]]) -> None:
+        """Queue datagrams whose headers are packed here (into buffers owned by the batcher):
+        `add`'s rules, spelled out for the one case a worker sends per segment, and a turn's
+        sends in one call."""
+        headers, unsegmentable = self._headers, self._unsegmentable
+        for dest, header, payload in datagrams:
+            size = HEADER_SIZE + len(payload)
+            count = self._count
+            if count and (dest != self._dest or self._closed_group or size > self._size
+                          or count >= _MAX_GSO_SEGMENTS or self._bytes + size > _MAX_GSO_BYTES
+                          or not self.gso):
+                self.flush()
+                count = 0
+            # A group's i-th datagram takes the i-th header buffer: a group holds at most
+            # _MAX_GSO_SEGMENTS, and its buffers are free again once it has left (flush).
+            buf = headers[count]
+            pack_into(buf, header)
+            if not count:
+                self._dest, self._size = dest, size
+                self._closed_group = dest in unsegmentable  # then one datagram per call
+            elif size < self._size:
+                self._closed_group = True
+            self._iov += (buf, payload)
+            self._bytes += size
+            self._count = count + 1
 
     def add(self, dest: Address, header: bytes | bytearray | memoryview,
             payload: bytes | bytearray | memoryview) -> None:

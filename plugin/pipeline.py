@@ -52,7 +52,6 @@ from reduction_appliance.dataplane.wire import (
 )
 
 from .congestion import Congestion, CongestionWindow
-from .result_runs import take_results
 from .rtt import RttEstimator
 from .serials import ResultSerials
 from .session import Address, AllreduceRound, Endpoint, SendOrder, SlotUses, Transmit
@@ -315,13 +314,13 @@ class RoundPipeline:
     def take_results(self, buf: bytearray, view: memoryview, start: int, nbytes: int,
                      size: int, source: Address, now: float,
                      outputs: Mapping[int, memoryview]) -> int:
-        """`result_runs.take_results` for the round the datagram at `start` names (its
+        """`AllreduceRound.take_results` for the round the datagram at `start` names (its
         array: `outputs[ticket]`); returns where the first datagram not taken begins."""
         rnd = self._active.get(peek_round(buf, start)) if nbytes - start >= HEADER_SIZE \
             else None
         if rnd is None:
             return start
-        at = take_results(rnd, buf, view, start, nbytes, size, source, now, outputs[rnd.ticket])
+        at = rnd.take_results(buf, view, start, nbytes, size, source, now, outputs[rnd.ticket])
         if rnd.done:
             self._finish(rnd, None)
         return at

@@ -23,7 +23,8 @@ First transmissions carry their send sequence to the core (`SendOrder`); a core 
 jump says which never came (MISSING, `missing`), and they go again at once.
 
 The transport asks `due(now)` what to send, offers each received RESULT header to `accept`, and
-reports `stored` once the payload sits in the output array. Nothing here touches a socket or a
+reports `stored` once the payload sits in the output array (or hands a coalesced receive's
+results to `take_results` at once: plugin/answers.py). Nothing here touches a socket or a
 clock: time is passed in, so tests run thousands of lossy rounds in milliseconds.
 """
 
@@ -43,6 +44,7 @@ from reduction_appliance.dataplane.wire import (
     Op,
 )
 
+from .answers import RoundAnswers
 from .congestion import CongestionWindow, admit, any_admitted
 from .expiry import STALL_SHARE, CoreSigns, Expiry
 from .rtt import RttEstimator
@@ -58,7 +60,7 @@ FAST_RETRANSMIT = 3  # later segments answered before an unanswered one is presu
 REORDER_SHARE = 1.0  # ... and gone a smoothed round trip and this much of another (`_settle`)
 
 
-class AllreduceRound:
+class AllreduceRound(RoundAnswers):
     """One allreduce of `nbytes` bytes by this rank."""
 
     def __init__(
@@ -249,25 +251,26 @@ class AllreduceRound:
         ticket, push = self.ticket, heapq.heappush
         # A first transmission's header, spelled out here (`_repeat_header` builds the others):
         # the fields common to the round are looked up once per call.
-        endpoints, take, use = self.endpoints, self._uses.take, self._use
+        endpoints, uses, use = self.endpoints, self._uses.counts, self._use
         dtype, op, rank, round_no, epoch = self.dtype, self.op, self.rank, self.round, self.epoch
-        size, nbytes = self.segment_bytes, self.nbytes
+        size, nbytes, contribution = self.segment_bytes, self.nbytes, Kind.CONTRIBUTION
         numbers, numbered = self._order.next, self._order.sent
-        queued = self._measured
+        flags_of = [Flags.QUEUED if queued else Flags.NONE for queued in self._measured]
         while ready:
             k = ready.popleft()
             e = k % n_ep
             ep = endpoints[e]
             slot = ep.slot_base + (k // n_ep) % ep.slots
-            use[k] = this_use = take(e, slot)
+            key = e << 32 | slot  # SlotUses.take, in line
+            use[k] = this_use = uses[key] = uses.get(key, 0) + 1
             offset = k * size
             number = numbers[e]
             numbers[e] = (number + 1) % SERIALS
             numbered[e][number] = (self, k)
             first = _new_tuple(Header, (
-                Kind.CONTRIBUTION, dtype, op, Flags.QUEUED if queued[e] else Flags.NONE,
-                ep.job_id, rank, ep.cookie, round_no,
-                slot, offset, min(size, nbytes - offset), this_use, epoch, number))
+                contribution, dtype, op, flags_of[e], ep.job_id, rank, ep.cookie, round_no,
+                slot, offset, size if offset + size <= nbytes else nbytes - offset, this_use,
+                epoch, number))
             sent_at[k] = last_sent[k] = self._payload_sent[k] = now
             rto[k] = rto_of[e]
             timer[k] = when = now + rto_of[e]
@@ -349,82 +352,7 @@ class AllreduceRound:
             heapq.heappop(timers)  # answered, or superseded by a later timer
         return timers[0][0] if timers else math.inf
 
-    # ---- what comes back ----
-    def accept(self, h: Header, source: Address | None = None) -> int | None:
-        """The segment whose payload the RESULT `h` carries, if we still want it, else None.
-        Given its `source`, only the core the segment went to may have sent it."""
-        # One unpacking instead of a field lookup per check: this runs once per result.
-        kind, dtype, _, _, job_id, _, cookie, rnd, _, offset, length, use, epoch, serial = h
-        if kind is not Kind.RESULT:
-            return None
-        return self.wanted(dtype, job_id, cookie, rnd, offset, length, use, epoch, serial,
-                           source)
-
-    def wanted(self, dtype: int, job_id: int, cookie: int, rnd: int, offset: int,
-               length: int, use: int, epoch: int, serial: int,
-               source: Address | None) -> int | None:
-        """`accept`'s checks of a RESULT's fields (`dtype` as its number on the wire), also
-        made per result of a coalesced receive (plugin/result_runs.py): the segment it
-        answers, if we still want it; else None."""
-        if rnd != self.round or dtype != self.dtype or epoch != self.epoch:
-            return None
-        k, rest = divmod(offset, self.segment_bytes)
-        if (rest or k >= self.segments or self._done[k] or use != self._use[k]
-                or length != min(self.segment_bytes, self.nbytes - offset)):
-            return None
-        e = k % len(self.endpoints)
-        ep = self.endpoints[e]
-        if (job_id != ep.job_id or cookie != ep.cookie
-                or (source is not None and source != ep.address)):
-            return None
-        serials = self._serials
-        if serial == (serials.newest[e] + 1) % SERIALS:  # the next, nearly always
-            serials.newest[e] = serial
-        else:
-            serials.jump(e, serial)
-        return k
-
-    def stored(self, k: int, now: float, completer: int = -1, queued: int = 0) -> None:
-        """The result of segment k is in place: release the slot's next segment. `completer`:
-        the rank whose contribution completed it (the RESULT's rank; -1: not known); `queued`:
-        the RESULT's QUEUED flag (that rank found a queue)."""
-        done = self._done
-        if done[k]:
-            return
-        done[k] = 1
-        self.remaining -= 1
-        n_ep = len(self.endpoints)
-        e = k % n_ep
-        self._signs.heard_at[e] = now
-        in_flight = self._in_flight
-        window = self._window
-        if not self._retransmitted[k]:
-            self._signs.progress_at[e] = now
-            if not self._timed_out[k]:
-                self._rtt.sample(e, now - self._sent_at[k], in_flight[e])
-            if window is not None and window.shrunk:
-                window.on_answer(e)
-        if window is not None and completer >= 0:
-            if completer == self.rank:  # ours came last: our payload's round trip is the path's
-                window.on_delay(e, now - self._payload_sent[k], now)
-            else:  # a peer's: what it found, echoed (plugin/congestion.py)
-                window.on_mark(e, bool(queued), now, self._rtt.srtt(e) or self._rtt.rto(e))
-        in_flight[e] -= 1
-        self._mine[e] -= 1
-        seq = self._seq[k]
-        if seq > self._acked_seq[e]:
-            self._acked_seq[e] = seq
-        self._unanswered[e].pop(k, None)
-        lowest = self._lowest
-        if k == lowest[e]:
-            low = k
-            while low < self.segments and done[low]:
-                low += n_ep
-            lowest[e] = low
-        nxt = k + self.endpoints[e].slots * n_ep
-        if nxt < self.segments:
-            self._ready.append(nxt)
-
+    # ---- what comes back (accept, stored, take_results: plugin/answers.py) ----
     def release(self) -> None:
         """The round is over, answered or not: its unanswered segments leave the shared
         in-flight counts."""

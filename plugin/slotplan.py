@@ -42,21 +42,16 @@ class SlotUses:
     """How many times each slot has been used this epoch, by (endpoint, slot). Every rank runs
     the same rounds in the same order, so every rank numbers a slot's uses alike."""
 
-    __slots__ = ("_count",)
+    __slots__ = ("counts",)
 
     def __init__(self) -> None:
-        self._count: dict[tuple[int, int], int] = {}
-
-    def take(self, endpoint: int, slot: int) -> int:
-        """The next use of `slot` on `endpoint` (1 for the first)."""
-        key = (endpoint, slot)
-        use = self._count.get(key, 0) + 1
-        self._count[key] = use
-        return use
+        # by endpoint << 32 | slot (slots are 32-bit on the wire), counted by
+        # `AllreduceRound.due` at each first transmission: no tuple built per use
+        self.counts: dict[int, int] = {}
 
     def reset(self) -> None:
         """A new epoch: every slot starts over."""
-        self._count.clear()
+        self.counts.clear()
 
 
 class SendOrder:

@@ -219,9 +219,7 @@ class UdpWorkerTransport:
 
     def send(self, datagrams: Sequence[Outgoing]) -> None:
         batcher = self._batcher
-        add = batcher.add_header
-        for dest, header, payload in datagrams:
-            add(dest, header, payload)
+        batcher.add_headers(datagrams)
         batcher.flush()
         error, batcher.last_error = batcher.last_error, None
         if error is not None and error.errno not in _TRANSIENT:

@@ -36,8 +36,8 @@ def gso_burst(dest: tuple[str, int], count: int, last: int = SEGMENT,
     payloads = [bytes([k]) * (SEGMENT if k < count - 1 else last) for k in range(count)]
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         batcher = DatagramBatcher(sock)
-        for k, payload in enumerate(payloads):
-            batcher.add_header(dest, header(k, kind, len(payload)), memoryview(payload))
+        batcher.add_headers((dest, header(k, kind, len(payload)), memoryview(payload))
+                            for k, payload in enumerate(payloads))
         batcher.flush()
         assert batcher.take_counts()[2] == 0 and not batcher.gso_refused
     return payloads

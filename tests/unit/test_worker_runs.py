@@ -4,7 +4,9 @@ Two clients of the same job and rank run the same round; each receives the same 
 (results, duplicates, stale and foreign ones, notices, garbage) from the cores. One takes them
 as its transport coalesces them (`RoundPipeline.take_results`, the rest decoded one by one);
 the other's transport hands over one datagram at a time. They must end up alike: the same
-array, the same results rejected, the same segments still to send or ask after."""
+array, the same results rejected, the same round-trip estimates and congestion windows (the
+results name either rank as their completer, some with the QUEUED mark, after waits over the
+windows' target and under it), the same segments still to send or ask after."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from reduction_appliance.plugin.transport import Handler, MemoryWorkerTransport,
 JOB, COOKIE, WORLD, SLOTS, SEGMENT = 3, 0xBEEF, 2, 4, 256
 CORES = (("198.18.0.1", 7000), ("198.18.0.1", 7001))
 ELEMENTS = 64 * 16  # 16 segments of 256 bytes
+TARGET = 0.025  # the round trip over which a queue stands (plugin/congestion.py)
 
 
 class OneByOne(MemoryWorkerTransport):
@@ -44,16 +47,19 @@ def client(net: MemoryNetwork, where: Address, transport: type[MemoryWorkerTrans
            ) -> ApplianceClient:
     info = JobInfo("memory", JOB, "runs", WORLD, SEGMENT, None, False, 30.0,
                    tuple(EndpointInfo(i, host, port, SLOTS) for i, (host, port) in
-                         enumerate(CORES)), cookie=COOKIE)
+                         enumerate(CORES)), cookie=COOKIE, queue_target_s=TARGET)
     return ApplianceClient([info], 0, timing=Timing(0.01, 0.002, 0.2, 30.0), clock=net.clock,
                            transport=transport(net, where), lease=False)
 
 
 def result(k: int, *, kind: Kind = Kind.RESULT, use: int | None = None, round_no: int = 1,
-           cookie: int = COOKIE, serial: int = 0, value: float = 3.0) -> bytes:
-    """The RESULT of segment k (of the first round), as its core sends it."""
+           cookie: int = COOKIE, serial: int = 0, value: float = 3.0, completer: int = 0,
+           queued: bool = False) -> bytes:
+    """The RESULT of segment k (of the first round), as its core sends it; `completer`: the
+    rank whose contribution completed it (the clients are rank 0), `queued`: its mark."""
     pending = kind is Kind.PENDING  # its payload: the ranks in (rank 1 only: ours never came)
-    h = Header(kind, DType.FLOAT32, Op.SUM, Flags.NONE, JOB, 0, cookie, round_no,
+    h = Header(kind, DType.FLOAT32, Op.SUM, Flags.QUEUED if queued else Flags.NONE, JOB,
+               completer, cookie, round_no,
                (k // 2) % SLOTS, k * SEGMENT, 1 if pending else SEGMENT,
                (k // 2) // SLOTS + 1 if use is None else use, 1, serial)
     buf = bytearray(HEADER_SIZE)
@@ -68,15 +74,17 @@ _SPOILS = st.sampled_from(["none"] * 8 + ["duplicate", "use", "round", "cookie",
 
 
 @st.composite
-def deliveries(draw: st.DrawFn) -> list[tuple[Address, list[bytes]]]:
-    """Runs of results of consecutive segments of one core (k, k + 2, ...), some spoiled."""
-    out: list[tuple[Address, list[bytes]]] = []
+def deliveries(draw: st.DrawFn) -> list[tuple[float, Address, list[bytes]]]:
+    """Runs of results of consecutive segments of one core (k, k + 2, ...), some spoiled,
+    each after a wait."""
+    out: list[tuple[float, Address, list[bytes]]] = []
     for e in draw(st.permutations(range(2))):
         segments = list(range(e, 16, 2))
         at = 0
         while at < len(segments):
             n = draw(st.integers(1, len(segments) - at))
-            run = [result(k, serial=k) for k in segments[at:at + n]]
+            run = [result(k, serial=k, completer=draw(st.integers(0, WORLD - 1)),
+                          queued=draw(st.booleans())) for k in segments[at:at + n]]
             source = CORES[e]
             i = draw(st.integers(0, n - 1))
             spoil = draw(_SPOILS)
@@ -97,7 +105,7 @@ def deliveries(draw: st.DrawFn) -> list[tuple[Address, list[bytes]]]:
                 run[i] = run[i][:HEADER_SIZE + 8]
             elif spoil == "stranger":
                 source = CORES[1 - e]
-            out.append((source, run))
+            out.append((draw(st.sampled_from([0.0, 0.01, 0.03, 0.06])), source, run))
             at += n
     return out
 
@@ -105,7 +113,7 @@ def deliveries(draw: st.DrawFn) -> list[tuple[Address, list[bytes]]]:
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(deliveries())
 def test_a_worker_takes_coalesced_results_as_it_would_one_by_one(
-        runs: list[tuple[Address, list[bytes]]]) -> None:
+        runs: list[tuple[float, Address, list[bytes]]]) -> None:
     net = MemoryNetwork()
     cores = [net.bind(core) for core in CORES]  # where the contributions go (unread)
     places = [("198.18.0.101", 40000), ("198.18.0.102", 40000)]
@@ -115,7 +123,8 @@ def test_a_worker_takes_coalesced_results_as_it_would_one_by_one(
         for c, a in zip(clients, arrays, strict=True):
             c.start(a)
             c.progress(timeout=0)  # the first window leaves
-        for source, run in runs:
+        for wait, source, run in runs:
+            net.advance(net.now + wait)
             for place in places:
                 for datagram in run:
                     net.transmit(source, place, datagram)
@@ -125,6 +134,19 @@ def test_a_worker_takes_coalesced_results_as_it_would_one_by_one(
         coalesced, alone = clients
         assert np.array_equal(arrays[0], arrays[1])
         assert coalesced.pipeline.rejected == alone.pipeline.rejected
+        assert ([coalesced.pipeline.rtt.srtt(e) for e in range(2)]
+                == [alone.pipeline.rtt.srtt(e) for e in range(2)])
+        states = []
+        for c in clients:
+            w = c.pipeline.window
+            assert w is not None
+            states.append((w.limit, w.queued, w.measured, w.cuts, w.least, w.samples))
+        assert states[0] == states[1]
+        # (the rounds' own bookkeeping: which segment of each core always goes, what waits)
+        assert ([(r._lowest, list(r._ready), r.remaining)
+                 for r in coalesced.pipeline._active.values()]
+                == [(r._lowest, list(r._ready), r.remaining)
+                    for r in alone.pipeline._active.values()])
         net.advance(net.now + 1.0)  # every timer due: what each would ask after, and send
         assert ([(t.endpoint, t.segment, t.header) for t in coalesced.pipeline.due(net.now)]
                 == [(t.endpoint, t.segment, t.header) for t in alone.pipeline.due(net.now)])
