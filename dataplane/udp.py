@@ -30,11 +30,14 @@ from .wire import HEADER_SIZE, Header, pack_into
 __all__ = [
     "GRO_BUFFER",
     "GRO_CMSG_SPACE",
+    "STAMPED_CMSG_SPACE",
     "DatagramBatcher",
     "UdpCoreTransport",
     "datagram_starts",
     "enable_gro",
+    "enable_stamps",
     "enlarge_buffers",
+    "receive_facts",
     "segment_size",
 ]
 
@@ -49,6 +52,10 @@ _CORE_SOCKET_BUFFER = 64 * 1024 * 1024  # holds a few full windows of every work
 GRO_BUFFER = 65536  # a coalesced receive is one IPv4 datagram's worth at most
 GRO_SEGMENTS = 64  # the most datagrams the kernel coalesces into one (UDP_GRO_CNT_MAX)
 GRO_CMSG_SPACE = socket.CMSG_SPACE(4)
+# The kernel's receive time of each (coalesced) datagram, CLOCK_REALTIME as a timespec.
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+_TIMESPEC = struct.Struct("@qq")
+STAMPED_CMSG_SPACE = GRO_CMSG_SPACE + socket.CMSG_SPACE(_TIMESPEC.size)
 _STAGING_BUFFERS = 64  # coalesced receives per burst at most: a burst of single datagrams (4 MiB)
 
 Address = tuple[str, int]
@@ -72,6 +79,31 @@ def enable_gro(sock: socket.socket) -> str:
     except OSError as exc:
         return f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
     return ""
+
+
+def enable_stamps(sock: socket.socket) -> str:
+    """Ask for the kernel's receive time of each datagram (SO_TIMESTAMPNS); "" when granted,
+    else the kernel's reason."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+    except OSError as exc:
+        return f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
+    return ""
+
+
+def receive_facts(ancdata: list[tuple[int, int, bytes]], nbytes: int) -> tuple[int, float]:
+    """`segment_size`, and when the kernel received the datagrams (time.time()'s clock; 0.0
+    when it did not say)."""
+    size, stamped = nbytes, 0.0
+    for level, kind, data in ancdata:
+        if level == _SOL_UDP and kind == UDP_GRO and len(data) >= 2:
+            got = int.from_bytes(data[:4] if len(data) >= 4 else data[:2], sys.byteorder)
+            if got > 0:
+                size = got
+        elif level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= 16:
+            seconds, nanoseconds = _TIMESPEC.unpack_from(data)
+            stamped = seconds + nanoseconds * 1e-9
+    return size, stamped
 
 
 def segment_size(ancdata: list[tuple[int, int, bytes]], nbytes: int) -> int:

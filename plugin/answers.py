@@ -142,10 +142,13 @@ class RoundAnswers:
             self._ready.append(nxt)
 
     def take_results(self, buf: bytearray, view: memoryview, start: int, nbytes: int,
-                     size: int, source: Address, now: float, out: memoryview) -> int:
+                     size: int, source: Address, now: float, out: memoryview,
+                     arrived: float | None = None) -> int:
         """Store the results that a coalesced receive holds from `start` on (datagrams `size`
         bytes apart, from `source`) straight into `out`, the round's array: `accept` and
-        `stored` for each, in line. Returns where the first datagram not taken begins;
+        `stored` for each, in line. `arrived`: when they reached this host, if the kernel
+        said (else `now`): a delay sample ends there, since what came after was this host's
+        own wait, no queue on the path. Returns where the first datagram not taken begins;
         `nbytes` when it took them all."""
         unpack_from = HEADER.unpack_from
         round_no, dtype_no, epoch_no, rank = self.round, int(self.dtype), self.epoch, self.rank
@@ -160,6 +163,8 @@ class RoundAnswers:
         seq_of, acked_seq, unanswered = self._seq, self._acked_seq, self._unanswered
         lowest, ready = self._lowest, self._ready
         result = int(Kind.RESULT)
+        if arrived is None or arrived > now:
+            arrived = now
         taken = 0  # (`remaining` is brought up to date once, on the way out)
         try:
             for at in range(start, nbytes, size):
@@ -199,7 +204,7 @@ class RoundAnswers:
                 if window is not None:
                     queued = flags & QUEUED
                     if completer == rank:
-                        window.on_delay(e, now - self._payload_sent[k], now)
+                        window.on_delay(e, arrived - self._payload_sent[k], now)
                     elif queued or window.queued[e]:
                         window.on_mark(e, bool(queued), now, rtt.srtt(e) or rtt.rto(e))
                 in_flight[e] -= 1

@@ -343,12 +343,10 @@ class ApplianceClient:
                 for e, _, h, ticket, note in due])
 
     def _on_run(self, buf: bytearray, view: memoryview, nbytes: int, size: int,
-                source: Address) -> None:
-        """A coalesced receive: the results of a round straight into its array, a run at a
-        time (`RoundPipeline.take_results`); anything else through `_on_datagram`."""
-        if nbytes <= size:  # one datagram (a notice, a resent result): the usual way
-            decode_each(buf, view, 0, nbytes, size, source, self._on_datagram)
-            return
+                source: Address, waited: float) -> None:
+        """A coalesced receive (or one datagram) that waited `waited` seconds in this host: the
+        results of a round straight into its array, a run at a time
+        (`RoundPipeline.take_results`); anything else through `_on_datagram`."""
         pipeline = self.pipeline
         now = self._clock()
         appliance = self._appliance_of.get(source)
@@ -358,7 +356,7 @@ class ApplianceClient:
         while at < nbytes:
             if peek_kind(buf, at) == Kind.RESULT:
                 at = pipeline.take_results(buf, view, at, nbytes, size, source, now,
-                                           self._views)
+                                           self._views, now - waited)
             if at < nbytes:  # not a result it wanted: decode and handle it alone
                 end = min(at + size, nbytes)
                 decode_each(buf, view, at, end, size, source, self._on_datagram)

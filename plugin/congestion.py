@@ -7,7 +7,11 @@ rank's sample says nothing about queues unless its own contribution was the one 
 waited for. So the appliance names, in each RESULT, the rank whose contribution completed it
 (wire.py), and only that rank takes the round trip of its payload as a delay sample: its
 contribution found every other one already there, so what it waited for was the path (its own
-uplink, the appliance's link, the core's socket). That rank's contributions then carry what it
+uplink, the appliance's link, the core's socket). The sample ends when the result reached the
+worker's host (the kernel's receive time, where it says: plugin/answers.py), not when the worker
+read it: a result left in the socket while the worker's process was not running (a GC pause, a
+busy GIL, two cores shared by nine processes here) found no queue on the path, as Swift keeps
+the endpoint's delay apart from the fabric's. That rank's contributions then carry what it
 found (wire.Flags.QUEUED) and the appliance echoes it in the RESULTs they complete, so every
 rank hears of the queue, as ECN's echo has it. Without the echo only the completers shrank
 their windows; the others kept theirs whole, and each round's first burst overflowed the queue

@@ -313,14 +313,15 @@ class RoundPipeline:
 
     def take_results(self, buf: bytearray, view: memoryview, start: int, nbytes: int,
                      size: int, source: Address, now: float,
-                     outputs: Mapping[int, memoryview]) -> int:
+                     outputs: Mapping[int, memoryview], arrived: float | None = None) -> int:
         """`AllreduceRound.take_results` for the round the datagram at `start` names (its
         array: `outputs[ticket]`); returns where the first datagram not taken begins."""
         rnd = self._active.get(peek_round(buf, start)) if nbytes - start >= HEADER_SIZE \
             else None
         if rnd is None:
             return start
-        at = rnd.take_results(buf, view, start, nbytes, size, source, now, outputs[rnd.ticket])
+        at = rnd.take_results(buf, view, start, nbytes, size, source, now, outputs[rnd.ticket],
+                             arrived)
         if rnd.done:
             self._finish(rnd, None)
         return at

@@ -18,6 +18,7 @@ import contextlib
 import errno
 import select
 import socket
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol, Self
 
@@ -26,11 +27,13 @@ from reduction_appliance.dataplane.transport import Address, MemoryEndpoint, Mem
 from reduction_appliance.dataplane.udp import (
     GRO_BUFFER,
     GRO_CMSG_SPACE,
+    STAMPED_CMSG_SPACE,
     DatagramBatcher,
     datagram_starts,
     enable_gro,
+    enable_stamps,
     enlarge_buffers,
-    segment_size,
+    receive_facts,
 )
 from reduction_appliance.dataplane.wire import (
     HEADER_SIZE,
@@ -57,9 +60,11 @@ _RECEIVE_BUFFER = GRO_BUFFER  # the largest datagram, or the most one coalesced 
 
 #: handle(header, payload, source): one received datagram, valid only during the call
 Handler = Callable[[Header, memoryview, Address], None]
-#: take_run(buffer, view, nbytes, size, source): a coalesced receive (UDP GRO) of datagrams
-#: `size` bytes apart, the last possibly shorter, all from `source`; valid only during the call
-RunHandler = Callable[[bytearray, memoryview, int, int, Address], None]
+#: take_run(buffer, view, nbytes, size, source, waited): a coalesced receive (UDP GRO) of
+#: datagrams `size` bytes apart, the last possibly shorter, all from `source`, that waited in
+#: this host `waited` seconds before it was read (0.0 where the kernel did not say); valid
+#: only during the call
+RunHandler = Callable[[bytearray, memoryview, int, int, Address, float], None]
 
 
 def decode_each(buf: bytearray, view: memoryview, start: int, nbytes: int, size: int,
@@ -137,6 +142,8 @@ class UdpWorkerTransport:
             stack.pop_all()
         self._adopt(sockets, "turned off" if not gro else next(
             (why for why in map(enable_gro, sockets) if why), ""))
+        # The kernel's receive times: where it refuses, a sample keeps our own wait in it.
+        self.stamps_refused = next((why for why in map(enable_stamps, sockets) if why), "")
 
     @classmethod
     def over(cls, sockets: Sequence[socket.socket], gro_refused: str = "") -> Self:
@@ -156,6 +163,7 @@ class UdpWorkerTransport:
         self._batcher = DatagramBatcher(self.sock)
         # Why the kernel refused coalesced receives ("" where it granted them on every socket).
         self.gro_refused = gro_refused
+        self.stamps_refused = "unasked"  # (the constructor asks for them)
         self.coalesced = 0  # receive calls that brought more than one datagram
 
     def __enter__(self) -> UdpWorkerTransport:
@@ -233,7 +241,8 @@ class UdpWorkerTransport:
     def receive(self, handle: Handler, take_run: RunHandler | None = None) -> int:
         taken = 0
         buf, view = self._buffer, self._view
-        cmsg_space = 0 if self.gro_refused else GRO_CMSG_SPACE
+        cmsg_space = STAMPED_CMSG_SPACE if not self.gro_refused else \
+            STAMPED_CMSG_SPACE - GRO_CMSG_SPACE
         for sock in self._sockets:
             recv = sock.recvmsg_into
             while True:
@@ -241,12 +250,15 @@ class UdpWorkerTransport:
                     nbytes, ancdata, _, source = recv([buf], cmsg_space, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     break
-                size = segment_size(ancdata, nbytes) if ancdata else nbytes
+                size, stamped = receive_facts(ancdata, nbytes) if ancdata else (nbytes, 0.0)
                 if size < nbytes:
                     self.coalesced += 1
                 taken += len(datagram_starts(nbytes, size))
                 if take_run is not None:
-                    take_run(buf, view, nbytes, size, source)
+                    # How long it sat in this host (our socket, our process not running): no
+                    # queue on the path (plugin/congestion.py). The kernel's clock is time.time's.
+                    waited = time.time() - stamped if stamped else 0.0
+                    take_run(buf, view, nbytes, size, source, waited if waited > 0.0 else 0.0)
                 else:
                     decode_each(buf, view, 0, nbytes, size, source, handle)
         return taken
@@ -297,7 +309,7 @@ class MemoryWorkerTransport:
             while (run := self.endpoint.recv_coalesced(buf)) is not None:
                 nbytes, size, source = run
                 taken += len(datagram_starts(nbytes, size))
-                take_run(buf, memoryview(buf), nbytes, size, source)
+                take_run(buf, memoryview(buf), nbytes, size, source, 0.0)
             return taken
         while (got := self.endpoint.recv()) is not None:
             taken += 1

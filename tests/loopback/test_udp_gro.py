@@ -4,6 +4,8 @@ cut back into its datagrams, on the appliance core's transport and on the worker
 from __future__ import annotations
 
 import socket
+import struct
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -12,9 +14,11 @@ from reduction_appliance.dataplane.slots import SlotArena
 from reduction_appliance.dataplane.spec import CoreConfig
 from reduction_appliance.dataplane.transport import RxBatch, datagram_starts
 from reduction_appliance.dataplane.udp import (
+    SO_TIMESTAMPNS,
     UDP_GRO,
     DatagramBatcher,
     UdpCoreTransport,
+    receive_facts,
     segment_size,
 )
 from reduction_appliance.dataplane.wire import HEADER_SIZE, DType, Flags, Header, Kind, Op
@@ -126,6 +130,37 @@ def test_segment_size_reads_the_kernels_control_message() -> None:
     four = (1072).to_bytes(4, "little" if socket.htons(1) != 1 else "big")
     assert segment_size([(socket.SOL_UDP, UDP_GRO, four)], 7000) == 1072
     assert segment_size([(socket.SOL_IP, 1, four)], 7000) == 7000  # not ours
+
+
+def test_the_worker_is_told_how_long_a_burst_waited_in_its_host() -> None:
+    """The kernel's receive time (SO_TIMESTAMPNS) against time.time(): what a run handler is
+    given as `waited` (plugin/answers.py ends a delay sample there)."""
+    with UdpWorkerTransport("127.0.0.1") as worker:
+        if worker.stamps_refused:
+            pytest.skip(f"the kernel refuses SO_TIMESTAMPNS: {worker.stamps_refused}")
+        sent = time.time()
+        gso_burst(worker.local, 3, kind=Kind.RESULT)  # on loopback: queued when this returns
+        time.sleep(0.05)  # the host's own wait under test (the worker not reading meanwhile)
+        waits: list[float] = []
+
+        def taken() -> bool:
+            worker.receive(lambda h, payload, _: None,
+                           lambda buf, view, nbytes, size, source, waited: waits.append(waited))
+            return bool(waits)
+        wait_until(taken, 10, what="the burst at the worker")
+        read = time.time()
+        # It waited from its arrival (after `sent`, before the sleep) until it was read.
+        assert 0.05 <= waits[0] <= read - sent
+
+
+def test_receive_facts_reads_the_size_and_the_kernels_receive_time() -> None:
+    assert receive_facts([], 5000) == (5000, 0.0)
+    four = (1072).to_bytes(4, "little" if socket.htons(1) != 1 else "big")
+    stamp = struct.pack("@qq", 1_800_000_000, 250_000_000)
+    size, stamped = receive_facts([(socket.SOL_UDP, UDP_GRO, four),
+                                   (socket.SOL_SOCKET, SO_TIMESTAMPNS, stamp)], 7000)
+    assert size == 1072 and stamped == pytest.approx(1_800_000_000.25)
+    assert receive_facts([(socket.SOL_IP, 1, stamp)], 7000) == (7000, 0.0)  # not ours
 
 
 def test_a_kernel_refusing_gro_leaves_one_receive_per_datagram(

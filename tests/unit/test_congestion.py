@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from reduction_appliance.dataplane.reduce import select_kernels
-from reduction_appliance.dataplane.wire import DType, Flags, Op
+from reduction_appliance.dataplane.wire import HEADER_SIZE, DType, Flags, Kind, Op, pack_into
 from reduction_appliance.plugin.congestion import (
     Congestion,
     CongestionWindow,
@@ -18,7 +18,7 @@ from reduction_appliance.plugin.congestion import (
     any_admitted,
 )
 from reduction_appliance.plugin.rtt import RttEstimator, Timing
-from reduction_appliance.plugin.session import AllreduceRound, Endpoint
+from reduction_appliance.plugin.session import AllreduceRound, Endpoint, Transmit
 
 from .simnet import Bottleneck, Faults, SimNet
 
@@ -201,3 +201,32 @@ def test_contributions_carry_their_senders_own_measure_and_a_gated_round_waits_f
     more = rnd.due(0.03)
     assert [t.segment for t in more] == [6]
     assert all(t.header.flags & Flags.QUEUED for t in more)
+
+
+def _answered(rnd: AllreduceRound, t: Transmit, completer: int) -> tuple[bytearray, int]:
+    """The RESULT of transmission `t` as its core sends it, completed by `completer`."""
+    h = t.header._replace(kind=Kind.RESULT, flags=Flags.NONE, rank=completer)
+    buf = bytearray(HEADER_SIZE + h.length)
+    pack_into(buf, h)
+    return buf, len(buf)
+
+
+def test_a_delay_sample_ends_when_the_result_reached_this_host_not_when_it_was_read() -> None:
+    """A result that sat in this host's socket (our process not running: a GC pause, a busy
+    GIL) found no queue on the path: the sample ends at the kernel's receive time. The same
+    results read as late with no such time cut the window."""
+    def cuts(arrival_known: bool) -> int:
+        endpoint = (Endpoint(("a", 0), 1, 99, 8, "appliance core 0"),)
+        window = CongestionWindow([8], POLICY)
+        rnd = AllreduceRound(endpoint, 0, 2, 1, DType.FLOAT32, Op.SUM, 16 * 64, 64,
+                             RttEstimator(Timing()), 0.0, window=window)
+        out = memoryview(bytearray(16 * 64))
+        for turn, t in enumerate(rnd.due(0.0)[:3]):  # one result per receive turn
+            buf, n = _answered(rnd, t, completer=0)  # ours completed it: a delay sample
+            now = 0.1 + turn * 0.01  # read 100 ms after it left: over the 20 ms target
+            arrived = 0.005 + turn * 0.01 if arrival_known else None  # there after 5 ms
+            assert rnd.take_results(buf, memoryview(buf), 0, n, n, ("a", 0), now, out,
+                                    arrived) == n
+        return window.cuts
+    assert cuts(arrival_known=True) == 0
+    assert cuts(arrival_known=False) == 1
