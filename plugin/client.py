@@ -50,7 +50,7 @@ __all__ = ["ApplianceClient", "dtype_of", "op_of"]
 
 _log = logging.getLogger(__name__)
 RELIABLE_RTO_S = 1.0  # first retransmission timeout over a reliable transport (RoCE)
-_GRO_REFUSALS_LOGGED: set[str] = set()
+_REFUSALS_LOGGED: set[tuple[str, str]] = set()  # (what the kernel refused, why): logged once
 _FRAGMENTING_LOGGED: set[str] = set()
 
 
@@ -136,10 +136,14 @@ class ApplianceClient:
         if transport is None:
             udp = UdpWorkerTransport(local_address,
                                      [j.multicast for j in jobs if j.multicast is not None])
-            if udp.gro_refused and udp.gro_refused not in _GRO_REFUSALS_LOGGED:
-                _GRO_REFUSALS_LOGGED.add(udp.gro_refused)  # once per process and reason
+            if udp.gro_refused and ("gro", udp.gro_refused) not in _REFUSALS_LOGGED:
+                _REFUSALS_LOGGED.add(("gro", udp.gro_refused))
                 _log.info("fallback: UDP GRO refused by the kernel (%s): one receive call per "
                           "result datagram", udp.gro_refused)
+            if udp.stamps_refused and ("stamps", udp.stamps_refused) not in _REFUSALS_LOGGED:
+                _REFUSALS_LOGGED.add(("stamps", udp.stamps_refused))
+                _log.info("fallback: SO_TIMESTAMPNS refused by the kernel (%s): congestion delay "
+                          "samples include this host's own wait", udp.stamps_refused)
             transport = udp
         self.transport: WorkerTransport = transport
         try:
