@@ -100,7 +100,8 @@ def receive_facts(ancdata: list[tuple[int, int, bytes]], nbytes: int) -> tuple[i
             got = int.from_bytes(data[:4] if len(data) >= 4 else data[:2], sys.byteorder)
             if got > 0:
                 size = got
-        elif level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= 16:
+        elif (level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS
+              and len(data) >= _TIMESPEC.size):
             seconds, nanoseconds = _TIMESPEC.unpack_from(data)
             stamped = seconds + nanoseconds * 1e-9
     return size, stamped
@@ -109,12 +110,7 @@ def receive_facts(ancdata: list[tuple[int, int, bytes]], nbytes: int) -> tuple[i
 def segment_size(ancdata: list[tuple[int, int, bytes]], nbytes: int) -> int:
     """The size of each datagram in a receive of `nbytes` (the last may be shorter): the
     kernel's UDP_GRO control message says, when it coalesced several; else one datagram."""
-    for level, kind, data in ancdata:
-        if level == _SOL_UDP and kind == UDP_GRO and len(data) >= 2:
-            size = int.from_bytes(data[:4] if len(data) >= 4 else data[:2], sys.byteorder)
-            if size > 0:
-                return size
-    return nbytes
+    return receive_facts(ancdata, nbytes)[0]
 
 
 class DatagramBatcher:
