@@ -1,5 +1,5 @@
 """What comes back to a round (plugin/session.py): which RESULTs it still wants, and what taking
-one does to its state. Two ways in, kept equal by tests/unit/test_answers.py:
+one does to its state. Two ways in, kept equal by tests/unit/test_worker_runs.py:
 
 * `accept` then `stored`, one decoded `Header` at a time: notices' neighbours, a transport
   without coalesced receives, the simulated networks of the tests.

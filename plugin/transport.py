@@ -26,7 +26,6 @@ from reduction_appliance.dataplane.errors import PeerError, ReductionError
 from reduction_appliance.dataplane.transport import Address, MemoryEndpoint, MemoryNetwork
 from reduction_appliance.dataplane.udp import (
     GRO_BUFFER,
-    GRO_CMSG_SPACE,
     STAMPED_CMSG_SPACE,
     DatagramBatcher,
     datagram_starts,
@@ -241,13 +240,12 @@ class UdpWorkerTransport:
     def receive(self, handle: Handler, take_run: RunHandler | None = None) -> int:
         taken = 0
         buf, view = self._buffer, self._view
-        cmsg_space = STAMPED_CMSG_SPACE if not self.gro_refused else \
-            STAMPED_CMSG_SPACE - GRO_CMSG_SPACE
         for sock in self._sockets:
             recv = sock.recvmsg_into
             while True:
                 try:
-                    nbytes, ancdata, _, source = recv([buf], cmsg_space, socket.MSG_DONTWAIT)
+                    nbytes, ancdata, _, source = recv([buf], STAMPED_CMSG_SPACE,
+                                                          socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     break
                 size, stamped = receive_facts(ancdata, nbytes) if ancdata else (nbytes, 0.0)
