@@ -80,6 +80,22 @@ def _bw(b: float | None) -> str:
     return "-" if b is None else f"{b:.3f}GB/s"
 
 
+# A case's bound, read off the timed calls: the machine's CPUs this busy (every process and
+# the kernel) or stolen by the hypervisor leave no room for more, and a link this full is at
+# the shaper's rate less the headers and the gaps between calls.
+_CPU_BOUND = 0.95
+_LINK_BOUND = 0.90
+
+
+def _bound(row: Row) -> str:
+    """'CPU-bound', 'link-bound', both, or 'neither saturated', for a probed case."""
+    taken = (row.get("machine_busy_share") or 0.0) + (row.get("machine_steal_share") or 0.0)
+    cpu = taken >= _CPU_BOUND
+    link = max(row.get("link_rx_util") or 0.0, row.get("link_tx_util") or 0.0) >= _LINK_BOUND
+    return {(True, True): "CPU- and link-bound", (True, False): "CPU-bound",
+            (False, True): "link-bound", (False, False): "neither saturated"}[cpu, link]
+
+
 def _flag(row: Row | None) -> str:
     if row is None or row.get("skipped"):
         return "skip"
@@ -155,6 +171,12 @@ def _report_appliance(plan: SweepPlan, pairs: list[dict[str, Any]]) -> None:
                      f"GB): appliance {a['machine_cpu_s_per_gb']:.2f} s "
                      f"({a['machine_kernel_share']:.0%} kernel), gloo "
                      f"{g['machine_cpu_s_per_gb']:.2f} s ({g['machine_kernel_share']:.0%} kernel)")
+        if a.get("machine_busy_share") is not None and g.get("machine_busy_share") is not None:
+            line += (f"; the machine's CPU time in the timed calls: appliance "
+                     f"{a['machine_busy_share']:.0%} busy, {a['machine_steal_share']:.1%} "
+                     f"stolen by the hypervisor ({_bound(a)}), Gloo "
+                     f"{g['machine_busy_share']:.0%} busy, {g['machine_steal_share']:.1%} "
+                     f"stolen ({_bound(g)})")
         if a.get("link_rx_util") is not None:
             line += (f"; w0 link utilisation: appliance rx {a['link_rx_util']:.0%} / tx "
                      f"{a['link_tx_util']:.0%}, gloo rx {g.get('link_rx_util') or 0:.0%} / tx "
@@ -263,10 +285,14 @@ def summarize_runs(runs: list[list[dict[str, Any]]]) -> None:
         if not speedups:
             print(f"  {label}: no speedup measured")
             continue
+        steal = [r[i]["appliance"].get("machine_steal_share") for r in runs]
+        steal_text = ("" if any(x is None for x in steal) else
+                      "; hypervisor steal in the appliance's timed calls "
+                      + ", ".join(f"{x:.1%}" for x in steal))
         print(f"  {label}: median {statistics.median(speedups):.2f}x "
               f"(min {min(speedups):.2f}x, max {max(speedups):.2f}x; runs "
               f"{', '.join(f'{x:.2f}x' for x in speedups)}); appliance "
-              f"{_ms(statistics.median(times))} median")
+              f"{_ms(statistics.median(times))} median{steal_text}")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,9 @@ NOTE = (
     "byte once and receive the result once, so the same factor would overstate it by up to 2x; "
     "busbw is therefore shown for Gloo only, and algbw (bytes / time) is the honest figure to "
     "compare. The link columns show what worker w0's link actually carried during the timed "
-    "calls, per direction, as a share of the link rate."
+    "calls, per direction, as a share of the link rate. busy and steal: the share of all the "
+    "machine's CPU time in the timed calls that some process or the kernel used, and that the "
+    "hypervisor gave other guests; a case busy near 100% was CPU-bound, whatever its links."
 )
 
 CSV_FIELDS = [
@@ -51,7 +53,8 @@ CSV_FIELDS = [
     "algbw_gbps", "busbw_gbps", "speedup", "link_rx_util", "link_tx_util", "link_rx_per_byte",
     "link_tx_per_byte", "appliance_cpu_cores", "appliance_out_per_byte", "retransmissions",
     "retx_share", "ingress_gbps_per_core", "worker_cpu_s_per_gb", "machine_cpu_s_per_gb",
-    "machine_kernel_share", "window_s", "checked", "ok", "skipped", "error",
+    "machine_kernel_share", "machine_busy_share", "machine_steal_share", "window_s", "checked",
+    "ok", "skipped", "error",
 ]
 
 
@@ -110,7 +113,8 @@ def _check(row: Row) -> str:
 
 _HEAD = (f"{'system':<9} {'mode':<9} {'size':>9} {'dtype':>8} {'op':>3} | {'time':>9} "
          f"{'algbw':>10} {'busbw':>10} | {'w0 rx':>5} {'w0 tx':>5} | {'appl CPU':>10} "
-         f"{'in/core':>10} {'wkr s/GB':>8} {'mach s/GB':>14} | {'retx':>11} | check")
+         f"{'in/core':>10} {'wkr s/GB':>8} {'mach s/GB':>14} {'busy':>4} {'steal':>5} | "
+         f"{'retx':>11} | check")
 
 
 def format_row(row: Row) -> str:
@@ -128,7 +132,8 @@ def format_row(row: Row) -> str:
             f"{_pct(row.get('link_tx_util')):>5} | "
             f"{'-' if cpu is None else f'{cpu:.2f} cores':>10} "
             f"{'-' if ingress is None else f'{ingress:.2f}GB/s':>10} "
-            f"{'-' if worker is None else f'{worker:.2f}':>8} {machine_text:>14} | "
+            f"{'-' if worker is None else f'{worker:.2f}':>8} {machine_text:>14} "
+            f"{_pct(row.get('machine_busy_share')):>4} {_pct(row.get('machine_steal_share')):>5} | "
             f"{retx_text:>11} | {_check(row)}")
 
 

@@ -139,9 +139,16 @@ def summarize(plan: SweepPlan, net: _Net, workers: int, outputs: list[list[Row]]
         if first["appliance_cpu_s"] > 0:  # every rank's contributions per CPU-second
             row["ingress_gbps_per_core"] = len(cases) * moved / first["appliance_cpu_s"] / 1e9
     if "machine_cpu_s" in first:  # every process and the kernel, per GB one rank allreduced
-        user, kernel = first["machine_cpu_s"]["user"], first["machine_cpu_s"]["kernel"]
+        machine = first["machine_cpu_s"]
+        user, kernel = machine["user"], machine["kernel"]
         row["machine_cpu_s_per_gb"] = (user + kernel) / (moved / 1e9)
         row["machine_kernel_share"] = kernel / (user + kernel) if user + kernel else None
+        # Of all the CPUs' time in the timed calls: busy (near 100%: CPU-bound, whatever the
+        # links), and what the hypervisor gave other guests (the noise to read a figure with).
+        every = user + kernel + machine["idle"] + machine["steal"]
+        if every > 0:
+            row["machine_busy_share"] = (user + kernel) / every
+            row["machine_steal_share"] = machine["steal"] / every
     if "segments" in first and "retransmissions" in row:
         row["retx_share"] = row["retransmissions"] / max(1, sum(c["segments"] for c in cases))
     if "window_cuts" in first:  # the congestion windows: cuts on every rank, the least one

@@ -1,5 +1,6 @@
 """What a worker samples around each timed allreduce: its link's byte counters, the
-appliance's CPU time, and the whole machine's CPU time split into user space and the kernel.
+appliance's CPU time, and the whole machine's CPU time split into user space and the kernel,
+with what was left idle and what the hypervisor took (steal).
 
 The sampling lives in the worker, not the driver, so that numerator and denominator cover the
 same interval: bytes and CPU seconds are summed over exactly the timed calls, divided by exactly
@@ -9,7 +10,10 @@ start-up, registration, warmup iterations and the reference checks, and overstat
 The machine's split (/proc/stat: every process and interrupt, in 10 ms ticks) is what compares
 systems on one emulated network: every host shares these cores, so the CPU a system spends per
 allreduced byte, and how much of it the kernel's network path takes, decides its speed once
-the links are fast.
+the links are fast. Idle and steal say which bound a figure met: a machine busy nearly all the
+timed calls was CPU-bound, whatever its links; and the time a virtual machine's hypervisor gave
+to other guests (steal) is CPU no system here had, the noise every figure from a shared machine
+should be read with.
 
 Link counters come from /sys/class/net inside the worker's own namespace (`ip netns exec`
 mounts that namespace's sysfs). CPU time comes from /proc, whose pids are global here: the lab
@@ -22,8 +26,10 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
-__all__ = ["Probe", "Sample", "cpu_seconds", "descendants", "link_bytes", "machine_cpu"]
+__all__ = ["MachineTime", "Probe", "Sample", "cpu_seconds", "descendants", "link_bytes",
+           "machine_cpu"]
 
 _TICK_HZ = os.sysconf("SC_CLK_TCK")
 
@@ -34,14 +40,27 @@ def link_bytes(ifname: str) -> tuple[int, int]:
     return int((base / "rx_bytes").read_text()), int((base / "tx_bytes").read_text())
 
 
-def machine_cpu() -> tuple[float, float]:
-    """(user, kernel) seconds every CPU of the machine has spent so far: user + nice, and
-    system + irq + softirq (the network path of every namespace: sockets, veths, the bridge,
-    qdiscs)."""
+class MachineTime(NamedTuple):
+    """Seconds every CPU of the machine has spent so far, by what it did."""
+
+    user: float  # user + nice
+    kernel: float  # system + irq + softirq: the network path of every namespace (sockets,
+    # veths, the bridge, qdiscs)
+    idle: float  # idle + iowait
+    steal: float  # taken by the hypervisor for other guests (0 on bare metal)
+
+
+_NO_TIME = MachineTime(0.0, 0.0, 0.0, 0.0)
+
+
+def machine_cpu() -> MachineTime:
+    """The machine's CPU time so far (/proc/stat's first line)."""
     with open("/proc/stat") as f:
-        user, nice, system, _idle, _iowait, irq, softirq = (
-            int(v) for v in f.readline().split()[1:8])
-    return (user + nice) / _TICK_HZ, (system + irq + softirq) / _TICK_HZ
+        fields = [int(v) for v in f.readline().split()[1:9]]
+    user, nice, system, idle, iowait, irq, softirq = fields[:7]
+    steal = fields[7] if len(fields) > 7 else 0  # (kernels before 2.6.11 had no steal)
+    return MachineTime((user + nice) / _TICK_HZ, (system + irq + softirq) / _TICK_HZ,
+                       (idle + iowait) / _TICK_HZ, steal / _TICK_HZ)
 
 
 def _task_seconds(pid: int) -> float:
@@ -99,7 +118,7 @@ class Sample:
     tx: int
     cpu_s: float
     at: float  # monotonic midpoint of the reads: they take a while, and the counters move
-    machine: tuple[float, float] = (0.0, 0.0)  # machine_cpu(), when probed
+    machine: MachineTime = _NO_TIME  # machine_cpu(), when probed
 
 
 @dataclass
@@ -121,6 +140,8 @@ class Probe:
     machine: bool = False  # also sum the machine's user and kernel CPU seconds
     machine_user_s: float = 0.0
     machine_kernel_s: float = 0.0
+    machine_idle_s: float = 0.0
+    machine_steal_s: float = 0.0
     window: list[float] = field(default_factory=list)  # monotonic [first start, last end]
     _start: Sample | None = None
 
@@ -128,7 +149,7 @@ class Probe:
         start = time.monotonic()
         rx, tx = link_bytes(self.ifname) if self.ifname else (0, 0)
         cpu = cpu_seconds(self.pids) if self.pids else 0.0
-        machine = machine_cpu() if self.machine else (0.0, 0.0)
+        machine = machine_cpu() if self.machine else _NO_TIME
         return Sample(rx, tx, cpu, (start + time.monotonic()) / 2, machine)
 
     def before(self) -> None:
@@ -145,8 +166,10 @@ class Probe:
         self.rx += end.rx - self._start.rx
         self.tx += end.tx - self._start.tx
         self.cpu_s += end.cpu_s - self._start.cpu_s
-        self.machine_user_s += end.machine[0] - self._start.machine[0]
-        self.machine_kernel_s += end.machine[1] - self._start.machine[1]
+        self.machine_user_s += end.machine.user - self._start.machine.user
+        self.machine_kernel_s += end.machine.kernel - self._start.machine.kernel
+        self.machine_idle_s += end.machine.idle - self._start.machine.idle
+        self.machine_steal_s += end.machine.steal - self._start.machine.steal
 
     def report(self) -> dict[str, object]:
         """What the worker prints: the window always, the sums only for what was probed."""
@@ -157,5 +180,6 @@ class Probe:
         if self.pids:
             out["appliance_cpu_s"] = self.cpu_s
         if self.machine:
-            out["machine_cpu_s"] = {"user": self.machine_user_s, "kernel": self.machine_kernel_s}
+            out["machine_cpu_s"] = {"user": self.machine_user_s, "kernel": self.machine_kernel_s,
+                                    "idle": self.machine_idle_s, "steal": self.machine_steal_s}
         return out

@@ -172,6 +172,24 @@ def test_jumbo_datagram_with_df_crosses_the_switch(lab: MakeLab, tmp_path: Path)
     assert "Message too long" in too_big.stderr
 
 
+def test_the_switch_forwards_frames_without_the_ip_firewall_hooks(lab: MakeLab) -> None:
+    entries = ["bridge-nf-call-iptables", "bridge-nf-call-ip6tables", "bridge-nf-call-arptables"]
+    if not os.path.exists(f"/proc/sys/net/bridge/{entries[0]}"):
+        pytest.skip("br_netfilter is not loaded on this machine: bridges never call netfilter's "
+                    "IP hooks, so there is nothing to turn off")
+    rack = lab(Topology.rack(workers=2, mtu=9000))
+    switch = rack.topology.switch_netns
+    read = subprocess.run(["ip", "netns", "exec", switch, "cat",
+                           *(f"/proc/sys/net/bridge/{e}" for e in entries)],
+                          capture_output=True, text=True, check=True)
+    assert read.stdout.split() == ["0", "0", "0"], read
+    # ... in the switch's namespace only: a fresh namespace still has them on (the default).
+    fresh = subprocess.run(["ip", "netns", "exec", rack.topology.netns_name("w0"), "cat",
+                            f"/proc/sys/net/bridge/{entries[0]}"],
+                           capture_output=True, text=True, check=True)
+    assert fresh.stdout.strip() == "1", fresh
+
+
 def test_multicast_from_appliance_reaches_every_worker(lab: MakeLab, tmp_path: Path) -> None:
     rack = lab(Topology.rack(workers=3))
     group = "239.255.7.9"

@@ -1,4 +1,4 @@
-"""The bench's probe: the machine's CPU split into user space and the kernel."""
+"""The bench's probe: the machine's CPU split into user space and the kernel, idle and steal."""
 
 from __future__ import annotations
 
@@ -30,10 +30,24 @@ def test_a_busy_loop_shows_as_user_time_and_syscalls_as_kernel_time() -> None:
     assert isinstance(report, dict)
     # Most of the spin (other processes can only add; 10 ms ticks; the spin may be preempted).
     assert report["user"] >= 0.15, report
-    user, kernel = machine_cpu()
+    user, kernel, _, _ = machine_cpu()
     _syscalls(0.3)
-    user2, kernel2 = machine_cpu()
+    user2, kernel2, _, _ = machine_cpu()
     assert kernel2 - kernel >= 0.05 and user2 >= user, (user, kernel, user2, kernel2)
+
+
+def test_the_four_parts_cover_every_cpu_s_time() -> None:
+    # Busy, idle or stolen: each CPU's every tick is one of them, so over an interval the four
+    # add up to the interval on every CPU (to within a few 10 ms ticks per CPU).
+    cpus = os.cpu_count() or 1
+    probe = Probe(machine=True)
+    probe.before()
+    _spin(0.3)
+    probe.after(0.3)
+    report = probe.report()["machine_cpu_s"]
+    assert isinstance(report, dict) and set(report) == {"user", "kernel", "idle", "steal"}
+    assert all(v >= 0 for v in report.values()), report
+    assert abs(sum(report.values()) - probe.probed_s * cpus) <= 0.05 * cpus, (report, cpus)
 
 
 def test_without_machine_the_report_has_no_split() -> None:
