@@ -85,6 +85,9 @@ def _bw(b: float | None) -> str:
 # the shaper's rate less the headers and the gaps between calls.
 _CPU_BOUND = 0.95
 _LINK_BOUND = 0.90
+# /proc/stat counts in 10 ms ticks per CPU: below this much CPU time in all, a share is only
+# good to a few per cent (five 20 ms calls on two CPUs are 20 ticks).
+_FINE_S = 1.0
 
 
 def _bound(row: Row) -> str:
@@ -177,6 +180,10 @@ def _report_appliance(plan: SweepPlan, pairs: list[dict[str, Any]]) -> None:
                      f"stolen by the hypervisor ({_bound(a)}), Gloo "
                      f"{g['machine_busy_share']:.0%} busy, {g['machine_steal_share']:.1%} "
                      f"stolen ({_bound(g)})")
+            counted = min(a.get("machine_counted_s", 0.0), g.get("machine_counted_s", 0.0))
+            if counted < _FINE_S:
+                line += (f" (coarse: the timed calls span {counted * 100:.0f} of the kernel's "
+                         "10 ms CPU ticks or fewer)")
         if a.get("link_rx_util") is not None:
             line += (f"; w0 link utilisation: appliance rx {a['link_rx_util']:.0%} / tx "
                      f"{a['link_tx_util']:.0%}, gloo rx {g.get('link_rx_util') or 0:.0%} / tx "
@@ -286,9 +293,11 @@ def summarize_runs(runs: list[list[dict[str, Any]]]) -> None:
             print(f"  {label}: no speedup measured")
             continue
         steal = [r[i]["appliance"].get("machine_steal_share") for r in runs]
+        counted = min(r[i]["appliance"].get("machine_counted_s", 0.0) for r in runs)
         steal_text = ("" if any(x is None for x in steal) else
                       "; hypervisor steal in the appliance's timed calls "
-                      + ", ".join(f"{x:.1%}" for x in steal))
+                      + ", ".join(f"{x:.1%}" for x in steal)
+                      + (" (coarse: few 10 ms ticks)" if counted < _FINE_S else ""))
         print(f"  {label}: median {statistics.median(speedups):.2f}x "
               f"(min {min(speedups):.2f}x, max {max(speedups):.2f}x; runs "
               f"{', '.join(f'{x:.2f}x' for x in speedups)}); appliance "

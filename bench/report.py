@@ -53,8 +53,8 @@ CSV_FIELDS = [
     "algbw_gbps", "busbw_gbps", "speedup", "link_rx_util", "link_tx_util", "link_rx_per_byte",
     "link_tx_per_byte", "appliance_cpu_cores", "appliance_out_per_byte", "retransmissions",
     "retx_share", "ingress_gbps_per_core", "worker_cpu_s_per_gb", "machine_cpu_s_per_gb",
-    "machine_kernel_share", "machine_busy_share", "machine_steal_share", "window_s", "checked",
-    "ok", "skipped", "error",
+    "machine_kernel_share", "machine_busy_share", "machine_steal_share", "machine_counted_s",
+    "window_s", "checked", "ok", "skipped", "error",
 ]
 
 

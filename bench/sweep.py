@@ -149,6 +149,7 @@ def summarize(plan: SweepPlan, net: _Net, workers: int, outputs: list[list[Row]]
         if every > 0:
             row["machine_busy_share"] = (user + kernel) / every
             row["machine_steal_share"] = machine["steal"] / every
+            row["machine_counted_s"] = every  # in 10 ms ticks: coarse for short timed calls
     if "segments" in first and "retransmissions" in row:
         row["retx_share"] = row["retransmissions"] / max(1, sum(c["segments"] for c in cases))
     if "window_cuts" in first:  # the congestion windows: cuts on every rank, the least one

@@ -29,6 +29,7 @@ def test_busy_and_steal_are_shares_of_all_the_cpus_time() -> None:
     assert row["machine_busy_share"] == pytest.approx(0.75)
     assert row["machine_steal_share"] == pytest.approx(0.1)
     assert row["machine_kernel_share"] == pytest.approx(1 / 3)
+    assert row["machine_counted_s"] == pytest.approx(0.4)
     line = report.format_row({**row, "system": "appliance", "mode": "multicast",
                               "busbw_gbps": None})
     assert " 75%   10% |" in line, line
@@ -57,8 +58,9 @@ def test_the_bound_is_read_off_the_cpus_left_idle_and_the_fuller_link_direction(
 def test_the_runs_summary_quotes_each_run_s_steal(capsys: pytest.CaptureFixture[str]) -> None:
     def run(speedup: float, steal: float) -> list[dict[str, Any]]:
         return [{"size": 1 << 20, "dtype": "float32", "op": "sum", "speedup": speedup,
-                 "appliance": {"time_s": 0.1, "machine_steal_share": steal}}]
+                 "appliance": {"time_s": 0.1, "machine_steal_share": steal,
+                               "machine_counted_s": 0.2}}]
     allreduce.summarize_runs([run(1.5, 0.02), run(1.4, 0.125), run(1.6, 0.0)])
     out = capsys.readouterr().out
     assert "median 1.50x (min 1.40x, max 1.60x" in out
-    assert "hypervisor steal in the appliance's timed calls 2.0%, 12.5%, 0.0%" in out, out
+    assert "hypervisor steal in the appliance's timed calls 2.0%, 12.5%, 0.0% (coarse" in out, out
