@@ -137,7 +137,7 @@ class Probe:
     rx: int = 0
     tx: int = 0
     cpu_s: float = 0.0
-    machine: bool = False  # also sum the machine's user and kernel CPU seconds
+    machine: bool = False  # also sum the machine's user, kernel, idle and steal seconds
     machine_user_s: float = 0.0
     machine_kernel_s: float = 0.0
     machine_idle_s: float = 0.0
