@@ -191,8 +191,10 @@ class ConsoleReport:
                     f"the slowest rank; w0 rx/tx = worker 0's link utilisation during its timed "
                     f"calls; appl CPU = appliance cores busy meanwhile; in/core = what the "
                     f"appliance ingested per CPU-second; wkr s/GB = a worker's CPU seconds per "
-                    f"GB allreduced; retx = worker retransmissions and their share of "
-                    f"segments\n")
+                    f"GB allreduced; mach s/GB = every process's and the kernel's; busy, "
+                    f"steal = the machine's CPU time in the timed calls that was used, and "
+                    f"that the hypervisor took (busy near 100%: CPU-bound); retx = worker "
+                    f"retransmissions and their share of segments\n")
         self._print(_HEAD)
         self._print("-" * len(_HEAD))
 
