@@ -45,7 +45,8 @@ NOTE = (
     "compare. The link columns show what worker w0's link actually carried during the timed "
     "calls, per direction, as a share of the link rate. busy and steal: the share of all the "
     "machine's CPU time in the timed calls that some process or the kernel used, and that the "
-    "hypervisor gave other guests; a case busy near 100% was CPU-bound, whatever its links."
+    "hypervisor gave other guests; a case whose busy and steal add up to near 100% was "
+    "CPU-bound, whatever its links."
 )
 
 CSV_FIELDS = [
@@ -193,7 +194,7 @@ class ConsoleReport:
                     f"appliance ingested per CPU-second; wkr s/GB = a worker's CPU seconds per "
                     f"GB allreduced; mach s/GB = every process's and the kernel's; busy, "
                     f"steal = the machine's CPU time in the timed calls that was used, and "
-                    f"that the hypervisor took (busy near 100%: CPU-bound); retx = worker "
+                    f"that the hypervisor took (the two near 100%: CPU-bound); retx = worker "
                     f"retransmissions and their share of segments\n")
         self._print(_HEAD)
         self._print("-" * len(_HEAD))

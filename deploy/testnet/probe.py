@@ -10,10 +10,10 @@ start-up, registration, warmup iterations and the reference checks, and overstat
 The machine's split (/proc/stat: every process and interrupt, in 10 ms ticks) is what compares
 systems on one emulated network: every host shares these cores, so the CPU a system spends per
 allreduced byte, and how much of it the kernel's network path takes, decides its speed once
-the links are fast. Idle and steal say which bound a figure met: a machine busy nearly all the
-timed calls was CPU-bound, whatever its links; and the time a virtual machine's hypervisor gave
-to other guests (steal) is CPU no system here had, the noise every figure from a shared machine
-should be read with.
+the links are fast. Idle and steal say which bound a figure met: a machine left almost no
+idle time in the timed calls (busy, or stolen) was CPU-bound, whatever its links. The time a
+virtual machine's hypervisor gave to other guests (steal) is CPU no system here had, the noise
+every figure from a shared machine should be read with.
 
 Link counters come from /sys/class/net inside the worker's own namespace (`ip netns exec`
 mounts that namespace's sysfs). CPU time comes from /proc, whose pids are global here: the lab
