@@ -155,17 +155,24 @@ class RoundAnswers:
         seg, segments, total = self.segment_bytes, self.segments, self.nbytes
         done, use_of, endpoints = self._done, self._use, self.endpoints
         n_ep = len(endpoints)
-        newest = self._serials.newest
-        heard_at, progress_at = self._signs.heard_at, self._signs.progress_at
         retransmitted, timed_out, sent_at = self._retransmitted, self._timed_out, self._sent_at
         sample, rtt = self._rtt.sample, self._rtt
-        in_flight, mine, window = self._in_flight, self._mine, self._window
-        seq_of, acked_seq, unanswered = self._seq, self._acked_seq, self._unanswered
-        lowest, ready = self._lowest, self._ready
+        window = self._window
+        shrinking = window is not None and window.shrunk
+        seq_of, ready = self._seq, self._ready
         result = int(Kind.RESULT)
         if arrived is None or arrived > now:
             arrived = now
-        taken = 0  # (`remaining` is brought up to date once, on the way out)
+        # Every datagram of a run comes from `source`, and every segment to one core is
+        # answered by that core alone: a run answers one core. Its state is read here once and
+        # written back on the way out, not looked up per result.
+        e = -1
+        ep: Endpoint | None = None
+        in_flight = acked = low = nxt_step = 0
+        newest = -1
+        progressed = False
+        unanswered: dict[int, None] = {}
+        taken = 0
         try:
             for at in range(start, nbytes, size):
                 end = at + size if at + size < nbytes else nbytes
@@ -181,46 +188,63 @@ class RoundAnswers:
                 if (rest or k >= segments or done[k] or use != use_of[k]
                         or length != (seg if offset + seg <= total else total - offset)):
                     return at
-                e = k % n_ep
-                ep = endpoints[e]
-                if job_id != ep.job_id or cookie != ep.cookie or source != ep.address:
+                if ep is None:  # the run's first result names its core
+                    e = k % n_ep
+                    ep = endpoints[e]
+                    if source != ep.address:
+                        return at
+                    in_flight, acked, low = self._in_flight[e], self._acked_seq[e], self._lowest[e]
+                    newest, unanswered = self._serials.newest[e], self._unanswered[e]
+                    nxt_step = ep.slots * n_ep
+                elif k % n_ep != e:
+                    return at
+                if job_id != ep.job_id or cookie != ep.cookie:
                     return at
                 serial = buf[at + SERIAL_AT]
-                if serial == (newest[e] + 1) % SERIALS:
-                    newest[e] = serial
+                if serial == (newest + 1) % SERIALS:
+                    newest = serial
                 else:
+                    self._serials.newest[e] = newest
                     self._serials.jump(e, serial)
+                    newest = self._serials.newest[e]
                 out[offset:offset + length] = view[at + HEADER_SIZE:end]
                 # `stored`, with the lookups above
                 done[k] = 1
                 taken += 1
-                heard_at[e] = now
                 if not retransmitted[k]:
-                    progress_at[e] = now
+                    progressed = True
                     if not timed_out[k]:
-                        sample(e, now - sent_at[k], in_flight[e])
-                    if window is not None and window.shrunk:
+                        sample(e, now - sent_at[k], in_flight)
+                    if shrinking and window is not None:  # (whole again: a no-op)
                         window.on_answer(e)
                 if window is not None:
-                    queued = flags & QUEUED
                     if completer == rank:
                         window.on_delay(e, arrived - self._payload_sent[k], now)
-                    elif queued or window.queued[e]:
-                        window.on_mark(e, bool(queued), now, rtt.srtt(e) or rtt.rto(e))
-                in_flight[e] -= 1
-                mine[e] -= 1
+                        shrinking = window.shrunk
+                    elif flags & QUEUED or window.queued[e]:
+                        window.on_mark(e, bool(flags & QUEUED), now,
+                                       rtt.srtt(e) or rtt.rto(e))
+                        shrinking = window.shrunk
+                in_flight -= 1
                 seq = seq_of[k]
-                if seq > acked_seq[e]:
-                    acked_seq[e] = seq
-                unanswered[e].pop(k, None)
-                if k == lowest[e]:
-                    low = k
+                if seq > acked:
+                    acked = seq
+                unanswered.pop(k, None)
+                if k == low:
                     while low < segments and done[low]:
                         low += n_ep
-                    lowest[e] = low
-                nxt = k + ep.slots * n_ep
+                nxt = k + nxt_step
                 if nxt < segments:
                     ready.append(nxt)
             return nbytes
         finally:
-            self.remaining -= taken
+            if taken:
+                self.remaining -= taken
+                self._signs.heard_at[e] = now
+                if progressed:
+                    self._signs.progress_at[e] = now
+                self._mine[e] -= taken
+                self._in_flight[e] = in_flight
+                self._acked_seq[e] = acked
+                self._lowest[e] = low
+                self._serials.newest[e] = newest

@@ -129,9 +129,16 @@ class CongestionWindow:
     def on_answer(self, e: int) -> None:
         """A first transmission to core `e` was answered: one segment more per round trip
         while no queue stands."""
-        if self.queued[e] or self._window[e] >= self.ceiling[e]:
+        window = self._window[e]
+        if self.queued[e] or window >= self.ceiling[e]:
             return
-        self._set(e, self._window[e] + 1.0 / self._window[e])
+        # Once per answer while the window is short: only a whole segment more changes what
+        # the gate sees, so `_set`'s bookkeeping runs only then (about once per round trip).
+        window += 1.0 / window
+        if int(window) == self.limit[e] and window < self.ceiling[e]:
+            self._window[e] = window
+        else:
+            self._set(e, window)
 
     def _cut(self, e: int, share: float, now: float, rtt: float) -> None:
         """Shrink core `e`'s window by `share`, unless it was cut less than `rtt` ago: a cut's

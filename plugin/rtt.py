@@ -29,6 +29,10 @@ class RttEstimator:
     timing: Timing = field(default_factory=Timing)
     _srtt: dict[int, float] = field(default_factory=dict)
     _rttvar: dict[int, float] = field(default_factory=dict)
+    # Each destination's RTO, worked out when first asked after a sample: a worker asks
+    # every turn (plugin/session.py's `due`), about once per ten samples on a fast link.
+    _rto: dict[int, float] = field(default_factory=dict)
+    _rto_timing: Timing | None = None  # the bounds `_rto` was worked out with
 
     def sample(self, dest: int, rtt: float, per_rtt: int = 1) -> None:
         """One round trip to `dest`. `per_rtt`: how many samples a round trip brings (the
@@ -37,6 +41,7 @@ class RttEstimator:
         segments' round trips are alike, RTTVAR collapses to the last few segments' spread
         and the timer fires inside the ordinary spread (RFC 7323, appendix G: divide the gains
         by the samples per round trip)."""
+        self._rto.pop(dest, None)
         srtt = self._srtt.get(dest)
         if srtt is None:
             self._srtt[dest], self._rttvar[dest] = rtt, rtt / 2
@@ -51,6 +56,12 @@ class RttEstimator:
 
     def rto(self, dest: int) -> float:
         t = self.timing
-        srtt = self._srtt.get(dest)
-        base = t.rto_initial if srtt is None else srtt + 4 * self._rttvar[dest]
-        return min(t.rto_max, max(t.rto_min, base))
+        if t is not self._rto_timing:  # new bounds (a caller may swap `timing`)
+            self._rto.clear()
+            self._rto_timing = t
+        rto = self._rto.get(dest)
+        if rto is None:
+            srtt = self._srtt.get(dest)
+            base = t.rto_initial if srtt is None else srtt + 4 * self._rttvar[dest]
+            self._rto[dest] = rto = min(t.rto_max, max(t.rto_min, base))
+        return rto

@@ -339,11 +339,21 @@ class AllreduceRound(RoundAnswers):
         """The time `due` next has work, unless a result arrives first (ready segments that
         the congestion window holds wait for a result to make room, not for a time)."""
         window, ready = self._window, self._ready
-        if self._nudged or (ready and (window is None or not window.shrunk or any_admitted(
-                ready, len(self.endpoints), self._in_flight, window.limit, self._lowest))):
+        if self._nudged or (ready and (window is None or not window.shrunk
+                                       or self._admits_any(window.limit))):
             return 0.0
         overtaken = min((at for _, at in self._overtaken()), default=math.inf)
         return min(self.next_timer(), overtaken, self._deadline)
+
+    def _admits_any(self, limit: list[int]) -> bool:
+        """Would the shrunk window let any ready segment go now (`any_admitted`)? While it
+        is full, the usual answer of every turn, only a core's lowest unanswered segment may,
+        and it waits in `ready` exactly when it was never sent: its slot's previous use, a
+        lower segment, was answered, which released it. So no loop over all that wait."""
+        n_ep, in_flight = len(self.endpoints), self._in_flight
+        if any(in_flight[e] < limit[e] for e in range(n_ep)):
+            return any_admitted(self._ready, n_ep, in_flight, limit, self._lowest)
+        return any(low < self.segments and not self._use[low] for low in self._lowest)
 
     def next_timer(self) -> float:
         """When the earliest live retransmission timer expires (inf: none is armed)."""

@@ -164,6 +164,7 @@ class UdpWorkerTransport:
         self.gro_refused = gro_refused
         self.stamps_refused = "unasked"  # (the constructor asks for them)
         self.coalesced = 0  # receive calls that brought more than one datagram
+        self._readable: list[socket.socket] | None = None  # what the last `wait` found
 
     def __enter__(self) -> UdpWorkerTransport:
         return self
@@ -240,7 +241,11 @@ class UdpWorkerTransport:
     def receive(self, handle: Handler, take_run: RunHandler | None = None) -> int:
         taken = 0
         buf, view = self._buffer, self._view
-        for sock in self._sockets:
+        # Right after `wait`, only the sockets it found readable: asking an empty one costs
+        # an exception (BlockingIOError), and a worker turns about once per ten results.
+        # What arrives there meanwhile wakes the next `wait` at once.
+        sockets, self._readable = self._readable or self._sockets, None
+        for sock in sockets:
             recv = sock.recvmsg_into
             while True:
                 try:
@@ -263,12 +268,16 @@ class UdpWorkerTransport:
 
     def wait(self, timeout: float | None, wake: socket.socket | None = None) -> None:
         waitables: list[socket.socket] = [*self._sockets, *([wake] if wake else [])]
-        select.select(waitables, [], [], None if timeout is None else max(0.0, timeout))
+        readable, _, _ = select.select(waitables, [], [],
+                                       None if timeout is None else max(0.0, timeout))
+        # (an empty list, when the timeout ran out, makes `receive` ask every socket)
+        self._readable = [sock for sock in readable if sock is not wake]
 
     def close(self) -> None:
         for sock in self._sockets:
             sock.close()
         self._sockets.clear()
+        self._readable = None
 
 
 class MemoryWorkerTransport:

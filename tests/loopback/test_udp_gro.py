@@ -3,6 +3,7 @@ cut back into its datagrams, on the appliance core's transport and on the worker
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
 import time
@@ -21,7 +22,15 @@ from reduction_appliance.dataplane.udp import (
     receive_facts,
     segment_size,
 )
-from reduction_appliance.dataplane.wire import HEADER_SIZE, DType, Flags, Header, Kind, Op
+from reduction_appliance.dataplane.wire import (
+    HEADER_SIZE,
+    DType,
+    Flags,
+    Header,
+    Kind,
+    Op,
+    pack_into,
+)
 from reduction_appliance.plugin.transport import UdpWorkerTransport
 from tests.waiting import wait_until
 
@@ -241,3 +250,43 @@ def test_a_transport_over_given_sockets_receives_and_sends_on_them() -> None:
         assert results(worker, 3) == list(enumerate(payloads))
     with pytest.raises(ValueError, match="at least one socket"):
         UdpWorkerTransport.over([])
+
+
+def test_after_a_wait_the_worker_asks_only_the_sockets_found_readable_and_loses_nothing(
+) -> None:
+    """`wait` remembers which sockets select found readable, and the next `receive` asks only
+    those (an empty one costs an exception per turn). A datagram that reaches another socket
+    meanwhile is not lost: the next `wait` returns at once, and its `receive` takes it."""
+    unicast, group = (socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2))
+    for sock in (unicast, group):
+        sock.bind(("127.0.0.1", 0))
+    with UdpWorkerTransport.over([unicast, group]) as worker, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as peer:
+        def result(k: int) -> bytes:
+            buf = bytearray(HEADER_SIZE)
+            pack_into(buf, header(k, Kind.RESULT, 4))
+            return bytes(buf) + bytes([k]) * 4
+
+        def turn(timeout: float) -> list[int]:
+            seen: list[int] = []
+            worker.wait(timeout)
+            worker.receive(lambda h, payload, _: seen.append(h.slot))
+            return seen
+        peer.sendto(result(1), group.getsockname())
+        assert turn(10.0) == [1]
+        peer.sendto(result(2), group.getsockname())
+        wait_until(lambda: bool(select.select([group], [], [], 0)[0]), 10, what="the datagram")
+        worker.wait(0.0)  # finds the group socket readable
+        peer.sendto(result(3), unicast.getsockname())  # arrives after the select
+        wait_until(lambda: bool(select.select([unicast], [], [], 0)[0]), 10,
+                   what="the datagram")
+        seen: list[int] = []
+        worker.receive(lambda h, payload, _: seen.append(h.slot))
+        assert seen == [2]  # the unicast socket was not asked
+        assert turn(10.0) == [3]  # the next turn takes it
+        peer.sendto(result(4), unicast.getsockname())
+        wait_until(lambda: bool(select.select([unicast], [], [], 0)[0]), 10,
+                   what="the datagram")
+        seen.clear()
+        worker.receive(lambda h, payload, _: seen.append(h.slot))  # no wait before: all asked
+        assert seen == [4]

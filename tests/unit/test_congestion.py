@@ -8,6 +8,8 @@ from collections import deque
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from reduction_appliance.dataplane.reduce import select_kernels
 from reduction_appliance.dataplane.wire import HEADER_SIZE, DType, Flags, Kind, Op, pack_into
@@ -121,6 +123,22 @@ def test_the_gate_sends_lowest_first_within_room_and_the_lowest_unanswered_alway
     assert any_admitted(ready, 2, [4, 4], limit, lowest=[6, 9])
 
 
+@given(st.integers(1, 3).flatmap(lambda cores: st.tuples(
+    st.just(cores), st.sets(st.integers(0, 40), max_size=20),
+    st.lists(st.integers(0, 6), min_size=cores, max_size=cores),
+    st.lists(st.integers(1, 6), min_size=cores, max_size=cores),
+    st.lists(st.integers(0, 44), min_size=cores, max_size=cores))))
+def test_the_gate_says_it_would_admit_exactly_when_it_admits(
+        case: tuple[int, set[int], list[int], list[int], list[int]]) -> None:
+    # `any_admitted` answers each turn without admitting (and, while a shrunk window is full,
+    # without a Python loop over what waits): it must agree with `admit` itself.
+    cores, segments, in_flight, limit, lowest = case
+    lowest = [low - low % cores + e for e, low in enumerate(lowest)]  # core e's own segment
+    ready = deque(sorted(segments, key=lambda k: (k * 7) % 41))  # in no particular order
+    expected = bool(admit(deque(ready), cores, in_flight, limit, lowest))
+    assert any_admitted(ready, cores, in_flight, limit, lowest) is expected
+
+
 def _rounds(net: SimNet, count: int, elements: int) -> list[float]:
     """`count` allreduces of integer values on every rank, each checked; their times."""
     times = []
@@ -180,6 +198,47 @@ def test_windows_of_one_segment_never_deadlock_under_loss_and_reordering() -> No
     _rounds(net, 6, 64 * 32)  # 32 segments per core per round: four times the slots
     assert all(w is not None and w.least == 1 for w in net.windows)
     net.close()
+
+
+def test_a_full_window_finds_a_waiting_lowest_segment_as_the_gate_would(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`wakeup` asks each turn whether the shrunk window admits anything; while it is full it
+    answers from which lowest segments were never sent, not from a scan of `ready`. Checked
+    against the gate itself on every question of lossy, reordered rounds at windows of one."""
+    answers: list[bool] = []
+    shortcut = AllreduceRound._admits_any
+
+    def checked(rnd: AllreduceRound, limit: list[int]) -> bool:
+        got = shortcut(rnd, limit)
+        n_ep = len(rnd.endpoints)
+        assert got is any_admitted(rnd._ready, n_ep, rnd._in_flight, limit, rnd._lowest)
+        if all(rnd._in_flight[e] >= limit[e] for e in range(n_ep)):
+            answers.append(got)
+        return got
+
+    monkeypatch.setattr(AllreduceRound, "_admits_any", checked)
+    policy = Congestion(target=1e-9, min_window=1, max_decrease=0.9)
+    net = SimNet(KERNELS, 4, cores=2, slots=8, max_payload=256,
+                 faults=Faults(drop=0.2, max_delay=0.003, seed=12), congestion=policy)
+    _rounds(net, 3, 64 * 32)
+    net.close()
+    assert False in answers  # the windows were full: the shortcut answered
+
+
+def test_a_round_whose_lowest_segment_waits_behind_anothers_full_window_goes_at_once() -> None:
+    """Two rounds in flight together share a core's window (the lanes of plugin/pipeline.py):
+    the first fills it, and the second's lowest segment, never sent, must still go."""
+    ep = (Endpoint(("198.18.0.1", 7000), 5, 77, 4, "core 0"),)
+    window, in_flight = CongestionWindow([4]), [0]
+    window._set(0, 2.0)  # shrunk to two segments
+    rtt = RttEstimator()
+    first, second = (AllreduceRound(ep, 0, 2, no, DType.FLOAT32, Op.SUM, 4096, 256, rtt, 0.0,
+                                    in_flight=in_flight, window=window) for no in (1, 2))
+    assert [t.segment for t in first.due(0.0)] == [0, 1] and in_flight == [2]
+    assert first.wakeup() > 0.0  # full: its next segments wait for room
+    assert second.wakeup() == 0.0  # full too, but its lowest segment was never sent
+    assert [t.segment for t in second.due(0.0)] == [0] and in_flight == [3]
+    assert second.wakeup() > 0.0  # now only room lets more go
 
 
 def test_contributions_carry_their_senders_own_measure_and_a_gated_round_waits_for_room() -> None:

@@ -442,3 +442,17 @@ def test_an_abort_notice_fails_the_round_at_once() -> None:
     rnd.on_aborted(sent[0].header._replace(kind=Kind.ABORTED))
     with pytest.raises(JobAborted, match="aborted job 1"):
         rnd.due(0.002)
+
+
+def test_an_rto_follows_every_sample_and_a_change_of_bounds() -> None:
+    # A worker asks each core's RTO every turn and the estimator keeps the answer between
+    # samples: a sample, or new bounds (a caller may swap `timing`), must show at once.
+    rtt = RttEstimator(Timing(rto_initial=0.05, rto_min=0.01, rto_max=1.0))
+    assert rtt.rto(0) == 0.05  # before any sample
+    rtt.sample(0, 0.1)
+    assert rtt.rto(0) == pytest.approx(0.1 + 4 * 0.05)  # RFC 6298's first: srtt + 4 x rtt/2
+    rtt.sample(0, 0.1)
+    assert rtt.rto(0) == pytest.approx(0.1 + 4 * 0.0375)
+    assert rtt.rto(1) == 0.05  # another core has its own
+    rtt.timing = Timing(rto_initial=0.05, rto_min=0.5, rto_max=1.0)
+    assert rtt.rto(0) == 0.5  # the new floor
