@@ -163,17 +163,34 @@ def admit(ready: deque[int], cores: int, in_flight: list[int], limit: list[int],
     `ready`, in order. A round's lowest unanswered segment to a core (`lowest`) always goes
     (the module's deadlock freedom). Segment k goes to core k mod `cores`."""
     room = [limit[e] - in_flight[e] for e in range(cores)]
+    open_cores = sum(1 for r in room if r > 0)
+    order = sorted(ready)
+    ready.clear()
     go: deque[int] = deque()
-    held: list[int] = []
-    for k in sorted(ready):
+    taken = 0
+    for k in order:
+        if not open_cores:
+            break
+        taken += 1
         e = k % cores
-        if room[e] > 0 or k == lowest[e]:
+        if room[e] > 0:
             room[e] -= 1
+            if not room[e]:
+                open_cores -= 1
+            go.append(k)
+        elif k == lowest[e]:
             go.append(k)
         else:
-            held.append(k)
-    ready.clear()
-    ready.extend(held)
+            ready.append(k)
+    # Once no core has room, only a core's lowest segment may still go: found without a
+    # Python loop over all that wait (a shrunk window holds most of `ready`, every turn).
+    rest = order[taken:]
+    going = set(rest).intersection(lowest) if rest else None
+    if going:
+        go.extend(sorted(going))
+        ready.extend(k for k in rest if k not in going)
+    else:
+        ready.extend(rest)
     return go
 
 

@@ -232,8 +232,12 @@ class RoundPipeline:
             return 0.0
         if not self._active:
             return float("inf")
-        silence = min(self._heard) + self.liveness_timeout
-        return min(silence, min(rnd.wakeup() for rnd in self._active.values()))
+        soonest = min(self._heard) + self.liveness_timeout  # a silence (once per turn: a loop)
+        for rnd in self._active.values():
+            at = rnd.wakeup()
+            if at < soonest:
+                soonest = at
+        return soonest
 
     def timer_expired(self, now: float) -> bool:
         """Has a retransmission timer of a round in flight run out by `now`?"""

@@ -342,8 +342,11 @@ class AllreduceRound(RoundAnswers):
         if self._nudged or (ready and (window is None or not window.shrunk
                                        or self._admits_any(window.limit))):
             return 0.0
-        overtaken = min((at for _, at in self._overtaken()), default=math.inf)
-        return min(self.next_timer(), overtaken, self._deadline)
+        soonest = min(self.next_timer(), self._deadline)
+        for _, at in self._overtaken():  # (none, on a clean network: asked every turn)
+            if at < soonest:
+                soonest = at
+        return soonest
 
     def _admits_any(self, limit: list[int]) -> bool:
         """Would the shrunk window let any ready segment go now (`any_admitted`)? While it

@@ -139,6 +139,40 @@ def test_the_gate_says_it_would_admit_exactly_when_it_admits(
     assert any_admitted(ready, cores, in_flight, limit, lowest) is expected
 
 
+def _admit_one_by_one(ready: deque[int], cores: int, in_flight: list[int], limit: list[int],
+                      lowest: list[int]) -> deque[int]:
+    """The gate's rule, segment by segment: what `admit` must do, however it does it."""
+    room = [limit[e] - in_flight[e] for e in range(cores)]
+    go: deque[int] = deque()
+    held: list[int] = []
+    for k in sorted(ready):
+        e = k % cores
+        if room[e] > 0 or k == lowest[e]:
+            room[e] -= 1
+            go.append(k)
+        else:
+            held.append(k)
+    ready.clear()
+    ready.extend(held)
+    return go
+
+
+@given(st.integers(1, 3).flatmap(lambda cores: st.tuples(
+    st.just(cores), st.sets(st.integers(0, 40), max_size=30),
+    st.lists(st.integers(0, 6), min_size=cores, max_size=cores),
+    st.lists(st.integers(1, 6), min_size=cores, max_size=cores),
+    st.lists(st.integers(0, 44), min_size=cores, max_size=cores))))
+def test_the_gate_admits_as_its_rule_says_segment_by_segment(
+        case: tuple[int, set[int], list[int], list[int], list[int]]) -> None:
+    cores, segments, in_flight, limit, lowest = case
+    lowest = [low - low % cores + e for e, low in enumerate(lowest)]
+    ready = deque(sorted(segments, key=lambda k: (k * 7) % 41))
+    expected_ready = deque(ready)
+    expected = _admit_one_by_one(expected_ready, cores, in_flight, limit, lowest)
+    assert admit(ready, cores, in_flight, limit, lowest) == expected
+    assert ready == expected_ready
+
+
 def _rounds(net: SimNet, count: int, elements: int) -> list[float]:
     """`count` allreduces of integer values on every rank, each checked; their times."""
     times = []
