@@ -14,6 +14,8 @@ segment costs is what a change to the hot path should move. Two measurements, ea
   congestion windows run as the appliance advises by default (`jobs.queue_target_s`), and as
   at n = 8 a peer completes seven results of eight, none of them queued.
   Microseconds per segment, both directions (one contribution sent, one result taken in).
+  Then the same with one result per wakeup: from the two, what a turn costs of its own (its
+  wait's wakeup, the timers and window asked, the sends' setup), apart from the segments.
 * appliance: `Aggregator.on_batch` taking 64 MiB from each of 8 ranks in coalesced receives of
   seven of one rank's segments, left in a staging buffer as a UDP GRO receive leaves them (the
   burst path, `dataplane.runs`), the reduce kernels included. Microseconds per datagram; then
@@ -122,29 +124,32 @@ class _InMemoryTransport(UdpWorkerTransport):
     """UdpWorkerTransport's send and receive code over `_Answering`; a wait is a wakeup."""
 
     answering: _Answering
+    per_wakeup: int
 
     @classmethod
-    def answered_by(cls, answering: _Answering) -> _InMemoryTransport:
+    def answered_by(cls, answering: _Answering, per_wakeup: int) -> _InMemoryTransport:
         transport = cls.over([cast(socket.socket, answering)])
         transport.answering = answering
+        transport.per_wakeup = per_wakeup
         return transport
 
     def wait(self, timeout: float | None, wake: socket.socket | None = None) -> None:
-        self.answering.budget = PER_WAKEUP
+        self.answering.budget = self.per_wakeup
 
     def fragmenting_routes(self, dests: Sequence[tuple[str, int]],
                            payload_bytes: int) -> list[str]:
         return []  # no routes in memory
 
 
-def worker_us_per_segment() -> float:
-    """One 64 MiB allreduce by a worker against the answering stand-in: us per segment."""
+def worker_us_per_segment(per_wakeup: int = PER_WAKEUP) -> float:
+    """One 64 MiB allreduce by a worker against the answering stand-in, `per_wakeup` results
+    per turn: us per segment."""
     answering = _Answering()
     job = JobInfo("bench", 5, "hotpath", RANKS, SEGMENT, None, False, 60.0,
                   tuple(EndpointInfo(i, host, port, SLOTS) for i, (host, port) in enumerate(CORES)),
                   cookie=77, queue_target_s=JobDefaults.queue_target_s)
     array = np.ones(NBYTES // 4, np.float32)
-    transport = _InMemoryTransport.answered_by(answering)
+    transport = _InMemoryTransport.answered_by(answering, per_wakeup)
     with ApplianceClient([job], 0, transport=transport, lease=False) as c:
         start = time.perf_counter()
         c.allreduce(array)
@@ -206,11 +211,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
     worker = [worker_us_per_segment() for _ in range(args.repeat)]
+    alone = [worker_us_per_segment(1) for _ in range(args.repeat)]
+    # t(w) = segment + turn / w at w results per turn: two turn shapes give both parts.
+    turn = (min(alone) - min(worker)) / (1 - 1 / PER_WAKEUP)
     appliance = [appliance_us_per_datagram() for _ in range(args.repeat)]
     halves = {d: [appliance_us_per_datagram(d) for _ in range(args.repeat)]
               for d in (DType.FLOAT16, DType.BFLOAT16)}
     print(f"worker:    {min(worker):.2f} us of Python per segment (sent and answered); "
           f"runs {', '.join(f'{w:.2f}' for w in worker)}")
+    print(f"  of which a turn's own: {turn:.1f} us per turn, {turn / PER_WAKEUP:.2f} us per "
+          f"segment at {PER_WAKEUP} per turn (with one result per turn: "
+          f"{min(alone):.2f} us per segment; runs {', '.join(f'{w:.2f}' for w in alone)})")
     print(f"appliance: {min(appliance):.2f} us per datagram (reduce included); "
           f"runs {', '.join(f'{a:.2f}' for a in appliance)}")
     for d, runs in halves.items():  # accumulated in fp32: widened on the way in, narrowed out

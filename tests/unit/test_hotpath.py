@@ -11,8 +11,9 @@ from reduction_appliance.bench import hotpath
 
 
 def test_the_worker_path_completes_an_allreduce_in_memory() -> None:
-    us = hotpath.worker_us_per_segment()
-    assert math.isfinite(us) and us > 0
+    for per_wakeup in (1, hotpath.PER_WAKEUP):  # one result per turn, and the rack's shape
+        us = hotpath.worker_us_per_segment(per_wakeup)
+        assert math.isfinite(us) and us > 0
 
 
 def test_the_appliance_path_reduces_every_datagram_in_memory() -> None:
@@ -24,3 +25,4 @@ def test_main_prints_both_figures(capsys: pytest.CaptureFixture[str]) -> None:
     assert hotpath.main(["--repeat", "1"]) == 0
     out = capsys.readouterr().out
     assert "us of Python per segment" in out and "us per datagram" in out
+    assert "us per turn" in out
