@@ -123,18 +123,28 @@ def test_the_gate_sends_lowest_first_within_room_and_the_lowest_unanswered_alway
     assert any_admitted(ready, 2, [4, 4], limit, lowest=[6, 9])
 
 
-@given(st.integers(1, 3).flatmap(lambda cores: st.tuples(
-    st.just(cores), st.sets(st.integers(0, 40), max_size=20),
-    st.lists(st.integers(0, 6), min_size=cores, max_size=cores),
-    st.lists(st.integers(1, 6), min_size=cores, max_size=cores),
-    st.lists(st.integers(0, 44), min_size=cores, max_size=cores))))
-def test_the_gate_says_it_would_admit_exactly_when_it_admits(
-        case: tuple[int, set[int], list[int], list[int], list[int]]) -> None:
-    # `any_admitted` answers each turn without admitting (and, while a shrunk window is full,
-    # without a Python loop over what waits): it must agree with `admit` itself.
-    cores, segments, in_flight, limit, lowest = case
-    lowest = [low - low % cores + e for e, low in enumerate(lowest)]  # core e's own segment
-    ready = deque(sorted(segments, key=lambda k: (k * 7) % 41))  # in no particular order
+GateState = tuple[int, deque[int], list[int], list[int], list[int]]
+
+
+@st.composite
+def gate_states(draw: st.DrawFn) -> GateState:
+    """A gate's question: cores; the segments ready, in no particular order; per core the
+    segments in flight, the window, and the round's lowest unanswered segment (its own)."""
+    cores = draw(st.integers(1, 3))
+    per_core = st.lists(st.integers(0, 6), min_size=cores, max_size=cores)
+    segments = draw(st.sets(st.integers(0, 40), max_size=30))
+    in_flight = draw(per_core)
+    limit = [w + 1 for w in draw(per_core)]
+    lowest = [low - low % cores + e for e, low in enumerate(
+        draw(st.lists(st.integers(0, 44), min_size=cores, max_size=cores)))]
+    ready = deque(sorted(segments, key=lambda k: (k * 7) % 41))
+    return cores, ready, in_flight, limit, lowest
+
+
+@given(gate_states())
+def test_the_gate_says_it_would_admit_exactly_when_it_admits(state: GateState) -> None:
+    # `any_admitted` answers each turn without admitting: it must agree with `admit` itself.
+    cores, ready, in_flight, limit, lowest = state
     expected = bool(admit(deque(ready), cores, in_flight, limit, lowest))
     assert any_admitted(ready, cores, in_flight, limit, lowest) is expected
 
@@ -157,16 +167,9 @@ def _admit_one_by_one(ready: deque[int], cores: int, in_flight: list[int], limit
     return go
 
 
-@given(st.integers(1, 3).flatmap(lambda cores: st.tuples(
-    st.just(cores), st.sets(st.integers(0, 40), max_size=30),
-    st.lists(st.integers(0, 6), min_size=cores, max_size=cores),
-    st.lists(st.integers(1, 6), min_size=cores, max_size=cores),
-    st.lists(st.integers(0, 44), min_size=cores, max_size=cores))))
-def test_the_gate_admits_as_its_rule_says_segment_by_segment(
-        case: tuple[int, set[int], list[int], list[int], list[int]]) -> None:
-    cores, segments, in_flight, limit, lowest = case
-    lowest = [low - low % cores + e for e, low in enumerate(lowest)]
-    ready = deque(sorted(segments, key=lambda k: (k * 7) % 41))
+@given(gate_states())
+def test_the_gate_admits_as_its_rule_says_segment_by_segment(state: GateState) -> None:
+    cores, ready, in_flight, limit, lowest = state
     expected_ready = deque(ready)
     expected = _admit_one_by_one(expected_ready, cores, in_flight, limit, lowest)
     assert admit(ready, cores, in_flight, limit, lowest) == expected
