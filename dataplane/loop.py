@@ -4,7 +4,8 @@ The loop takes bursts of datagrams from its `CoreTransport` (straight into the a
 receive buffers), hands each burst to the aggregator, applies the `Send` decisions it returns
 through the same transport, and between bursts serves its mailbox (`dataplane.spec`). It knows
 nothing about sockets. Poll modes: `busy` never blocks (a dedicated core); `adaptive` spins for
-`spin_us` then blocks in `select`, so it shares a small machine politely.
+at most `spin_us` then blocks in `select`, so it shares a small machine politely: how long it
+spins follows how long its idle periods have been lasting (dataplane/spin.py).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from .spec import (
     Stop,
     UpdateJob,
 )
+from .spin import SpinWindow
 from .transport import CoreTransport, RxBatch, Send
 from .udp import UdpCoreTransport
 from .verbs import QpEndpoint
@@ -72,6 +74,7 @@ class CoreLoop:
         self.transport = transport
         self._batch = RxBatch()
         self._running = True
+        self.spin = SpinWindow(cfg.spin_us / 1e6)  # (adaptive poll mode)
 
     def close(self) -> None:
         self.transport.close()
@@ -171,10 +174,10 @@ class CoreLoop:
 
     def run(self) -> None:
         busy = self.cfg.poll == "busy"
-        spin_s = self.cfg.spin_us / 1e6
+        spin = self.spin
         cells = self.counters.cells
         loops = 0
-        idle_since = time.perf_counter()
+        idle_since = 0.0  # when the loop first found nothing to do (0: it is busy)
         mailbox_fd = self.mailbox.fileno()
         # What no descriptor announces (RDMA completions: see dataplane.verbs) cannot wake the
         # select: a transport that has some says how long an idle loop may block, and the loop
@@ -188,8 +191,11 @@ class CoreLoop:
         while self._running:
             loops += 1
             cells[Counter.POLL_LOOPS] += 1
+            polled = time.perf_counter() if idle_since else 0.0  # (before the burst's work)
             if self.receive_burst():
                 cells[Counter.POLL_BUSY_LOOPS] += 1
+                if idle_since:
+                    spin.idle_ended(polled - idle_since)
                 idle_since = 0.0
                 block_s = first_s
                 if loops % _MAILBOX_EVERY == 0:
@@ -199,10 +205,10 @@ class CoreLoop:
                 if loops % _MAILBOX_EVERY == 0:
                     self.drain_mailbox()
                 continue
-            now = time.perf_counter()
+            now = polled or time.perf_counter()
             if not idle_since:
                 idle_since = now
-            if now - idle_since < spin_s:
+            if now - idle_since < spin.window_s:
                 continue
             readable, _, _ = select.select(waitables, [], [], block_s)
             block_s = min(longest_s, block_s * 2)
