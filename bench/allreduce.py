@@ -131,6 +131,14 @@ def report(plan: SweepPlan, pairs: list[dict[str, Any]]) -> None:
     _report_appliance(plan, pairs)
 
 
+def _why_resent(repairs: dict[str, int], total: int) -> str:
+    """What sent the retransmissions again (plugin.slotplan.Repairs), as shares of them."""
+    signs = (("timer", "timers ran out"), ("overtaken", "overtaken"),
+             ("told", "told ours never came"))
+    parts = [f"{repairs.get(key, 0) / total:.0%} {what}" for key, what in signs]
+    return f"{', '.join(parts)}; {repairs.get('queries', 0) / total:.0%} went as queries"
+
+
 def _report_appliance(plan: SweepPlan, pairs: list[dict[str, Any]]) -> None:
     workers = plan.workers[0]
     c: dict[str, int] = {}
@@ -165,6 +173,9 @@ def _report_appliance(plan: SweepPlan, pairs: list[dict[str, Any]]) -> None:
             line += f"; worker CPU {a['worker_cpu_s_per_gb']:.2f} s per GB allreduced"
         if a.get("retx_share") is not None:
             line += f"; retransmissions {a['retx_share']:.2%} of segments"
+            repairs = a.get("repairs")
+            if repairs and a.get("retransmissions"):
+                line += f" ({_why_resent(repairs, a['retransmissions'])})"
         if a.get("window_cuts") is not None:
             line += (f"; congestion windows cut {a['window_cuts']} times, least "
                      f"{a['window_least']} of {plan.slots} segments per core")

@@ -126,6 +126,8 @@ def summarize(plan: SweepPlan, net: _Net, workers: int, outputs: list[list[Row]]
                window_s=max(c["window"][1] for c in cases) - min(c["window"][0] for c in cases))
     if "retransmissions" in first:
         row["retransmissions"] = sum(c["retransmissions"] for c in cases)
+    if "repairs" in first:  # ... by what sent them, every rank's
+        row["repairs"] = {key: sum(c["repairs"][key] for c in cases) for key in first["repairs"]}
     probed = first["probed_s"]  # the interval the counters cover (deploy.testnet.probe)
     moved = first["size"] * len(first["times"])
     link, rate = first.get("link"), plan.rate_bps

@@ -43,7 +43,7 @@ from .lease import Lease
 from .pipeline import Outcome, RoundPipeline
 from .rendezvous import JobInfo
 from .rtt import RttEstimator, Timing
-from .session import Endpoint, Transmit
+from .session import Endpoint, Repairs, Transmit
 from .transport import Outgoing, UdpWorkerTransport, WorkerTransport, decode_each
 
 __all__ = ["ApplianceClient", "dtype_of", "op_of"]
@@ -198,6 +198,7 @@ class ApplianceClient:
         self._beat_to = [(j.cores[0].host, j.cores[0].port) for j in self.jobs]
         self._beat_header = bytearray(HEADER_SIZE)
         self.retransmissions = 0
+        self.repairs = Repairs()  # the same by what sent each one (why segments went again)
         # round -> its caller's array as bytes. A memoryview: slice assignment from the
         # transport's buffer is a plain memcpy (a numpy slice assigned from a memoryview took
         # 7 us per 64 KB, this 1 us).
@@ -325,6 +326,7 @@ class ApplianceClient:
         for outcome in outcomes:
             if self._views.pop(outcome.ticket, None) is not None:
                 self.retransmissions += outcome.retransmissions
+                self.repairs = self.repairs.plus(outcome.repairs)
         return outcomes
 
     def _send_due(self) -> None:

@@ -54,9 +54,19 @@ from reduction_appliance.dataplane.wire import (
 from .congestion import Congestion, CongestionWindow
 from .rtt import RttEstimator
 from .serials import ResultSerials
-from .session import Address, AllreduceRound, Endpoint, SendOrder, SlotUses, Transmit
+from .session import (
+    Address,
+    AllreduceRound,
+    Endpoint,
+    Repairs,
+    SendOrder,
+    SlotUses,
+    Transmit,
+)
 
 __all__ = ["Outcome", "RoundPipeline", "lane_endpoints"]
+
+NO_REPAIRS = Repairs()
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,7 @@ class Outcome:
     ticket: int
     error: ReductionError | None
     retransmissions: int
+    repairs: Repairs = NO_REPAIRS  # the retransmissions by what sent each one
 
 
 def lane_endpoints(endpoints: tuple[Endpoint, ...], lanes: int) -> list[tuple[Endpoint, ...]]:
@@ -207,7 +218,7 @@ class RoundPipeline:
 
     def _finish(self, rnd: AllreduceRound, error: ReductionError | None) -> None:
         self._finish_silently(rnd)
-        self._finished.append(Outcome(rnd.ticket, error, rnd.retransmissions))
+        self._finished.append(Outcome(rnd.ticket, error, rnd.retransmissions, rnd.repairs))
 
     # ---- what to send ----
     def due(self, now: float) -> list[Transmit]:

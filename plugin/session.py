@@ -49,10 +49,11 @@ from .congestion import CongestionWindow, admit, any_admitted
 from .expiry import STALL_SHARE, CoreSigns, Expiry
 from .rtt import RttEstimator
 from .serials import ResultSerials
-from .slotplan import Address, Endpoint, SendOrder, SlotUses, Transmit
+from .slotplan import Address, Endpoint, Repairs, SendOrder, SlotUses, Transmit
 from .stall import stall_report, stalled_cores
 
-__all__ = ["Address", "AllreduceRound", "Endpoint", "SendOrder", "SlotUses", "Transmit"]
+__all__ = ["Address", "AllreduceRound", "Endpoint", "Repairs", "SendOrder", "SlotUses",
+           "Transmit"]
 
 _new_tuple = tuple.__new__  # a NamedTuple built without its keyword-capable __new__
 _NUMBER = [bytes((n,)) for n in range(SERIALS)]  # a QUERY's payload, made once
@@ -187,6 +188,12 @@ class AllreduceRound(RoundAnswers):
             min(self.segment_bytes, self.nbytes - offset), self._use[k], self.epoch,
             max(serial, 0),
         )
+
+    @property
+    def repairs(self) -> Repairs:
+        """This round's retransmissions, by what sent each one."""
+        told, overtaken = self.nudged_retransmissions, self.fast_retransmissions
+        return Repairs(overtaken, told, self.retransmissions - overtaken - told, self.queries)
 
     @property
     def stored_any(self) -> bool:

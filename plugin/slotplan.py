@@ -1,6 +1,6 @@
 """What a worker's rounds are cut into and sent to: the appliance cores (`Endpoint`), the
 uses of their slots (`SlotUses`), the numbering of what leaves for each core (`SendOrder`),
-and what leaves (`Transmit`)."""
+what leaves (`Transmit`), and why what left again did (`Repairs`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from reduction_appliance.dataplane.wire import SERIALS, Header
 if TYPE_CHECKING:
     from .session import AllreduceRound
 
-__all__ = ["Address", "Endpoint", "SendOrder", "SlotUses", "Transmit"]
+__all__ = ["Address", "Endpoint", "Repairs", "SendOrder", "SlotUses", "Transmit"]
 
 Address = tuple[str, int]
 
@@ -75,3 +75,23 @@ class SendOrder:
         where one did."""
         sent = self.sent[core]
         return [found for number in numbers if (found := sent[number]) is not None]
+
+
+class Repairs(NamedTuple):
+    """A worker's retransmissions by the sign that sent each one again. Which sign dominates
+    says what went wrong: `timer` with few `overtaken`, a rank or this process held up (a timer
+    runs out while a late peer's contribution keeps the result back, or while this process
+    was not running); `overtaken`, loss or reordering on the path; `told`, contributions that
+    never reached the core."""
+
+    overtaken: int = 0  # later segments to the same core were answered first (fast retransmit)
+    told: int = 0  # a PENDING or MISSING said our contribution never came
+    timer: int = 0  # its retransmission timer ran out
+    queries: int = 0  # of all three, how many went as a header-only QUERY, not the payload
+
+    @property
+    def total(self) -> int:
+        return self.overtaken + self.told + self.timer
+
+    def plus(self, other: Repairs) -> Repairs:
+        return Repairs(*(a + b for a, b in zip(self, other, strict=True)))

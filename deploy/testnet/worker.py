@@ -27,6 +27,7 @@ from reduction_appliance.dataplane.wire import DType, Op
 from reduction_appliance.plugin.client import ApplianceClient
 from reduction_appliance.plugin.rendezvous import leave, register
 from reduction_appliance.plugin.rtt import Timing
+from reduction_appliance.plugin.slotplan import Repairs
 
 from .probe import Probe
 from .reference import integer_valued, random_values, reference, same_bits
@@ -144,6 +145,7 @@ def _run_case(client: ApplianceClient, args: argparse.Namespace, case: int, dtyp
     times: list[float] = []
     bad = 0
     before = client.retransmissions
+    repairs_before = client.repairs
     window = client.pipeline.window  # the congestion window (None: fixed windows)
     cuts_before = window.cuts if window is not None else 0
     probe = probe_of(args)
@@ -168,6 +170,9 @@ def _run_case(client: ApplianceClient, args: argparse.Namespace, case: int, dtyp
         "op": op.name.lower(), "times": times, "checked": want is not None,
         "ok": bad == 0, "bad_iterations": bad,
         "retransmissions": client.retransmissions - before,
+        # ... by what sent them (plugin.slotplan.Repairs)
+        "repairs": {field: now - then for field, now, then
+                    in zip(Repairs._fields, client.repairs, repairs_before, strict=True)},
         "segments": -(-(n * itemsize) // client.segment_bytes) * (args.warmup + args.iters),
         "worker_cpu_s": cpu_s,
         # the congestion window: its cuts in this case, and the least any core's came to

@@ -19,7 +19,7 @@ from reduction_appliance.deploy.testnet.reference import (
 )
 from reduction_appliance.plugin.pipeline import RoundPipeline, lane_endpoints
 from reduction_appliance.plugin.rtt import RttEstimator, Timing
-from reduction_appliance.plugin.session import Endpoint
+from reduction_appliance.plugin.session import Endpoint, Repairs
 
 from .simnet import Faults, SimNet
 
@@ -190,3 +190,20 @@ def test_concurrent_rounds_over_a_lossy_network_are_exact(
             assert stats is not None and stats.waiting == {}
     finally:
         net.close()
+
+
+def test_a_finished_round_says_what_sent_its_segments_again() -> None:
+    """The outcome carries the round's retransmissions by what sent them (`Repairs`): here one
+    timer that ran out, asking with a query, and none repaired otherwise."""
+    timing = Timing(0.01, 0.002, 0.05, deadline=1.0)
+    p = RoundPipeline(endpoints(1, 2), 0, 2, 64, RttEstimator(timing), lanes=1)
+    ticket = p.submit(DType.FLOAT32, Op.SUM, 64)
+    (sent,) = p.due(0.0)
+    (asked,) = p.due(p.wakeup())  # its timer ran out: a query
+    assert asked.header.kind is Kind.QUERY and asked.segment == sent.segment
+    wanted = p.accept(sent.header._replace(kind=Kind.RESULT))
+    assert wanted is not None
+    p.stored(*wanted, 0.02)
+    (outcome,) = p.finished()
+    assert (outcome.ticket, outcome.error, outcome.retransmissions) == (ticket, None, 1)
+    assert outcome.repairs == Repairs(overtaken=0, told=0, timer=1, queries=1)

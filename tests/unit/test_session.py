@@ -23,6 +23,7 @@ from reduction_appliance.plugin.session import (
     REORDER_SHARE,
     AllreduceRound,
     Endpoint,
+    Repairs,
     Transmit,
 )
 
@@ -142,6 +143,9 @@ def test_retransmissions_are_queries_until_the_core_says_ours_never_came() -> No
     (later,) = rnd.due(rnd.wakeup())
     assert later.header.kind is Kind.QUERY  # the payload went once; ask again
     assert (rnd.nudged_retransmissions, rnd.queries, rnd.retransmissions) == (1, 2, 3)
+    # two timers ran out (both asked), one PENDING told us ours never came (the payload)
+    assert rnd.repairs == Repairs(overtaken=0, told=1, timer=2, queries=2)
+    assert rnd.repairs.total == rnd.retransmissions
 
 
 def test_a_pending_for_a_peer_nudges_only_once_ours_had_time_to_arrive() -> None:
@@ -264,6 +268,7 @@ def test_three_later_answers_repair_a_hole_at_once_with_a_plain_query() -> None:
     assert query.header.kind is Kind.QUERY
     assert query.header.flags == Flags.RETRANSMIT | Flags.SERIAL | Flags.SENT
     assert rnd.fast_retransmissions == 1
+    assert rnd.repairs == Repairs(overtaken=1, told=0, timer=0, queries=1)
 
 
 def test_an_overtaken_segment_gets_time_to_arrive_before_it_is_presumed_lost() -> None:
