@@ -142,9 +142,10 @@ CORE_COUNTERS: dict[str, tuple[str, str]] = {
     ),
     "results_withheld": (
         "core_results_withheld",
-        "PROBEs (a worker's timer query for a stalled segment, not a hole) for a result sent "
-        "less than 10 ms before: answered with a PENDING note (all ranks in), since the result "
-        "is most likely still on its way; a later query gets the result.",
+        "Queries for a result still on its way to the worker (it heard no later result from "
+        "the core, and the result left less than 10 ms before, or 100 ms when the worker lacks "
+        "an earlier one too: a queue): answered with a PENDING note (all ranks in); a later "
+        "query gets the result.",
     ),
     "runs_taken": (
         "core_runs_taken",

@@ -14,10 +14,11 @@ Slot protocol (after SwitchML, without its limits):
   can occupy a slot (`DROP_WINDOW`, or `DROP_STALE` for the past).
 * Each slot has two copies. The newest use fills one copy while the other keeps the previous
   result, so a late retransmission of a finished segment is answered (unicast, to that worker)
-  from the stored result: that worker missed the multicast. Unless the worker marked its query
-  a PROBE (its timer, for a segment nothing sent after has been answered: a stall, not a hole)
-  and the result left less than `RESULT_IN_FLIGHT_S` ago: then it is on its way, and the
-  worker hears PENDING instead.
+  from the stored result: that worker missed the multicast. Unless the result is on its way:
+  the query's newest serial (the results a worker heard from this core, in order) is older
+  than the result's and it left less than `RESULT_IN_FLIGHT_S` ago, or `RESULT_QUEUED_S` when
+  the worker lacks an earlier result too (a queue; a query without a serial: a stall's PROBE,
+  `RESULT_IN_FLIGHT_S`). Then the worker hears PENDING instead.
 * A rank bitmap per copy gives exactly-once accumulation: a duplicate never adds twice.
 * Ranks are bound to the endpoint they joined from (the control plane says, `JobSpec.endpoints`):
   a contribution from any other source is dropped (`DROP_BAD_SOURCE`), results and notices go
@@ -82,6 +83,13 @@ _TOMBSTONES = 1024  # aborted jobs remembered, so their workers hear why instead
 # result is taken to be on its way. No longer than the workers' RTO floor (Timing.rto_min), so a
 # probe's retry, an RTO later, gets the result: a result really lost costs one more RTO at most.
 RESULT_IN_FLIGHT_S = 0.01
+# ... and a result the worker's query shows queued: it has heard neither this result nor the one
+# this core sent before it (wire.Flags.SERIAL). Results to a worker keep their order on its path,
+# so both are on their way (two lost in a row is far rarer than a queue), and resending would
+# only queue a copy behind the original; a queue that held results longer than 10 ms made
+# every resend a duplicate that lengthened it (docs/benchmarks.md). The limit bounds what a
+# lost last result costs when the one before it was lost too: each is asked after again.
+RESULT_QUEUED_S = 0.1
 
 
 class Aggregator:
@@ -310,14 +318,11 @@ class Aggregator:
             self._diverge(job, copy, h, out)
             return False
         if copy.state is CopyState.COMPLETE:
-            if query and now - copy.finished < RESULT_IN_FLIGHT_S and (
-                    serial_newer(copy.serial, h.serial) if h.flags & Flags.SERIAL
-                    else h.flags & Flags.PROBE):
-                # A worker asks after a result that left a moment ago and is most likely
-                # queued on its way: it has no result this core sent after it (SERIAL), or it
-                # stalled (PROBE, from workers that send no serial). A whole copy would only add
-                # a duplicate to the queue. It hears "every rank is in"; its next timer falls
-                # after the window. A worker that has a later result lost this one: resent.
+            if query and self._on_its_way(copy, h, now - copy.finished):
+                # A worker asks after a result that is most likely queued on its way. A whole
+                # copy would only add a duplicate to the queue. It hears "every rank is in";
+                # its next timer falls later. A worker that has a later result lost this one:
+                # resent.
                 cells[Counter.RESULTS_WITHHELD] += 1
                 self._waiting(job, copy, h, source, out)
                 return False
@@ -330,6 +335,20 @@ class Aggregator:
                 self._waiting(job, copy, h, source, out)
             return False
         return self._accumulate(job, copy, h.rank, index, now, out, h.flags & Flags.QUEUED)
+
+    @staticmethod
+    def _on_its_way(copy: SlotCopy, h: Header, age: float) -> bool:
+        """Is the result of `copy`, `age` seconds after it left, still on its way to the
+        worker whose query `h` asks after it? With the newest serial that worker heard from
+        this core (SERIAL): when it is older than the result's, for `RESULT_IN_FLIGHT_S`, and
+        for `RESULT_QUEUED_S` when an earlier result is unheard too (a queue). Without one:
+        for `RESULT_IN_FLIGHT_S` after the result left, if the query is a stall's PROBE."""
+        if not h.flags & Flags.SERIAL:
+            return bool(h.flags & Flags.PROBE) and age < RESULT_IN_FLIGHT_S
+        if not serial_newer(copy.serial, h.serial):
+            return False  # it heard this one or a later one: lost
+        lacks = (copy.serial - h.serial) % SERIALS  # the results it lacks, up to this one
+        return age < (RESULT_QUEUED_S if lacks > 1 else RESULT_IN_FLIGHT_S)
 
     def _member(self, h: Header, source: Address, out: list[Send]) -> JobState | None:
         """The job `h` is from, when it comes from a rank bound there (its cookie, its rank,

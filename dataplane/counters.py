@@ -59,7 +59,7 @@ class Counter(IntEnum):
     ROCE_DROP_IMMEDIATE = 39  # contributions whose immediate disagreed with their slot: dropped
     ROCE_UNSENDABLE = 40  # messages that fit neither the peer's landing nor its receive buffers
     ROCE_MULTICAST_CHUNKS = 41  # UD multicast chunks of results sent (of POST_SEND)
-    RESULTS_WITHHELD = 42  # PROBEs of a result that had just left: PENDING, not the result
+    RESULTS_WITHHELD = 42  # queries of a result still on its way: PENDING, not the result
     # Bursts of a coalesced receive (UDP GRO) taken whole by the burst path (dataplane.runs),
     # and the datagrams of coalesced receives it left to the one-by-one path (anything unusual)
     RUNS_TAKEN = 43

@@ -10,7 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reduction_appliance.dataplane.aggregator import RESULT_IN_FLIGHT_S, Aggregator
+from reduction_appliance.dataplane.aggregator import (
+    RESULT_IN_FLIGHT_S,
+    RESULT_QUEUED_S,
+    Aggregator,
+)
 from reduction_appliance.dataplane.counters import Counter, Counters
 from reduction_appliance.dataplane.dtypes import by_numpy, info
 from reduction_appliance.dataplane.errors import AdmissionError
@@ -273,6 +277,29 @@ def test_results_are_numbered_and_only_one_older_than_the_newest_seen_is_resent_
     assert unpack(bytes(later.header)).kind is Kind.RESULT
     assert agg.counters[Counter.RESULTS_RESENT] == 2
     assert agg.counters[Counter.RESULTS_WITHHELD] == 1
+
+
+def test_a_result_queued_behind_another_unheard_one_is_withheld_longer(
+        arena: SlotArena) -> None:
+    """A query whose newest serial lacks an earlier result than the one it asks after, too,
+    comes from a worker whose results are queued on their way (they keep their order on its
+    path): the result is withheld for RESULT_QUEUED_S, not RESULT_IN_FLIGHT_S, then resent."""
+    agg = make(arena)
+    for slot, use, offset in ((0, 1, 0), (1, 1, 32), (0, 2, 64)):  # serials 0, 1, 2
+        for r in range(3):
+            contribute(agg, r, np.full(8, 2, np.float32), slot=slot, use=use, offset=offset,
+                       now=1.0)
+    late = 1.0 + RESULT_IN_FLIGHT_S
+    (next_one,) = query(agg, 1, use=2, offset=64, seen=1, now=late)  # lacks only 2
+    assert unpack(bytes(next_one.header)).kind is Kind.RESULT
+    (queued,) = query(agg, 1, use=2, offset=64, seen=0, now=late)  # lacks 1 and 2: a queue
+    assert pending_of(queued) == (1, 0b111)
+    (held,) = query(agg, 2, use=2, offset=64, seen=0, now=1.0 + RESULT_QUEUED_S * 0.99)
+    assert pending_of(held) == (2, 0b111)
+    (resent,) = query(agg, 1, use=2, offset=64, seen=0, now=1.0 + RESULT_QUEUED_S)
+    assert unpack(bytes(resent.header)).kind is Kind.RESULT
+    assert agg.counters[Counter.RESULTS_WITHHELD] == 2
+    assert agg.counters[Counter.RESULTS_RESENT] == 2
 
 
 @pytest.mark.parametrize(("length", "payload"), [(32, b"\0" * 4), (30, b""), (0, b""),
