@@ -49,7 +49,7 @@ from numpy.typing import NDArray
 from .counters import Counter, Counters
 from .errors import AdmissionError, PeerError
 from .gaps import forget_sequences, note_sent, note_sequence
-from .notices import answer, pending_notes, to_every_rank
+from .notices import answer, on_its_way, pending_notes, to_every_rank
 from .reduce import KernelTable, SegmentKernel
 from .runs import RunPath
 from .slots import RxPool, SlotArena, holdable_buffers, receive_reserve
@@ -71,7 +71,6 @@ from .wire import (
     SilentRank,
     WireError,
     pack_silent,
-    serial_newer,
     unpack,
 )
 
@@ -79,17 +78,6 @@ __all__ = ["Aggregator", "CopyState"]
 
 
 _TOMBSTONES = 1024  # aborted jobs remembered, so their workers hear why instead of timing out
-# A PROBE (wire.Flags) for a result that left less than this long ago gets a PENDING note: the
-# result is taken to be on its way. No longer than the workers' RTO floor (Timing.rto_min), so a
-# probe's retry, an RTO later, gets the result: a result really lost costs one more RTO at most.
-RESULT_IN_FLIGHT_S = 0.01
-# ... and a result the worker's query shows queued: it has heard neither this result nor the one
-# this core sent before it (wire.Flags.SERIAL). Results to a worker keep their order on its path,
-# so both are on their way (two lost in a row is far rarer than a queue), and resending would
-# only queue a copy behind the original; a queue that held results longer than 10 ms made
-# every resend a duplicate that lengthened it (docs/benchmarks.md). The limit bounds what a
-# lost last result costs when the one before it was lost too: each is asked after again.
-RESULT_QUEUED_S = 0.1
 
 
 class Aggregator:
@@ -318,7 +306,7 @@ class Aggregator:
             self._diverge(job, copy, h, out)
             return False
         if copy.state is CopyState.COMPLETE:
-            if query and self._on_its_way(copy, h, now - copy.finished):
+            if query and on_its_way(copy, h, now - copy.finished):
                 # A worker asks after a result that is most likely queued on its way. A whole
                 # copy would only add a duplicate to the queue. It hears "every rank is in";
                 # its next timer falls later. A worker that has a later result lost this one:
@@ -335,20 +323,6 @@ class Aggregator:
                 self._waiting(job, copy, h, source, out)
             return False
         return self._accumulate(job, copy, h.rank, index, now, out, h.flags & Flags.QUEUED)
-
-    @staticmethod
-    def _on_its_way(copy: SlotCopy, h: Header, age: float) -> bool:
-        """Is the result of `copy`, `age` seconds after it left, still on its way to the
-        worker whose query `h` asks after it? With the newest serial that worker heard from
-        this core (SERIAL): when it is older than the result's, for `RESULT_IN_FLIGHT_S`, and
-        for `RESULT_QUEUED_S` when an earlier result is unheard too (a queue). Without one:
-        for `RESULT_IN_FLIGHT_S` after the result left, if the query is a stall's PROBE."""
-        if not h.flags & Flags.SERIAL:
-            return bool(h.flags & Flags.PROBE) and age < RESULT_IN_FLIGHT_S
-        if not serial_newer(copy.serial, h.serial):
-            return False  # it heard this one or a later one: lost
-        lacks = (copy.serial - h.serial) % SERIALS  # the results it lacks, up to this one
-        return age < (RESULT_QUEUED_S if lacks > 1 else RESULT_IN_FLIGHT_S)
 
     def _member(self, h: Header, source: Address, out: list[Send]) -> JobState | None:
         """The job `h` is from, when it comes from a rank bound there (its cookie, its rank,

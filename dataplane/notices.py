@@ -1,15 +1,44 @@
 """The notices an aggregator sends besides results, built as data (sans-I/O): PENDING to a rank
 that asks after an unfinished segment (and to the ranks whose contribution it lacks), a notice
-to every bound rank of a job, and a notice answering one datagram. The caller counts them."""
+to every bound rank of a job, and a notice answering one datagram; and whether a query for a
+finished result hears PENDING because the result is still on its way. The caller counts them."""
 
 from __future__ import annotations
 
 from .slotstate import JobState, SlotCopy
 from .spec import Address
 from .transport import Send
-from .wire import HEADER_SIZE, DType, Header, Kind, Op, pack_into
+from .wire import HEADER_SIZE, SERIALS, DType, Flags, Header, Kind, Op, pack_into, serial_newer
 
-__all__ = ["answer", "pending_notes", "to_every_rank"]
+__all__ = ["RESULT_IN_FLIGHT_S", "RESULT_QUEUED_S", "answer", "on_its_way", "pending_notes",
+           "to_every_rank"]
+
+# A PROBE (wire.Flags) for a result that left less than this long ago gets a PENDING note: the
+# result is taken to be on its way. No longer than the workers' RTO floor (Timing.rto_min), so a
+# probe's retry, an RTO later, gets the result: a result really lost costs one more RTO at most.
+RESULT_IN_FLIGHT_S = 0.01
+# ... and a result the worker's query shows queued: it has heard neither this result nor the one
+# this core sent before it (wire.Flags.SERIAL). Results to a worker keep their order on its path,
+# so both are on their way (two lost in a row is far rarer than a queue), and resending would
+# only queue a copy behind the original; a queue that held results longer than 10 ms made
+# every resend a duplicate that lengthened it (docs/benchmarks.md). The limit bounds what a
+# lost last result costs when the one before it was lost too: each is asked after again.
+RESULT_QUEUED_S = 0.1
+
+
+def on_its_way(copy: SlotCopy, h: Header, age: float) -> bool:
+    """Is the result of `copy`, `age` seconds after it left, still on its way to the worker
+    whose query `h` asks after it (then the worker hears PENDING, not the result again)? With
+    the newest serial that worker heard from this core (SERIAL): when it is older than the
+    result's, for `RESULT_IN_FLIGHT_S`, and for `RESULT_QUEUED_S` when an earlier result is
+    unheard too (a queue). Without one: for `RESULT_IN_FLIGHT_S`, if the query is a stall's
+    PROBE."""
+    if not h.flags & Flags.SERIAL:
+        return bool(h.flags & Flags.PROBE) and age < RESULT_IN_FLIGHT_S
+    if not serial_newer(copy.serial, h.serial):
+        return False  # it heard this one or a later one: lost
+    lacks = (copy.serial - h.serial) % SERIALS  # the results it lacks, up to this one
+    return age < (RESULT_QUEUED_S if lacks > 1 else RESULT_IN_FLIGHT_S)
 
 
 def pending_notes(job: JobState, copy: SlotCopy, h: Header, source: Address) -> list[Send]:

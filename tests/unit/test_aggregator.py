@@ -10,14 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reduction_appliance.dataplane.aggregator import (
-    RESULT_IN_FLIGHT_S,
-    RESULT_QUEUED_S,
-    Aggregator,
-)
+from reduction_appliance.dataplane.aggregator import Aggregator
 from reduction_appliance.dataplane.counters import Counter, Counters
 from reduction_appliance.dataplane.dtypes import by_numpy, info
 from reduction_appliance.dataplane.errors import AdmissionError
+from reduction_appliance.dataplane.notices import RESULT_IN_FLIGHT_S, RESULT_QUEUED_S
 from reduction_appliance.dataplane.reduce import select_kernels
 from reduction_appliance.dataplane.slots import SlotArena
 from reduction_appliance.dataplane.spec import JobSpec
