@@ -73,8 +73,11 @@ NO_REPAIRS = Repairs()
 class Outcome:
     ticket: int
     error: ReductionError | None
-    retransmissions: int
-    repairs: Repairs = NO_REPAIRS  # the retransmissions by what sent each one
+    repairs: Repairs = NO_REPAIRS  # the round's retransmissions, by what sent each one
+
+    @property
+    def retransmissions(self) -> int:
+        return self.repairs.total
 
 
 def lane_endpoints(endpoints: tuple[Endpoint, ...], lanes: int) -> list[tuple[Endpoint, ...]]:
@@ -184,15 +187,15 @@ class RoundPipeline:
                 return  # strictly in order: later rounds wait behind this one
             req = self._queued.popleft()
             if self._diverged is not None:
-                self._finished.append(Outcome(req.ticket, JobDiverged(self._diverged), 0))
+                self._finished.append(Outcome(req.ticket, JobDiverged(self._diverged)))
                 continue
             if self._silent_ranks:
                 reason = next(iter(self._silent_ranks.values()))
-                self._finished.append(Outcome(req.ticket, RankSilent(reason), 0))
+                self._finished.append(Outcome(req.ticket, RankSilent(reason)))
                 continue
             if self._silent_appliances:  # until it is heard from again
                 reason = next(iter(self._silent_appliances.values()))
-                self._finished.append(Outcome(req.ticket, ApplianceSilent(reason), 0))
+                self._finished.append(Outcome(req.ticket, ApplianceSilent(reason)))
                 continue
             # An idle worker does not read its answers: give every appliance a fresh
             # liveness timeout from the start of a round.
@@ -206,7 +209,7 @@ class RoundPipeline:
                                      in_flight=self._in_flight, serials=self._serials,
                                      window=self.window)
             except ReductionError as exc:
-                self._finished.append(Outcome(req.ticket, exc, 0))
+                self._finished.append(Outcome(req.ticket, exc))
                 continue
             if self._abort is not None:
                 rnd.on_aborted(self._abort)
@@ -218,7 +221,7 @@ class RoundPipeline:
 
     def _finish(self, rnd: AllreduceRound, error: ReductionError | None) -> None:
         self._finish_silently(rnd)
-        self._finished.append(Outcome(rnd.ticket, error, rnd.retransmissions, rnd.repairs))
+        self._finished.append(Outcome(rnd.ticket, error, rnd.repairs))
 
     # ---- what to send ----
     def due(self, now: float) -> list[Transmit]:
@@ -432,5 +435,5 @@ class RoundPipeline:
         for rnd in list(self._active.values()):
             self._finish(rnd, error)
         while self._queued:
-            self._finished.append(Outcome(self._queued.popleft().ticket, error, 0))
+            self._finished.append(Outcome(self._queued.popleft().ticket, error))
         return self.finished()
