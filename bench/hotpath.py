@@ -21,6 +21,11 @@ segment costs is what a change to the hot path should move. Two measurements, ea
   burst path, `dataplane.runs`), the reduce kernels included. Microseconds per datagram; then
   the same in fp16 and bf16 (accumulated in fp32: widened on the way in, narrowed on the way
   out).
+* per byte with wider segments: both again with segments of seven datagrams' payload (62272 B,
+  one per coalesced receive, as loopback's 64 KB path carries them), per 8896 B. The Python's
+  cost is mostly per segment, not per byte: this is what it would save if a segment's
+  bookkeeping covered a GSO send's datagrams (on the rack the kernel already moves a GSO send,
+  and a GRO receive, as one).
 
 Compare trees by running the command in each, interleaved, and reading the best figures.
 """
@@ -69,6 +74,10 @@ RANKS = 8
 SLOTS = 32
 PER_WAKEUP = 10  # results a worker finds per turn on the rack at n = 8
 GRO_BATCH = 7  # datagrams per coalesced receive on the rack's veth
+GRO_BYTES = GRO_BATCH * (HEADER_SIZE + SEGMENT)  # what one coalesced receive holds
+# A segment of seven datagrams' payload: one 64 KB coalesced receive per segment, the Python's
+# cost per byte if a segment's bookkeeping spanned a GSO send's datagrams (loopback's segment)
+WIDE_SEGMENT = GRO_BATCH * SEGMENT
 CORES = (("198.18.0.1", 7000), ("198.18.0.1", 7001))
 
 
@@ -77,7 +86,8 @@ class _Answering:
     its RESULT, up to `PER_WAKEUP` per wakeup, in coalesced batches from one core. Its own time
     goes to `spent`."""
 
-    def __init__(self) -> None:
+    def __init__(self, gro_batch: int = GRO_BATCH) -> None:
+        self.gro_batch = gro_batch
         self.queue: collections.deque[tuple[Header, bytes, tuple[str, int]]] = collections.deque()
         self.budget = 0
         self.spent = 0.0
@@ -103,8 +113,8 @@ class _Answering:
             if not self.budget or not self.queue:
                 raise BlockingIOError
             buf, at, count, source = buffers[0], 0, 0, self.queue[0][2]
-            size = HEADER_SIZE + len(self.queue[0][1])
-            while self.queue and self.budget and count < GRO_BATCH and self.queue[0][2] == source:
+            size, most = HEADER_SIZE + len(self.queue[0][1]), self.gro_batch
+            while self.queue and self.budget and count < most and self.queue[0][2] == source:
                 h, body, _ = self.queue.popleft()
                 pack_into(buf, h, at)
                 buf[at + HEADER_SIZE:at + HEADER_SIZE + len(body)] = body
@@ -141,11 +151,12 @@ class _InMemoryTransport(UdpWorkerTransport):
         return []  # no routes in memory
 
 
-def worker_us_per_segment(per_wakeup: int = PER_WAKEUP) -> float:
+def worker_us_per_segment(per_wakeup: int = PER_WAKEUP, segment: int = SEGMENT) -> float:
     """One 64 MiB allreduce by a worker against the answering stand-in, `per_wakeup` results
-    per turn: us per segment."""
-    answering = _Answering()
-    job = JobInfo("bench", 5, "hotpath", RANKS, SEGMENT, None, False, 60.0,
+    per turn, `segment` payload bytes per datagram (coalesced up to `GRO_BYTES` a receive): us
+    per segment."""
+    answering = _Answering(max(1, GRO_BYTES // (HEADER_SIZE + segment)))
+    job = JobInfo("bench", 5, "hotpath", RANKS, segment, None, False, 60.0,
                   tuple(EndpointInfo(i, host, port, SLOTS) for i, (host, port) in enumerate(CORES)),
                   cookie=77, queue_target_s=JobDefaults.queue_target_s)
     array = np.ones(NBYTES // 4, np.float32)
@@ -156,31 +167,34 @@ def worker_us_per_segment(per_wakeup: int = PER_WAKEUP) -> float:
         spent = time.perf_counter() - start - answering.spent
     if not np.all(array == 1):  # each result is the contribution itself
         raise RuntimeError("the in-memory allreduce came back wrong: the bench is broken")
-    return spent / -(-NBYTES // SEGMENT) * 1e6
+    return spent / -(-NBYTES // segment) * 1e6
 
 
-def appliance_us_per_datagram(dtype: DType = DType.FLOAT32) -> float:
-    """8 ranks' 64 MiB of `dtype` through one appliance core's aggregator: us per datagram."""
-    segments = -(-NBYTES // SEGMENT) // len(CORES)  # one core's share
+def appliance_us_per_datagram(dtype: DType = DType.FLOAT32, segment: int = SEGMENT) -> float:
+    """8 ranks' 64 MiB of `dtype` through one appliance core's aggregator, `segment` payload
+    bytes per datagram (coalesced up to `GRO_BYTES` a receive): us per datagram."""
+    segments = -(-NBYTES // segment) // len(CORES)  # one core's share
+    per_receive = max(1, GRO_BYTES // (HEADER_SIZE + segment))
     where = [(f"198.18.0.{101 + r}", 9000) for r in range(RANKS)]
-    with SlotArena(capacity=SLOTS, max_payload=SEGMENT, rx_buffers=4096) as arena:
+    with SlotArena(capacity=SLOTS, max_payload=segment,
+                   rx_buffers=4096 * SEGMENT // segment) as arena:
         agg = Aggregator(arena, select_kernels(), Counters())
         agg.add_job(JobSpec(5, 77, RANKS, SLOTS, False, ("239.255.0.9", 7100), epoch=1,
                             endpoints=tuple(where), hold_buffers=0), 0.0)
-        size = HEADER_SIZE + SEGMENT
+        size = HEADER_SIZE + segment
         staging = Staging(GRO_BUFFER)
-        payload = _ones(dtype, SEGMENT)
+        payload = _ones(dtype, segment)
         batch, spent, count = RxBatch(), 0.0, 0
         for window in range(0, segments, SLOTS):  # every rank sends its window, then the next
             last = min(window + SLOTS, segments)
             for rank in range(RANKS):
-                for first in range(window, last, GRO_BATCH):
+                for first in range(window, last, per_receive):
                     batch.clear()
                     at = 0
-                    for k in range(first, min(first + GRO_BATCH, last)):
+                    for k in range(first, min(first + per_receive, last)):
                         pack_into(staging.buffer, Header(
                             Kind.CONTRIBUTION, dtype, Op.SUM, 0, 5, rank, 77, 1,
-                            k % SLOTS, k * SEGMENT, SEGMENT, k // SLOTS + 1, 1,
+                            k % SLOTS, k * segment, segment, k // SLOTS + 1, 1,
                             k % SERIALS), at)  # numbered, as a worker numbers its sends
                         staging.buffer[at + HEADER_SIZE:at + size] = payload
                         at += size
@@ -217,6 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     appliance = [appliance_us_per_datagram() for _ in range(args.repeat)]
     halves = {d: [appliance_us_per_datagram(d) for _ in range(args.repeat)]
               for d in (DType.FLOAT16, DType.BFLOAT16)}
+    wide_worker = [worker_us_per_segment(segment=WIDE_SEGMENT) for _ in range(args.repeat)]
+    wide_appliance = [appliance_us_per_datagram(segment=WIDE_SEGMENT)
+                      for _ in range(args.repeat)]
     print(f"worker:    {min(worker):.2f} us of Python per segment (sent and answered); "
           f"runs {', '.join(f'{w:.2f}' for w in worker)}")
     print(f"  of which a turn's own: {turn:.1f} us per turn, {turn / PER_WAKEUP:.2f} us per "
@@ -227,6 +244,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     for d, runs in halves.items():  # accumulated in fp32: widened on the way in, narrowed out
         print(f"  {d.name.lower()}: {min(runs):.2f} us per datagram; "
               f"runs {', '.join(f'{a:.2f}' for a in runs)}")
+    # What the Python would cost per byte if one segment's bookkeeping covered a whole
+    # coalesced receive (GSO send, GRO receive) instead of each of its datagrams.
+    per = WIDE_SEGMENT // SEGMENT
+    print(f"segments of {WIDE_SEGMENT} B ({per} datagrams' payload, one per receive), per "
+          f"{SEGMENT} B: worker {min(wide_worker) / per:.2f} us "
+          f"({min(wide_worker) / min(worker):.2f} of a segment's above: "
+          f"{min(worker) * per / min(wide_worker):.1f}x less); appliance "
+          f"{min(wide_appliance) / per:.2f} us "
+          f"({min(appliance) * per / min(wide_appliance):.1f}x less); runs per segment: "
+          f"worker {', '.join(f'{w:.2f}' for w in wide_worker)}; "
+          f"appliance {', '.join(f'{a:.2f}' for a in wide_appliance)}")
     return 0
 
 
