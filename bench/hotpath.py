@@ -4,7 +4,7 @@
 
 On the emulated rack at n = 8 two cores run nine Python processes, and the interpreter is most
 of what they spend (docs/benchmarks.md, "Where the CPU goes at n = 8"), so the Python each
-segment costs is what a change to the hot path should move. Two measurements, each the best of
+segment costs is what a change to the hot path should move. Three measurements, each the best of
 `--repeat` runs (the best is the least disturbed by the machine; runs move by 30% here):
 
 * worker: `ApplianceClient.allreduce` of 64 MiB fp32 through `UdpWorkerTransport`'s own send and
@@ -23,9 +23,9 @@ segment costs is what a change to the hot path should move. Two measurements, ea
   out).
 * per byte with wider segments: both again with segments of seven datagrams' payload (62272 B,
   one per coalesced receive, as loopback's 64 KB path carries them), per 8896 B. The Python's
-  cost is mostly per segment, not per byte: this is what it would save if a segment's
-  bookkeeping covered a GSO send's datagrams (on the rack the kernel already moves a GSO send,
-  and a GRO receive, as one).
+  cost is mostly per segment, not per byte. An upper bound on what bookkeeping per GSO send
+  (on the rack the kernel already moves a GSO send, and a GRO receive, as one) would save: here
+  each datagram's own header and copy, and each turn's cost, are spread over 62 KB as well.
 
 Compare trees by running the command in each, interleaved, and reading the best figures.
 """
