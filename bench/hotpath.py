@@ -151,11 +151,16 @@ class _InMemoryTransport(UdpWorkerTransport):
         return []  # no routes in memory
 
 
+def _per_receive(segment: int) -> int:
+    """Datagrams of `segment` payload bytes that one coalesced receive holds (at least one)."""
+    return max(1, GRO_BYTES // (HEADER_SIZE + segment))
+
+
 def worker_us_per_segment(per_wakeup: int = PER_WAKEUP, segment: int = SEGMENT) -> float:
     """One 64 MiB allreduce by a worker against the answering stand-in, `per_wakeup` results
     per turn, `segment` payload bytes per datagram (coalesced up to `GRO_BYTES` a receive): us
     per segment."""
-    answering = _Answering(max(1, GRO_BYTES // (HEADER_SIZE + segment)))
+    answering = _Answering(_per_receive(segment))
     job = JobInfo("bench", 5, "hotpath", RANKS, segment, None, False, 60.0,
                   tuple(EndpointInfo(i, host, port, SLOTS) for i, (host, port) in enumerate(CORES)),
                   cookie=77, queue_target_s=JobDefaults.queue_target_s)
@@ -174,7 +179,7 @@ def appliance_us_per_datagram(dtype: DType = DType.FLOAT32, segment: int = SEGME
     """8 ranks' 64 MiB of `dtype` through one appliance core's aggregator, `segment` payload
     bytes per datagram (coalesced up to `GRO_BYTES` a receive): us per datagram."""
     segments = -(-NBYTES // segment) // len(CORES)  # one core's share
-    per_receive = max(1, GRO_BYTES // (HEADER_SIZE + segment))
+    per_receive = _per_receive(segment)
     where = [(f"198.18.0.{101 + r}", 9000) for r in range(RANKS)]
     with SlotArena(capacity=SLOTS, max_payload=segment,
                    rx_buffers=4096 * SEGMENT // segment) as arena:

@@ -144,7 +144,6 @@ def _run_case(client: ApplianceClient, args: argparse.Namespace, case: int, dtyp
     work = np.empty_like(mine)
     times: list[float] = []
     bad = 0
-    before = client.retransmissions
     repairs_before = client.repairs
     window = client.pipeline.window  # the congestion window (None: fixed windows)
     cuts_before = window.cuts if window is not None else 0
@@ -169,7 +168,7 @@ def _run_case(client: ApplianceClient, args: argparse.Namespace, case: int, dtyp
         "rank": args.rank, "size": n * itemsize, "dtype": dtype.name.lower(),
         "op": op.name.lower(), "times": times, "checked": want is not None,
         "ok": bad == 0, "bad_iterations": bad,
-        "retransmissions": client.retransmissions - before,
+        "retransmissions": client.repairs.total - repairs_before.total,
         # ... by what sent them (plugin.slotplan.Repairs)
         "repairs": {field: now - then for field, now, then
                     in zip(Repairs._fields, client.repairs, repairs_before, strict=True)},
