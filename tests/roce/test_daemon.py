@@ -31,9 +31,10 @@ CTL = [sys.executable, "-m", "reduction_appliance.control.cli"]
 
 def workers(app: Appliance, out: Path, world: int, *, name: str, elements: int,
             dtype: str = "fp32", op: str = "sum", rounds: int = 1, deterministic: bool = False,
-            exit_after_join: tuple[int, ...] = (), stay: bool = False, multicast: bool = False
-            ) -> list[subprocess.Popen[str]]:
-    """`world` rank processes on rxe2..rxe4 (10.77.0.2..4)."""
+            exit_after_join: tuple[int, ...] = (), stay: bool = False, multicast: bool = False,
+            hold: bool = False) -> list[subprocess.Popen[str]]:
+    """`world` rank processes on rxe2..rxe4 (10.77.0.2..4). `hold`: the ranks that exit after
+    their join first wait, joined and heartbeating, until their stdin closes."""
     procs = []
     for rank in range(world):
         cmd = [*WORKER, "--api", app.api, "--name", name, "--secret", "s3cret-" + name,
@@ -42,7 +43,9 @@ def workers(app: Appliance, out: Path, world: int, *, name: str, elements: int,
                str(rounds), "--out", str(out)]
         cmd += ["--deterministic"] * deterministic + ["--exit-after-join"] * (
             rank in exit_after_join) + ["--stay"] * stay + ["--multicast"] * multicast
-        procs.append(subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
+        cmd += ["--hold"] * hold
+        procs.append(subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True,
+                                      stdin=subprocess.PIPE if hold else None))
     return procs
 
 
@@ -157,10 +160,17 @@ def test_deterministic_mode_is_bitwise_and_status_shows_the_queue_pairs(
         got = np.load(tmp_path / f"result-{rank}-0.npy").view(np.float32)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     # Every job so far is done (its ranks left): their queue pairs went with them. A job whose
-    # ranks joined and stay (their processes gone without leaving) shows its two:
-    procs = workers(app, tmp_path, 2, name="shown", elements=10, exit_after_join=(0, 1))
-    finish(procs)
-    answer = status(app)
+    # ranks joined and stay shows its two, connected while the ranks live. (Read after they
+    # exited, a slow guest could pass the 5 s liveness timeout first: the appliance then tells
+    # the gone ranks, and a send to a gone peer puts its queue pair in ERR.)
+    procs = workers(app, tmp_path, 2, name="shown", elements=10, exit_after_join=(0, 1),
+                    hold=True)
+    try:
+        wait_until(lambda: all((tmp_path / f"joined-{r}").exists() for r in (0, 1)), START_S,
+                   0.05, "both ranks joined")
+        answer = status(app)
+    finally:
+        finish(procs)  # (communicate closes each one's stdin: it exits)
     qps = answer["cores"][0]["queue_pairs"]
     assert [j["transport"] for j in answer["jobs"] if j["name"] == "shown"] == ["roce"]
     assert len(qps) == 2, qps

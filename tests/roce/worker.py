@@ -51,6 +51,8 @@ def main() -> int:
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--multicast", action="store_true", help="results as UD multicast")
     p.add_argument("--exit-after-join", action="store_true")
+    p.add_argument("--hold", action="store_true",
+                   help="with --exit-after-join: stay joined (heartbeating) until stdin closes")
     p.add_argument("--stay", action="store_true", help="do not leave the job at the end")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s: %(message)s")
@@ -61,6 +63,8 @@ def main() -> int:
         with ApplianceClient([info], a.rank, local_address=a.ip) as client:
             (out / f"joined-{a.rank}").write_text(repr(client.jobs[0].cookie))
             if a.exit_after_join:
+                if a.hold:  # alive and heartbeating until the test has looked
+                    sys.stdin.read()
                 os._exit(0)  # gone without a word: no leave, no heartbeat from now on
             for r in range(a.rounds):
                 x = inputs(a.rank, a.elements, a.dtype, a.deterministic, r)
