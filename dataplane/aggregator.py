@@ -435,16 +435,19 @@ class Aggregator:
             copy.state = move(copy.state, Event.ADD)
             return held
         copy.finished = now
-        self._finish(job, copy, kernel, acc, out, rank, queued)
+        self._finish(job, copy, kernel, acc, out, rank, queued, None)
         return held
 
     def _finish(self, job: JobState, copy: SlotCopy, kernel: SegmentKernel,
                 acc: NDArray[np.float32], out: list[Send], completer: int,
-                queued: int) -> None:
+                queued: int, result: NDArray[np.uint8] | None) -> None:
         """The contribution of rank `completer` made `copy` whole: send its result (the
-        header names `completer` and echoes its contribution's QUEUED flag, see wire.py)."""
+        header names `completer` and echoes its contribution's QUEUED flag, see wire.py).
+        `result`: its bytes, when the burst path finished several copies at once."""
         spec = job.spec
-        copy.result = memoryview(kernel.finish(acc, spec.world_size, copy.out))  # type: ignore[arg-type]
+        if result is None:
+            result = kernel.finish(acc, spec.world_size, copy.out)
+        copy.result = memoryview(result)  # type: ignore[arg-type]
         copy.state = move(copy.state, Event.LAST)
         # wire.pack_into's layout, without building a Header: this runs once per segment.
         # Into the arena right before the result (fp32: the accumulator; fp16/bf16: the

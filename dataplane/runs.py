@@ -9,7 +9,8 @@ pays for one decoded header and one set of job checks; every other datagram is c
 the first as bytes and only its sequence (dataplane.gaps), slot, offset and use are read; and
 where the slots' copies lie at a fixed stride in the arena (they do: a job's slots are
 allocated consecutively and their copies alternate in step), one kernel call folds a stretch
-of consecutive slots in, straight from the transport's buffer.
+of consecutive slots in, straight from the transport's buffer. The last rank's burst makes such
+a stretch whole, and a 16-bit stretch's results are narrowed from fp32 with one cast as well.
 
 A burst changes nothing until it has said yes. It runs from its first datagram up to the first
 that needs the one-by-one path: a retransmission, a query, a duplicate, a stranger, a
@@ -64,11 +65,11 @@ _FILLING = CopyState.FILLING
 _NOT_QUEUED = ~int(Flags.QUEUED)  # every other bit, known or not (as a plain int: an IntFlag's
 # complement keeps only the defined bits, and a stray bit would pass)
 
-#: finish(job, copy, kernel, acc, out, completer, queued): the aggregator's own, for a copy
-#: every rank is in (`completer` the rank whose contribution made it whole, `queued` that
-#: contribution's QUEUED flag)
+#: finish(job, copy, kernel, acc, out, completer, queued, result): the aggregator's own, for a
+#: copy every rank is in (`completer` the rank whose contribution made it whole, `queued` that
+#: contribution's QUEUED flag, `result` its result bytes when already finished, else None)
 Finish = Callable[[JobState, SlotCopy, SegmentKernel, NDArray[np.float32], list[Send], int,
-                   int], None]
+                   int, NDArray[np.uint8] | None], None]
 #: one(index, nbytes, source, now, out): the aggregator's one-by-one path, for a datagram in
 #: receive-pool buffer `index`
 One = Callable[[int, int, Address, float, list[Send]], None]
@@ -198,6 +199,7 @@ class RunPath:
                 copy.begin(use, round_no, offset, dtype, op, kernel, length, now)
         self._fold(job, plan, staging.rows(size, STORAGE[dtype])[start // size:], kernel)
         world = spec.world_size
+        narrows, finished = kernel.narrows, None
         cells = self._cells
         numbers = job.next_sequence
         expected = numbers[rank]
@@ -213,8 +215,45 @@ class RunPath:
                 copy.state = move(copy.state, Event.ADD)
             else:
                 copy.finished = now
-                self._finish(job, copy, kernel, copy.acc_n, out, rank, flags)
+                if narrows and finished is None:  # the burst's first copy made whole
+                    finished = self._finish_ahead(job, plan, copy, kernel, bit)
+                self._finish(job, copy, kernel, copy.acc_n, out, rank, flags,
+                             finished.get(copy) if finished else None)
         return len(plan)
+
+    def _finish_ahead(self, job: JobState, plan: list[tuple[SlotCopy, bool, int, int, int, int]],
+                      whole: SlotCopy, kernel: SegmentKernel,
+                      bit: int) -> dict[SlotCopy, NDArray[np.uint8]]:
+        """Finish, a stretch at a time, the copies this burst makes whole from `whole` on
+        (just made whole; a later one when every other rank is in): each stretch of two or
+        more (consecutive slots, the same copy of each, as in `_fold`) with one `finish_rows`,
+        before the burst goes on to them. Their results, by copy; the others are finished one
+        by one, as before. (Called at the burst's first copy made whole: a burst that makes
+        none whole pays nothing, nor does the loop over the burst look up an index.)"""
+        base, count = job.arena_first, len(plan)
+        finished: dict[SlotCopy, NDArray[np.uint8]] = {}
+        if base < 0:
+            return finished
+        others = job.all_ranks & ~bit  # a copy is made whole here when these are all in
+        start = next(i for i, entry in enumerate(plan) if entry[0] is whole)
+        i = start
+        while i < count:
+            copy = plan[i][0]
+            if i > start and copy.arrived != others:
+                i += 1
+                continue
+            j = i + 1
+            while (j < count and plan[j][0].slot == copy.slot + (j - i)
+                   and plan[j][0].copy == copy.copy and plan[j][0].arrived == others):
+                j += 1
+            if j - i > 1:
+                first, n = base + plan[i][2], len(copy.acc_n)
+                acc = self._arena.accumulator_rows(first, j - i, copy.copy)[:, :n]
+                out = self._arena.result_rows(first, j - i, copy.copy)
+                results = kernel.finish_rows(acc, job.spec.world_size, out)
+                finished.update(zip((entry[0] for entry in plan[i:j]), results, strict=True))
+            i = j
+        return finished
 
     def _fold(self, job: JobState, plan: list[tuple[SlotCopy, bool, int, int, int, int]],
               payloads: NDArray[Any], kernel: SegmentKernel) -> None:

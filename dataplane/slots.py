@@ -164,6 +164,12 @@ class SlotArena:
         out: NDArray[np.uint8] = self._out[slot, copy][: self.max_payload]
         return out
 
+    def result_rows(self, first: int, count: int, copy: int) -> NDArray[np.uint8]:
+        """The result buffers of copy `copy` of slots first .. first + count - 1, as the rows
+        of one view (`accumulator_rows`' counterpart: fp16/bf16 results are narrowed here)."""
+        rows: NDArray[np.uint8] = self._out[first:first + count, copy, : self.max_payload]
+        return rows
+
     def copy_buffers(self, slot: int, copy: int) -> tuple[
             NDArray[np.float32], NDArray[np.uint8], tuple[memoryview, memoryview]]:
         """A slot copy's accumulator, result buffer, and the places of its result header."""

@@ -328,6 +328,48 @@ def test_a_bursts_rows_fold_as_each_row_alone(
         np.testing.assert_array_equal(together[r], alone, f"row {r}")
 
 
+@pytest.mark.parametrize("op", list(Op), ids=lambda o: o.name)
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
+@pytest.mark.parametrize("n", [2224, 40000], ids=["segment", "past-a-chunk"])
+def test_finish_rows_gives_each_row_what_finish_gives_it_alone(
+    table: KernelTable, dtype: DType, op: Op, n: int
+) -> None:
+    """finish_rows over strided accumulator rows (an arena's slots) into strided result rows
+    returns, for each row, the bytes finish returns for that row alone (NaN, inf, overflow
+    and ties among them), and leaves each accumulator finalised the same way."""
+    rows, slot, out_slot = 5, n + 16, 2 * n + 64
+    rng = np.random.default_rng(n)
+    sums = np.stack([np.concatenate([
+        rng.standard_normal(n - 6).astype(np.float32) * 1e3,
+        np.array([np.nan, np.inf, -np.inf, 3.4e38, -0.0, 1.00390625], np.float32)])
+        for _ in range(rows)])
+    kernel = table.kernel(dtype, op)
+    arena = np.full(rows * slot, 12345.0, np.float32)
+    together = arena.reshape(rows, slot)[:, :n]
+    together[:] = sums
+    outs = np.zeros(rows * out_slot, np.uint8).reshape(rows, out_slot)
+    results = kernel.finish_rows(together, 3, outs)
+    assert len(results) == rows
+    for r in range(rows):
+        alone = sums[r].copy()
+        want = kernel.finish(alone, 3, np.zeros(out_slot, np.uint8)).copy()
+        assert results[r].dtype == np.uint8 and len(results[r]) == len(want)
+        assert_bits_equal(results[r], want.view(NP_DTYPE[dtype]), dtype)
+        np.testing.assert_array_equal(together[r], alone, f"row {r}'s accumulator")
+        if dtype is not DType.FLOAT32:
+            assert np.shares_memory(results[r], outs[r]), "narrowed into its own result row"
+
+
+def test_finish_rows_rejects_rows_that_do_not_pair(table: KernelTable) -> None:
+    for dtype in DType:
+        kernel = table.kernel(dtype, Op.SUM)
+        with pytest.raises(ValueError):
+            kernel.finish_rows(np.zeros((3, 8), np.float32), 1, np.zeros((2, 64), np.uint8))
+        if dtype is not DType.FLOAT32:
+            with pytest.raises(ValueError):  # a result row too short for its segment
+                kernel.finish_rows(np.zeros((2, 8), np.float32), 1, np.zeros((2, 8), np.uint8))
+
+
 @pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
 def test_steady_state_allocates_nothing(table: KernelTable, dtype: DType) -> None:
     """After a warm-up call, first/add/finish allocate no array memory (numpy reports its

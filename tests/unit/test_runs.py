@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from numpy.typing import NDArray
 
 from reduction_appliance.dataplane.aggregator import Aggregator
 from reduction_appliance.dataplane.counters import Counter, Counters
@@ -41,7 +43,9 @@ PAYLOAD = 64  # bytes per segment: 16 fp32 or 32 fp16 elements
 WORLD = 3
 # job id -> (deterministic, multicast, dtype)
 JOBS = {5: (False, True, DType.FLOAT32), 6: (False, False, DType.FLOAT16),
-        7: (True, True, DType.FLOAT32)}
+        7: (True, True, DType.FLOAT32), 8: (False, True, DType.BFLOAT16)}
+ELEMENTS = {DType.FLOAT32: np.dtype(np.float32), DType.FLOAT16: np.dtype(np.float16),
+            DType.BFLOAT16: np.dtype(ml_dtypes.bfloat16)}
 
 
 def where(rank: int) -> Address:
@@ -49,7 +53,7 @@ def where(rank: int) -> Address:
 
 
 def build() -> tuple[SlotArena, Aggregator]:
-    arena = SlotArena(capacity=3 * SLOTS, max_payload=PAYLOAD, rx_buffers=256)
+    arena = SlotArena(capacity=len(JOBS) * SLOTS, max_payload=PAYLOAD, rx_buffers=256)
     agg = Aggregator(arena, KERNELS, Counters())
     for job, (deterministic, multicast, _) in JOBS.items():
         agg.add_job(JobSpec(job, COOKIE, WORLD, SLOTS, deterministic,
@@ -78,8 +82,8 @@ def contribution(job: int, rank: int, slot: int, use: int, *, round_no: int = 1,
     pack_into(buf, h)
     if kind is Kind.QUERY:
         return bytes(buf)
-    numpy_dtype = np.float32 if dtype is DType.FLOAT32 else np.float16
-    payload = np.full(length // np.dtype(numpy_dtype).itemsize, value, numpy_dtype)
+    elements = ELEMENTS[dtype]
+    payload = np.full(length // elements.itemsize, value, elements)
     return bytes(buf) + payload.tobytes()
 
 
@@ -177,6 +181,34 @@ def test_fp16_runs_fold_row_by_row_and_match(pair: tuple[Aggregator, Aggregator]
     assert taken(a) == WORLD
     assert len(out) == 4 * WORLD  # unicast: one result per rank per slot
     assert all(np.all(np.frombuffer(p, np.float16) == 1.5) for _, _, p in out)
+
+
+@pytest.mark.parametrize("job", [6, 8], ids=["fp16-unicast", "bf16-multicast"])
+def test_a_burst_that_completes_consecutive_slots_narrows_them_at_once(
+        pair: tuple[Aggregator, Aggregator], monkeypatch: pytest.MonkeyPatch, job: int) -> None:
+    """The last rank's burst over slots 0-4 and 6-7 (5 not yet its turn) makes them whole:
+    one narrowing for 0-4, one for 6-7, and the same results as one by one."""
+    a, b = pair
+    kernel = KERNELS.kernel(JOBS[job][2], Op.SUM)
+    calls: list[int] = []
+    finish_rows = kernel.finish_rows
+
+    def counted(acc: NDArray[np.float32], count: int, out: NDArray[np.uint8]) -> list[
+            NDArray[np.uint8]]:
+        calls.append(len(acc))
+        return finish_rows(acc, count, out)
+
+    monkeypatch.setattr(kernel, "finish_rows", counted)
+    for rank in range(WORLD - 1):
+        take_both(a, b, [contribution(job, rank, s, 1, value=0.5) for s in range(SLOTS)],
+                  where(rank))
+    last = [contribution(job, WORLD - 1, s, 1, value=0.25) for s in range(SLOTS) if s != 5]
+    assert calls == []
+    out = take_both(a, b, last, where(WORLD - 1))
+    assert calls == [5, 2]  # `b` never takes a burst: these are `a`'s
+    results = [np.frombuffer(p, ELEMENTS[JOBS[job][2]]).astype(np.float32) for _, _, p in out]
+    assert len(results) == 7 * (1 if JOBS[job][1] else WORLD)
+    assert all(np.all(r == 1.25) for r in results)
 
 
 @pytest.mark.parametrize(("spoil", "alone", "bursts"), [
