@@ -49,7 +49,6 @@ import importlib
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from types import ModuleType
 from typing import Any, Protocol
 
 import numpy as np
@@ -57,6 +56,14 @@ from numpy.typing import NDArray
 
 from .dtypes import DTYPES
 from .errors import ConfigError
+from .halfcodecs import (
+    HalfCodec,
+    MlDtypesBfloat16Codec,
+    NumpyBfloat16Codec,
+    NumpyFloat16Codec,
+    TorchCodec,
+    fp16_table,
+)
 from .spec import KERNEL_BACKENDS
 from .wire import DType, Op
 
@@ -84,12 +91,6 @@ _GATHER_CHUNK = 1 << 16
 
 _FOLD: Mapping[Op, np.ufunc] = {Op.SUM: np.add, Op.AVG: np.add, Op.MIN: np.minimum,
                                 Op.MAX: np.maximum}
-
-# bfloat16 is the top half of a float32; these name the bit fiddling below.
-_BF16_SHIFT = 16
-_BF16_ROUND_HALF = 0x7FFF  # + the kept LSB = round half to even
-_BF16_SIGN = 0x8000
-_BF16_QUIET_NAN = 0x7FC0  # what ml_dtypes produces for any NaN (sign kept)
 
 STORAGE: Mapping[DType, np.dtype[Any]] = {d.dtype: d.storage for d in DTYPES}
 
@@ -151,110 +152,6 @@ class KernelTable:
 
     def kernel(self, dtype: DType, op: Op) -> SegmentKernel:
         return self._kernels[(dtype, op)]
-
-
-# --- widen/narrow codecs for the 2-byte dtypes --------------------------------------------------
-
-
-class _HalfCodec(Protocol):
-    def widen(self, dst: NDArray[np.float32], src: NDArray[np.uint16]) -> None: ...
-
-    def narrow(self, dst: NDArray[np.uint16], src: NDArray[np.float32]) -> None: ...
-
-
-class _TorchCodec:
-    """fp16/bf16 <-> fp32 with torch's vectorised casts on zero-copy tensor views."""
-
-    def __init__(self, torch: ModuleType, half: Any) -> None:
-        self._from_numpy = torch.from_numpy
-        self._half = half
-        # The kernel hands us the same scratch view again and again: keep its tensor.
-        self._last: NDArray[np.float32] | None = None
-        self._last_t: Any = None
-
-    def _tensor(self, a: NDArray[np.float32]) -> Any:
-        if a is not self._last:
-            self._last, self._last_t = a, self._from_numpy(a)
-        return self._last_t
-
-    def widen(self, dst: NDArray[np.float32], src: NDArray[np.uint16]) -> None:
-        self._tensor(dst).copy_(self._from_numpy(src.view(np.int16)).view(self._half))
-
-    def narrow(self, dst: NDArray[np.uint16], src: NDArray[np.float32]) -> None:
-        self._from_numpy(dst.view(np.int16)).view(self._half).copy_(self._tensor(src))
-
-
-class _NumpyFloat16Codec:
-    """fp16 -> fp32 by table gather (~4 GB/s, vs ~1 GB/s for numpy's own cast)."""
-
-    def __init__(self, table: NDArray[np.float32]) -> None:
-        self._table = table
-        self._idx = np.empty(0, np.intp)  # grow-once; np.take would allocate it from uint16
-
-    def widen(self, dst: NDArray[np.float32], src: NDArray[np.uint16]) -> None:
-        n = src.size  # a segment, or a burst's rows of segments (`_HalfKernel.add_rows`)
-        if len(self._idx) < n:
-            self._idx = np.empty(n, np.intp)
-        idx = self._idx[:n].reshape(src.shape)
-        np.copyto(idx, src)
-        # mode="wrap" skips numpy's buffered bounds check; uint16 indices are always in range.
-        np.take(self._table, idx, out=dst, mode="wrap")
-
-    def narrow(self, dst: NDArray[np.uint16], src: NDArray[np.float32]) -> None:
-        # numpy's own cast is slow (~1.3 GB/s) but is the reference; runs once per segment.
-        np.copyto(dst.view(np.float16), src, casting="unsafe")
-
-
-def _widen_bf16_by_shift(dst: NDArray[np.float32], src: NDArray[np.uint16]) -> None:
-    wide = dst.view(np.uint32)
-    np.copyto(wide, src)
-    np.left_shift(wide, _BF16_SHIFT, out=wide)
-
-
-class _NumpyBfloat16Codec:
-    """bf16 <-> fp32 with integer ops only: widening is a shift, narrowing is the RNE bit trick."""
-
-    def __init__(self) -> None:
-        self._bits = np.empty(0, np.uint32)
-        self._nan = np.empty(0, np.bool_)
-
-    def widen(self, dst: NDArray[np.float32], src: NDArray[np.uint16]) -> None:
-        _widen_bf16_by_shift(dst, src)
-
-    def narrow(self, dst: NDArray[np.uint16], src: NDArray[np.float32]) -> None:
-        n = src.size  # a segment, or a burst's rows of segments (`_HalfKernel.finish_rows`)
-        if len(self._bits) < n:
-            self._bits, self._nan = np.empty(n, np.uint32), np.empty(n, np.bool_)
-        u = src.view(np.uint32)
-        t, nan = self._bits[:n].reshape(src.shape), self._nan[:n].reshape(src.shape)
-        # t = (u + 0x7fff + lsb) >> 16, lsb = bit 16 of u: ties go to the even neighbour, and
-        # finite values past the largest bf16 carry into the exponent and become inf, as in
-        # ml_dtypes. Only NaN bit patterns can wrap around, and they are overwritten below.
-        np.right_shift(u, _BF16_SHIFT, out=t)
-        np.bitwise_and(t, 1, out=t)
-        np.add(t, _BF16_ROUND_HALF, out=t)
-        np.add(t, u, out=t)
-        np.right_shift(t, _BF16_SHIFT, out=t)
-        np.isnan(src, out=nan)
-        if nan.any():
-            np.right_shift(u, _BF16_SHIFT, out=t, where=nan)
-            np.bitwise_and(t, _BF16_SIGN, out=t, where=nan)
-            np.bitwise_or(t, _BF16_QUIET_NAN, out=t, where=nan)
-        np.copyto(dst, t, casting="unsafe")
-
-
-class _MlDtypesBfloat16Codec:
-    """bf16 narrowing through ml_dtypes' RNE cast (~5 GB/s, about twice the integer trick)."""
-
-    def __init__(self, bfloat16: Any) -> None:
-        self._bfloat16 = np.dtype(bfloat16)
-
-    def widen(self, dst: NDArray[np.float32], src: NDArray[np.uint16]) -> None:
-        # The shift runs 15-20 GB/s, faster than ml_dtypes' cast loop, and is exact.
-        _widen_bf16_by_shift(dst, src)
-
-    def narrow(self, dst: NDArray[np.uint16], src: NDArray[np.float32]) -> None:
-        np.copyto(dst.view(self._bfloat16), src, casting="unsafe")
 
 
 # --- kernels ------------------------------------------------------------------------------------
@@ -359,7 +256,7 @@ class _HalfKernel(_Kernel):
     do: row by row, the casts' fixed cost per call made a 16-bit datagram cost three times a
     fp32 one (bench.hotpath)."""
 
-    def __init__(self, op: Op, codec: _HalfCodec, chunk: int) -> None:
+    def __init__(self, op: Op, codec: HalfCodec, chunk: int) -> None:
         super().__init__(op)
         self._codec = codec
         self._chunk = chunk
@@ -487,28 +384,23 @@ def available_backends() -> tuple[str, ...]:
     return tuple(b for b in BACKENDS if b not in missing)
 
 
-def _fp16_table() -> NDArray[np.float32]:
-    # Every fp16 bit pattern widened by numpy itself: exact, NaN payloads included.
-    return np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
-
-
 def _build(backend: str) -> KernelTable:
     # DType -> (zero-argument factory of a fresh codec, since codecs own scratch; chunk elements)
-    codecs: dict[DType, tuple[Callable[[], _HalfCodec], int]]
+    codecs: dict[DType, tuple[Callable[[], HalfCodec], int]]
     if backend == "torch":
         torch = importlib.import_module("torch")
         codecs = {
-            DType.FLOAT16: (lambda: _TorchCodec(torch, torch.float16), _WIDE_CHUNK),
-            DType.BFLOAT16: (lambda: _TorchCodec(torch, torch.bfloat16), _WIDE_CHUNK),
+            DType.FLOAT16: (lambda: TorchCodec(torch, torch.float16), _WIDE_CHUNK),
+            DType.BFLOAT16: (lambda: TorchCodec(torch, torch.bfloat16), _WIDE_CHUNK),
         }
     else:
-        table = _fp16_table()
-        codecs = {DType.FLOAT16: (lambda: _NumpyFloat16Codec(table), _GATHER_CHUNK)}
+        table = fp16_table()
+        codecs = {DType.FLOAT16: (lambda: NumpyFloat16Codec(table), _GATHER_CHUNK)}
         if backend == "numpy+ml_dtypes":
             bfloat16 = importlib.import_module("ml_dtypes").bfloat16
-            codecs[DType.BFLOAT16] = (lambda: _MlDtypesBfloat16Codec(bfloat16), _WIDE_CHUNK)
+            codecs[DType.BFLOAT16] = (lambda: MlDtypesBfloat16Codec(bfloat16), _WIDE_CHUNK)
         else:
-            codecs[DType.BFLOAT16] = (_NumpyBfloat16Codec, _WIDE_CHUNK)
+            codecs[DType.BFLOAT16] = (NumpyBfloat16Codec, _WIDE_CHUNK)
     kernels: dict[tuple[DType, Op], SegmentKernel] = {}
     for op in Op:
         extremum = op in (Op.MIN, Op.MAX)

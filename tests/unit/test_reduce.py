@@ -10,7 +10,7 @@ import importlib.util
 import subprocess
 import sys
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import ml_dtypes
 import numpy as np
@@ -296,9 +296,17 @@ def _strided_rows(data: NDArray[np.uint8], rows: int, gap: int, n: int,
     return view.view(NP_DTYPE[dtype] if dtype is DType.FLOAT32 else np.uint16)
 
 
-@pytest.mark.parametrize("op", list(Op), ids=lambda o: o.name)
-@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
-@pytest.mark.parametrize("n", [2224, 40000], ids=["segment", "past-a-chunk"])
+def every_rows_case(test: Callable[..., None]) -> Callable[..., None]:
+    """Every (op, dtype) with rows of a rack segment's elements and rows past a widening chunk
+    (where the 16-bit kernels go row by row): the cases of the burst-row tests."""
+    for mark in (pytest.mark.parametrize("op", list(Op), ids=lambda o: o.name),
+                 pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name),
+                 pytest.mark.parametrize("n", [2224, 40000], ids=["segment", "past-a-chunk"])):
+        test = mark(test)
+    return test
+
+
+@every_rows_case
 def test_a_bursts_rows_fold_as_each_row_alone(
     table: KernelTable, dtype: DType, op: Op, n: int
 ) -> None:
@@ -328,9 +336,7 @@ def test_a_bursts_rows_fold_as_each_row_alone(
         np.testing.assert_array_equal(together[r], alone, f"row {r}")
 
 
-@pytest.mark.parametrize("op", list(Op), ids=lambda o: o.name)
-@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
-@pytest.mark.parametrize("n", [2224, 40000], ids=["segment", "past-a-chunk"])
+@every_rows_case
 def test_finish_rows_gives_each_row_what_finish_gives_it_alone(
     table: KernelTable, dtype: DType, op: Op, n: int
 ) -> None:
