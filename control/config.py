@@ -19,7 +19,6 @@ from typing import Any, Literal, NamedTuple, cast
 
 from reduction_appliance.control.pathmtu import data_path_mtu
 from reduction_appliance.dataplane.errors import ConfigError
-from reduction_appliance.dataplane.slots import holdable_buffers
 from reduction_appliance.dataplane.spec import KERNEL_BACKENDS
 from reduction_appliance.dataplane.wire import HEADER_SIZE, IP_UDP_HEADERS
 
@@ -326,6 +325,8 @@ def parse(raw: dict[str, Any], source: str = "<memory>") -> ApplianceConfig:
     _check(jobs.deadline_s > 0, "jobs.deadline_s", "must be > 0")
     _check(0.5 <= jobs.liveness_timeout_s <= 3600, "jobs.liveness_timeout_s", "must be 0.5..3600")
     _check(0 <= jobs.queue_target_s <= 10, "jobs.queue_target_s", "must be 0..10 (0 = off)")
+    from reduction_appliance.dataplane.slots import holdable_buffers  # numpy: parse only
+
     holdable = holdable_buffers(dataplane.rx_buffers)
     _check(1 <= jobs.hold_buffers <= holdable, "jobs.hold_buffers",
            f"must be between 1 and the {holdable} receive buffers deterministic jobs may hold "

@@ -15,11 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from reduction_appliance.dataplane.errors import ConfigError, ReductionError
-from reduction_appliance.dataplane.reduce import available_backends
 from reduction_appliance.dataplane.units import format_size
-from reduction_appliance.dataplane.verbs import roce_unavailable
 
-from . import steering
 from .apiclient import ApiError, UnixApi
 from .config import ApiConfig, load
 
@@ -166,6 +163,10 @@ def abort(args: argparse.Namespace) -> int:
 def check_config(args: argparse.Namespace) -> int:
     """The daemon's own loader, plus what only this host can tell: whether the chosen kernel
     backend is installed here."""
+    # Imported here, not at the top: numpy and pyverbs cost `reductionctl status` nothing then
+    # (seconds on a slow host; the emulated RoCE guest starts a CLI in 17 s with them).
+    from reduction_appliance.dataplane.reduce import available_backends
+    from reduction_appliance.dataplane.verbs import roce_unavailable
     try:
         cfg = load(args.file)
         kernels = cfg.dataplane.kernels
@@ -219,6 +220,8 @@ def clean(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     removed: list[str] = []
     if cfg.dataplane.interface:
+        from . import steering  # pyroute2: only `clean` needs it (see check_config)
+
         inputs = steering.SteeringInputs.from_config(cfg, rx_queues=1)
         removed += steering.remove(steering.plan(inputs))
     if stale_socket:

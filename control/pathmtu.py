@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from pyroute2 import IPRoute
-
 from reduction_appliance.dataplane.errors import ConfigError
 
 __all__ = ["PathMtu", "data_path_mtu", "interface_for_address", "netlink"]
@@ -31,6 +29,10 @@ class PathMtu(NamedTuple):
 
 def netlink(netns: str | None = None) -> Any:
     """A pyroute2 IPRoute in `netns` (None: this process's namespace); a context manager."""
+    # Imported here: only a parse that looks the path up needs pyroute2, and `reductionctl
+    # status` (which imports the config module) starts faster without it.
+    from pyroute2 import IPRoute
+
     # flags=0: never create a namespace implicitly (pyroute2's default is O_CREAT).
     return IPRoute() if netns is None else IPRoute(netns=netns, flags=0)
 

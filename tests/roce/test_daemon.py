@@ -22,34 +22,33 @@ from reduction_appliance.dataplane.verbs import SEND_BYTES
 from reduction_appliance.plugin.rendezvous import JobInfo, RendezvousError, connect, register
 from tests.roce.daemon import SEGMENT, START_S, Appliance, appliance
 from tests.roce.loss import multicast_loss
+from tests.roce.ranks import Rank
 from tests.roce.worker import DTYPES, inputs, reference
 from tests.waiting import wait_until
 
-WORKER = [sys.executable, "-m", "tests.roce.worker"]
 CTL = [sys.executable, "-m", "reduction_appliance.control.cli"]
 
 
 def workers(app: Appliance, out: Path, world: int, *, name: str, elements: int,
             dtype: str = "fp32", op: str = "sum", rounds: int = 1, deterministic: bool = False,
             exit_after_join: tuple[int, ...] = (), stay: bool = False, multicast: bool = False,
-            hold: bool = False) -> list[subprocess.Popen[str]]:
+            hold: bool = False) -> list[Rank]:
     """`world` rank processes on rxe2..rxe4 (10.77.0.2..4). `hold`: the ranks that exit after
     their join first wait, joined and heartbeating, until their stdin closes."""
     procs = []
     for rank in range(world):
-        cmd = [*WORKER, "--api", app.api, "--name", name, "--secret", "s3cret-" + name,
-               "--rank", str(rank), "--world", str(world), "--ip", f"10.77.0.{2 + rank % 3}",
-               "--elements", str(elements), "--dtype", dtype, "--op", op, "--rounds",
-               str(rounds), "--out", str(out)]
-        cmd += ["--deterministic"] * deterministic + ["--exit-after-join"] * (
+        argv = ["--api", app.api, "--name", name, "--secret", "s3cret-" + name,
+                "--rank", str(rank), "--world", str(world), "--ip", f"10.77.0.{2 + rank % 3}",
+                "--elements", str(elements), "--dtype", dtype, "--op", op, "--rounds",
+                str(rounds), "--out", str(out)]
+        argv += ["--deterministic"] * deterministic + ["--exit-after-join"] * (
             rank in exit_after_join) + ["--stay"] * stay + ["--multicast"] * multicast
-        cmd += ["--hold"] * hold
-        procs.append(subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True,
-                                      stdin=subprocess.PIPE if hold else None))
+        argv += ["--hold"] * hold
+        procs.append(Rank(argv, out / f"stderr-{name}-{rank}.txt", hold))
     return procs
 
 
-def finish(procs: list[subprocess.Popen[str]], timeout: float = START_S) -> list[tuple[int, str]]:
+def finish(procs: list[Rank], timeout: float = START_S) -> list[tuple[int, str]]:
     done = []
     for p in procs:
         try:
@@ -59,7 +58,7 @@ def finish(procs: list[subprocess.Popen[str]], timeout: float = START_S) -> list
             _, err = p.communicate()
             done.append((-1, "timed out: " + err[-2000:]))
             continue
-        done.append((p.returncode, err[-2000:]))
+        done.append((-1 if p.returncode is None else p.returncode, err[-2000:]))
     return done
 
 
