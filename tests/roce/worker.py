@@ -1,5 +1,6 @@
 """One rank of a RoCE job, as a process: register (transport roce), connect, join, allreduce
-`--rounds` times, save the results for the test (tests/roce/test_daemon.py).
+`--rounds` times, save the results for the test (tests/roce/test_daemon.py, which forks each
+rank from a server that has imported this module: tests/roce/ranks.py).
 
     python -m tests.roce.worker --api H:P --name JOB --secret S --rank R --world N --ip A
         --elements N --dtype fp32 --op sum [--deterministic] [--exit-after-join] --out DIR
