@@ -34,7 +34,7 @@ def _rank(argv: list[str], stderr_path: str, release: Connection | None) -> None
     sys.argv = ["tests.roce.worker", *argv]
     code = worker.main()
     sys.stderr.flush()
-    os._exit(code)  # no atexit of the forkserver's modules: exactly as the worker would end
+    os._exit(code)  # the forkserver's atexit handlers (multiprocessing's own) are not ours to run
 
 
 class Rank:
