@@ -43,8 +43,10 @@ class Rank:
     def __init__(self, argv: list[str], stderr_path: Path, hold: bool) -> None:
         self._stderr_path = stderr_path
         reader, self._release = _CONTEXT.Pipe(duplex=False) if hold else (None, None)
+        # daemon: a rank a failed test left running is terminated when pytest exits, instead of
+        # multiprocessing's exit joining it (a held rank would wait forever).
         self._process = _CONTEXT.Process(target=_rank, args=(argv, str(stderr_path), reader),
-                                         daemon=False)
+                                         daemon=True)
         self._process.start()
         if reader is not None:
             reader.close()  # the child holds its own copy
