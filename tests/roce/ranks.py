@@ -2,10 +2,7 @@
 tests.roce.worker (numpy, ml_dtypes, the plugin). In the emulated guest a fresh interpreter
 takes 10-20 s to import them, and the tests start about 40 ranks; a fork takes well under a
 second. Each rank is still its own process with its own queue pairs, running the same
-`tests.roce.worker.main` that `python -m tests.roce.worker` runs.
-
-The handle answers what the tests asked of subprocess.Popen: pid, kill, returncode, and
-communicate (which closes a held rank's stdin, waits, and returns its stderr)."""
+`tests.roce.worker.main` that `python -m tests.roce.worker` runs."""
 
 from __future__ import annotations
 
@@ -16,6 +13,8 @@ import sys
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from tests.roce import worker
+
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["tests.roce.worker"])
 
@@ -23,8 +22,6 @@ _CONTEXT.set_forkserver_preload(["tests.roce.worker"])
 def _rank(argv: list[str], stderr_path: str, release: Connection | None) -> None:
     """The child: stderr to a file the test reads, stdin from the test's release pipe (a held
     rank waits for it to close), then the worker's own main."""
-    from tests.roce import worker
-
     err = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(err, 2)
     os.close(err)
@@ -50,21 +47,18 @@ class Rank:
         self._process.start()
         if reader is not None:
             reader.close()  # the child holds its own copy
-        assert self._process.pid is not None
-        self.pid: int = self._process.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._process.exitcode
 
     def kill(self) -> None:
         self._process.kill()
 
-    def communicate(self, timeout: float | None = None) -> tuple[None, str]:
+    def wait(self, timeout: float | None = None) -> tuple[int, str]:
+        """Its exit code and stderr, once it exits (a held rank's stdin is closed first: it
+        exits); subprocess.TimeoutExpired if it still runs after `timeout` seconds."""
         if self._release is not None:
             self._release.close()  # a held rank's stdin ends: it exits
             self._release = None
         self._process.join(timeout)
-        if self._process.exitcode is None:
-            raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout or 0.0)
-        return None, self._stderr_path.read_text(errors="replace")
+        code = self._process.exitcode
+        if code is None:
+            raise subprocess.TimeoutExpired(f"rank {self._process.pid}", timeout or 0.0)
+        return code, self._stderr_path.read_text(errors="replace")

@@ -52,13 +52,11 @@ def finish(procs: list[Rank], timeout: float = START_S) -> list[tuple[int, str]]
     done = []
     for p in procs:
         try:
-            _, err = p.communicate(timeout=timeout)
+            code, err = p.wait(timeout)
+            done.append((code, err[-2000:]))
         except subprocess.TimeoutExpired:
             p.kill()
-            _, err = p.communicate()
-            done.append((-1, "timed out: " + err[-2000:]))
-            continue
-        done.append((-1 if p.returncode is None else p.returncode, err[-2000:]))
+            done.append((-1, "timed out: " + p.wait()[1][-2000:]))
     return done
 
 
@@ -169,7 +167,7 @@ def test_deterministic_mode_is_bitwise_and_status_shows_the_queue_pairs(
                    0.05, "both ranks joined")
         answer = status(app)
     finally:
-        finish(procs)  # (communicate closes each one's stdin: it exits)
+        finish(procs)  # (waiting closes each one's stdin: it exits)
     qps = answer["cores"][0]["queue_pairs"]
     assert [j["transport"] for j in answer["jobs"] if j["name"] == "shown"] == ["roce"]
     assert len(qps) == 2, qps
