@@ -328,6 +328,11 @@ class ApplianceProcess:
         jobs = self.local_api.get("/v1/jobs")
         return [int(j["job_id"]) for j in jobs if j.get("name") == name]
 
+    def joined_ranks(self, name: str) -> list[int]:
+        """The ranks joined now to the one registered job called `name` ([] if none)."""
+        jobs = [j for j in self.local_api.get("/v1/jobs") if j.get("name") == name]
+        return [int(rank) for rank in jobs[0]["joined"]] if len(jobs) == 1 else []
+
     def counters(self) -> dict[str, int]:
         """Counters summed over the data-plane cores."""
         total: dict[str, int] = {}

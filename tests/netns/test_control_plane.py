@@ -150,8 +150,10 @@ def test_abort_tells_the_workers_at_once() -> None:
     with LabNetwork.rack(3) as net, start_appliance(net) as appliance:
         stalled = launch(net, [0, 1], worker_argv(net, appliance.api, 3, "doomed",
                                                   ["--sizes", "64KiB", "--deadline", "60"])[:2])
-        wait_until(lambda: appliance.job_ids("doomed") and appliance.counters()
-                   .get("packets_in", 0) > 0, 30, what="the job's first datagrams")
+        # both launched ranks joined (a rank joining after the abort would wait out its own
+        # deadline, not be told) and the job's first datagrams in
+        wait_until(lambda: appliance.joined_ranks("doomed") == [0, 1] and appliance.counters()
+                   .get("packets_in", 0) > 0, 30, what="ranks 0 and 1 joined and sending")
         (job_id,) = appliance.job_ids("doomed")
         done = ctl("abort", str(job_id), "--socket", appliance.unix_socket)
         assert done.returncode == 0, done.stderr
