@@ -323,15 +323,12 @@ class ApplianceProcess:
         """Remove a finished job, freeing its slots (DELETE /v1/jobs/ID)."""
         self.local_api.request("DELETE", f"/v1/jobs/{job_id}")
 
-    def job_ids(self, name: str) -> list[int]:
-        """Ids of the registered jobs called `name` (normally one)."""
-        jobs = self.local_api.get("/v1/jobs")
-        return [int(j["job_id"]) for j in jobs if j.get("name") == name]
+    def jobs_named(self, name: str) -> list[dict[str, Any]]:
+        """The registered jobs called `name` (normally one), as `GET /v1/jobs` shows them."""
+        return [j for j in self.local_api.get("/v1/jobs") if j.get("name") == name]
 
-    def joined_ranks(self, name: str) -> list[int]:
-        """The ranks joined now to the one registered job called `name` ([] if none)."""
-        jobs = [j for j in self.local_api.get("/v1/jobs") if j.get("name") == name]
-        return [int(rank) for rank in jobs[0]["joined"]] if len(jobs) == 1 else []
+    def job_ids(self, name: str) -> list[int]:
+        return [int(j["job_id"]) for j in self.jobs_named(name)]
 
     def counters(self) -> dict[str, int]:
         """Counters summed over the data-plane cores."""

@@ -152,8 +152,9 @@ def test_abort_tells_the_workers_at_once() -> None:
                                                   ["--sizes", "64KiB", "--deadline", "60"])[:2])
         # both launched ranks joined (a rank joining after the abort would wait out its own
         # deadline, not be told) and the job's first datagrams in
-        wait_until(lambda: appliance.joined_ranks("doomed") == [0, 1] and appliance.counters()
-                   .get("packets_in", 0) > 0, 30, what="ranks 0 and 1 joined and sending")
+        wait_until(lambda: [j["joined"] for j in appliance.jobs_named("doomed")] == [[0, 1]]
+                   and appliance.counters().get("packets_in", 0) > 0, 30,
+                   what="ranks 0 and 1 joined and sending")
         (job_id,) = appliance.job_ids("doomed")
         done = ctl("abort", str(job_id), "--socket", appliance.unix_socket)
         assert done.returncode == 0, done.stderr
