@@ -44,7 +44,7 @@ from .spec import (
     Stop,
     UpdateJob,
 )
-from .spin import SpinWindow
+from .spin import IdleBlocks, SpinWindow
 from .transport import CoreTransport, RxBatch, Send
 from .udp import UdpCoreTransport
 from .verbs import QpEndpoint
@@ -182,12 +182,13 @@ class CoreLoop:
         # What no descriptor announces (RDMA completions: see dataplane.verbs) cannot wake the
         # select: a transport that has some says how long an idle loop may block, and the loop
         # polls again after a block that doubles from 50 us up to that (a few wakeups per ms
-        # at first, a few hundred per second when idle).
+        # at first, a few hundred per second when idle), and up to the mailbox bound once idle
+        # for seconds (a few dozen per second: dataplane/spin.py's IdleBlocks).
         transport_fd = self.transport.fileno()
         waitables = [transport_fd, mailbox_fd] if transport_fd >= 0 else [mailbox_fd]
         longest_s = min(_IDLE_BLOCK_S, self.transport.idle_block_s)
         first_s = longest_s if longest_s >= _IDLE_BLOCK_S else min(longest_s, _FIRST_BLOCK_S)
-        block_s = first_s
+        blocks = IdleBlocks(first_s, longest_s, _IDLE_BLOCK_S)
         while self._running:
             loops += 1
             cells[Counter.POLL_LOOPS] += 1
@@ -197,7 +198,7 @@ class CoreLoop:
                 if idle_since:
                     spin.idle_ended(polled - idle_since)
                 idle_since = 0.0
-                block_s = first_s
+                blocks.restart()
                 if loops % _MAILBOX_EVERY == 0:
                     self.drain_mailbox()
                 continue
@@ -210,8 +211,8 @@ class CoreLoop:
                 idle_since = now
             if now - idle_since < spin.window_s:
                 continue
-            readable, _, _ = select.select(waitables, [], [], block_s)
-            block_s = min(longest_s, block_s * 2)
+            readable, _, _ = select.select(waitables, [], [], blocks.block_s)
+            blocks.blocked(now - idle_since)
             if mailbox_fd in readable:
                 self.drain_mailbox()
 

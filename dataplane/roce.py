@@ -89,7 +89,8 @@ class RoceCoreTransport:
     """`CoreTransport` over RC queue pairs on one device (see the module docstring)."""
 
     #: no descriptor turns readable on a completion: an idle loop blocks at most this long
-    #: between polls (a completion waits up to that long when the core was idle)
+    #: between polls (a completion waits up to that long when the core was idle briefly; after
+    #: seconds of silence, up to the loop's mailbox bound: dataplane/spin.py's IdleBlocks)
     idle_block_s = 0.002
 
     def __init__(self, device: RoceDevice, arena: SlotArena, counters: Counters, *,

@@ -1,5 +1,5 @@
-"""The adaptive poll mode's spin window (dataplane/spin.py), driven with idle periods' lengths,
-and the core loop that feeds it."""
+"""The adaptive poll mode's spin window and idle blocks (dataplane/spin.py), driven with idle
+periods' lengths, and the core loop that feeds them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from reduction_appliance.dataplane.counters import Counter, Counters
 from reduction_appliance.dataplane.loop import CoreLoop
 from reduction_appliance.dataplane.spec import CoreConfig, QueryStats, Request, Stop
-from reduction_appliance.dataplane.spin import GROW_START_S, SpinWindow
+from reduction_appliance.dataplane.spin import DEEP_IDLE_S, GROW_START_S, IdleBlocks, SpinWindow
 from reduction_appliance.dataplane.transport import MemoryCoreTransport, MemoryNetwork
 from tests.waiting import wait_until
 
@@ -80,6 +80,46 @@ def test_the_window_stays_between_zero_and_the_limit(limit: float, idles: list[f
             assert spin.window_s > before  # would have been caught by a longer one: grows
         else:
             assert spin.window_s < before or before == 0.0  # none could: shrinks
+
+
+def test_blocks_double_to_the_transports_ceiling_while_the_spell_is_young() -> None:
+    blocks = IdleBlocks(50e-6, 2e-3, 50e-3)
+    seen = [blocks.block_s]
+    idle = 0.0
+    for _ in range(8):
+        idle += blocks.block_s
+        blocks.blocked(idle)
+        seen.append(blocks.block_s)
+    assert seen == pytest.approx([50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 2e-3, 2e-3,
+                                  2e-3])
+
+
+def test_a_long_spell_blocks_up_to_the_deep_ceiling_and_work_starts_short_again() -> None:
+    blocks = IdleBlocks(50e-6, 2e-3, 50e-3)
+    for _ in range(20):
+        blocks.blocked(DEEP_IDLE_S - 1e-3)
+    assert blocks.block_s == 2e-3  # seconds of silence, but not yet DEEP_IDLE_S
+    seen = []
+    for _ in range(6):
+        blocks.blocked(DEEP_IDLE_S)
+        seen.append(blocks.block_s)
+    assert seen == pytest.approx([4e-3, 8e-3, 16e-3, 32e-3, 50e-3, 50e-3])
+    blocks.restart()
+    assert blocks.block_s == 50e-6
+
+
+def test_blocks_out_of_order_are_refused() -> None:
+    for first, longest, deep in ((0.0, 1e-3, 1e-2), (2e-3, 1e-3, 1e-2), (1e-4, 1e-2, 1e-3)):
+        with pytest.raises(ValueError, match="blocks need"):
+            IdleBlocks(first, longest, deep)
+
+
+@given(idles=st.lists(st.floats(0.0, 2 * DEEP_IDLE_S), max_size=60))
+def test_a_block_stays_between_first_and_its_ceiling(idles: list[float]) -> None:
+    blocks = IdleBlocks(50e-6, 2e-3, 50e-3)
+    for idle in sorted(idles):  # one spell: idle time only grows
+        blocks.blocked(idle)
+        assert 50e-6 <= blocks.block_s <= (2e-3 if idle < DEEP_IDLE_S else 50e-3)
 
 
 def test_the_core_loop_tells_its_window_how_long_it_was_idle() -> None:
