@@ -81,6 +81,12 @@ _log = logging.getLogger("reductiond.supervisor")
 _BACKOFF_FIRST_S = 0.2
 _BACKOFF_MAX_S = 10.0
 _STABLE_S = 30.0  # running this long resets the backoff
+# What the cores' fork server imports before any fork (see Supervisor.__init__). pyverbs only
+# loads libibverbs here; devices are opened by each core after its fork.
+_CORE_MODULES = ["reduction_appliance.dataplane.loop"]
+_ROCE_MODULES = ["reduction_appliance.dataplane.dual", "reduction_appliance.dataplane.roce",
+                 "pyverbs.device", "pyverbs.pd", "pyverbs.mr", "pyverbs.cq", "pyverbs.srq",
+                 "pyverbs.qp", "pyverbs.wr", "pyverbs.enums"]
 
 
 class _Event(Enum):
@@ -144,7 +150,12 @@ class Supervisor:
         self.cores: list[CoreHandle] = []
         self.jobs: dict[int, JobSpec] = {}  # what every running core has been told
         self.disruptions: dict[int, list[Disruption]] = {}  # job id -> core restarts it saw
-        self._ctx = mp.get_context("spawn")  # not fork: API threads must not be duplicated
+        # Cores start as forks of a fork server (a fresh single-threaded interpreter, so the
+        # daemon's API threads are never duplicated) that imported the data plane once: a start
+        # or restart takes milliseconds. Spawned, each core imported the daemon's whole __main__
+        # again, pyroute2 and the API included: about a second here, over a minute in the
+        # emulated RoCE guest, and past the workers' 5 s liveness timeout on a loaded host.
+        self._ctx = mp.get_context("forkserver")
         self._stopping = threading.Event()
         self._jobs_lock = threading.Lock()
         self._monitor: threading.Thread | None = None
@@ -172,6 +183,10 @@ class Supervisor:
 
     # ---- lifecycle ----
     def start(self) -> None:
+        # (Only the first Supervisor of a process sets what its fork server imports; a module
+        # not preloaded is imported by the core after the fork, as before.)
+        self._ctx.set_forkserver_preload(_CORE_MODULES + (_ROCE_MODULES if self.cfg.roce.enabled
+                                                          else []))
         for core_cfg in self.core_configs():
             memory = SharedMemory(create=True, size=N_COUNTERS * 8)
             cells: np.ndarray[Any, np.dtype[np.uint64]] = np.ndarray(
@@ -198,7 +213,8 @@ class Supervisor:
         the operator's `ConfigError`), or that it never answered."""
         assert core.mailbox is not None
         index = core.config.index
-        # A spawned core imports numpy (and maybe torch) before it answers.
+        # A core imports its kernels' backend (maybe torch) before it answers; the first start
+        # also waits for the fork server's own imports.
         start_s = self.cfg.dataplane.core_start_timeout_s
         if not core.mailbox.poll(start_s):
             raise CoreFailure(f"data-plane core {index} did not start within {start_s:g} s "
