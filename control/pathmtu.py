@@ -10,11 +10,14 @@ Also here, since both need it: which interface holds an address (steering checks
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from reduction_appliance.dataplane.errors import ConfigError
 
-__all__ = ["PathMtu", "data_path_mtu", "interface_for_address", "netlink"]
+if TYPE_CHECKING:
+    from pyroute2.netlink.exceptions import NetlinkError
+
+__all__ = ["PathMtu", "data_path_mtu", "interface_for_address", "netlink", "netlink_error"]
 
 _AF_INET = 2
 _IFF_UP = 0x1
@@ -35,6 +38,14 @@ def netlink(netns: str | None = None) -> Any:
 
     # flags=0: never create a namespace implicitly (pyroute2's default is O_CREAT).
     return IPRoute() if netns is None else IPRoute(netns=netns, flags=0)
+
+
+def netlink_error() -> type[NetlinkError]:
+    """pyroute2's NetlinkError, for `except netlink_error() as exc:` (evaluated only when an
+    exception is raised: by then `netlink()` has imported pyroute2)."""
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    return cast("type[NetlinkError]", NetlinkError)
 
 
 def _holding(ipr: Any, address: str) -> list[int]:

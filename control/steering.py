@@ -34,10 +34,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from pyroute2.netlink.exceptions import NetlinkError
-
 from reduction_appliance.control.config import ApplianceConfig
-from reduction_appliance.control.pathmtu import interface_for_address, netlink
+from reduction_appliance.control.pathmtu import interface_for_address, netlink, netlink_error
 from reduction_appliance.control.snapshot import InterfaceSnapshot
 from reduction_appliance.dataplane.errors import ConfigError, ReductionError
 from reduction_appliance.dataplane.wire import HEADER_SIZE, IP_UDP_HEADERS
@@ -356,7 +354,7 @@ def _delete_route(ipr: Any, prefix: str, oif: int) -> None:
     """Delete one route; absent (ESRCH) or gone with its interface (ENODEV) is fine."""
     try:
         ipr.route("del", **_route_args(prefix, oif))
-    except NetlinkError as exc:
+    except netlink_error() as exc:
         if exc.code not in (errno.ESRCH, errno.ENODEV):
             raise SteeringError(f"cannot remove {prefix} dev #{oif}: {exc}") from exc
 
@@ -416,7 +414,7 @@ class Steering:
                      if prefix == rule.prefix and oif != index]
         try:
             ipr.route("replace", **_route_args(rule.prefix, index))
-        except NetlinkError as exc:
+        except netlink_error() as exc:
             raise SteeringError(f"cannot install {rule.describe()}: {exc}") from exc
         self._owned.append(rule)
         self._displaced += displaced
@@ -437,7 +435,7 @@ class Steering:
             for old in displaced:
                 try:
                     ipr.route("replace", **_route_args(old.prefix, old.oif, old.scope))
-                except NetlinkError as exc:
+                except netlink_error() as exc:
                     errors.append(f"cannot restore {old.prefix} dev #{old.oif}: {exc}")
         if errors:
             raise SteeringError("; ".join(errors))
