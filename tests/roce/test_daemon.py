@@ -121,11 +121,16 @@ def test_multicast_results_are_exact_and_lost_chunks_repaired(
     assert moved["segments_reduced"] == 2 * len(lengths)
     # Each result left once (chunks of the 4096-byte MTU, header in the first), not per rank.
     assert moved["roce_multicast_chunks"] == 2 * sum(-(-(48 + n) // 4096) for n in lengths)
-    if lossy:  # repaired: asked again, and written whole to the rank that asked
+    # Whatever a rank missed was asked again and written whole to it: no result is written
+    # but a repair. Without injected loss a repair is still possible: UD may drop a chunk (rxe
+    # drops one that finds no receive posted), and a rank the emulated CPU left behind may see
+    # its retransmission timer fire first (one CI run on a loaded host had one repair). Yet
+    # multicast must have carried most of the 2 x 4 results to each rank.
+    assert moved["roce_result_writes"] == moved["results_resent"], moved
+    if lossy:
         assert moved["results_resent"] > 0, moved
-        assert moved["roce_result_writes"] == moved["results_resent"], moved
     else:
-        assert moved["roce_result_writes"] == moved["results_resent"] == 0, moved
+        assert moved["results_resent"] < world * 2 * len(lengths) // 4, moved
 
 
 def test_sixteen_mebibytes_and_four_kibibytes_as_two_jobs_at_once(
