@@ -48,6 +48,7 @@ from reduction_appliance.dataplane.errors import (
     Unavailable,
 )
 from reduction_appliance.dataplane.loop import run_core
+from reduction_appliance.dataplane.reduce import KERNEL_MODULES
 from reduction_appliance.dataplane.spec import (
     AbortJob,
     AcceptQueuePair,
@@ -153,9 +154,11 @@ class Supervisor:
         # Cores start as forks of a fork server (a fresh single-threaded interpreter, so the
         # daemon's API threads are never duplicated) that imported the data plane once. Spawned,
         # each core imported the daemon's whole __main__ again, the API included (35 s of
-        # imports in the emulated RoCE guest). On this 2-CPU host a killed core now runs again
-        # in 0.49 s, 0.2 s of it the first backoff (spawned: 1.0 s; once over the workers' 5 s
-        # liveness timeout on a loaded CI host), and a daemon is ready in 1.5 s (1.9 s).
+        # imports in the emulated RoCE guest), and torch once per core. On this 2-CPU host a
+        # killed core now runs again in 0.49 s with numpy kernels, 0.62 s with torch's, 0.2 s
+        # of it the first backoff (spawned: 1.0 and 2.7 s; once over the workers' 5 s liveness
+        # timeout on a loaded CI host); with torch each core's own memory (PSS) is 88 MB, not
+        # 179 MB, since the fork server's pages are shared.
         self._ctx = mp.get_context("forkserver")
         self._stopping = threading.Event()
         self._jobs_lock = threading.Lock()
@@ -182,12 +185,20 @@ class Supervisor:
             for i in range(dp.cores)
         ]
 
+    def preloaded_modules(self) -> list[str]:
+        """What the fork server imports for these cores: the data plane, pyverbs where RoCE is
+        on, and the kernels' backend module where it may be chosen (torch: seconds and hundreds
+        of MB per process, imported once and shared by every core's pages)."""
+        kernels = self.cfg.dataplane.kernels
+        backends = [module for backend, module in KERNEL_MODULES.items()
+                    if kernels in ("auto", backend)]
+        return _CORE_MODULES + (_ROCE_MODULES if self.cfg.roce.enabled else []) + backends
+
     # ---- lifecycle ----
     def start(self) -> None:
         # (Only the first Supervisor of a process sets what its fork server imports; a module
         # not preloaded is imported by the core after the fork, as before.)
-        self._ctx.set_forkserver_preload(_CORE_MODULES + (_ROCE_MODULES if self.cfg.roce.enabled
-                                                          else []))
+        self._ctx.set_forkserver_preload(self.preloaded_modules())
         for core_cfg in self.core_configs():
             memory = SharedMemory(create=True, size=N_COUNTERS * 8)
             cells: np.ndarray[Any, np.dtype[np.uint64]] = np.ndarray(

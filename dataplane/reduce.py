@@ -69,6 +69,7 @@ from .wire import DType, Op
 
 __all__ = [
     "BACKENDS",
+    "KERNEL_MODULES",
     "STORAGE",
     "KernelTable",
     "SegmentKernel",
@@ -366,6 +367,7 @@ def _why_not(name: str) -> str | None:
 
 # The module each backend imports beyond numpy (which is always there).
 _NEEDS = {"torch": "torch", "numpy+ml_dtypes": "ml_dtypes"}
+KERNEL_MODULES: Mapping[str, str] = _NEEDS  # backend -> the module it imports (numpy: none)
 
 
 def _why_backend_not(backend: str) -> str | None:
