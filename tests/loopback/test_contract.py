@@ -1,5 +1,5 @@
 """The control plane and its cores across the process boundary, and the API's answers by whose
-fault an error is: real spawned data-plane processes, a real HTTP server on loopback."""
+fault an error is: real data-plane processes, a real HTTP server on loopback."""
 
 from __future__ import annotations
 
