@@ -155,10 +155,10 @@ class Supervisor:
         # daemon's API threads are never duplicated) that imported the data plane once. Spawned,
         # each core imported the daemon's whole __main__ again, the API included (35 s of
         # imports in the emulated RoCE guest), and torch once per core. On this 2-CPU host a
-        # killed core now runs again in 0.49 s with numpy kernels, 0.62 s with torch's, 0.2 s
-        # of it the first backoff (spawned: 1.0 and 2.7 s; once over the workers' 5 s liveness
+        # killed core now runs again in 0.49 s with numpy kernels, 0.57 s with torch's, 0.2 s
+        # of it the first backoff (spawned: 1.0 and 2.4 s; once over the workers' 5 s liveness
         # timeout on a loaded CI host); with torch each core's own memory (PSS) is 88 MB, not
-        # 179 MB, since the fork server's pages are shared.
+        # 192 MB, since the fork server's pages are shared.
         self._ctx = mp.get_context("forkserver")
         self._stopping = threading.Event()
         self._jobs_lock = threading.Lock()
