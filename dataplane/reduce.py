@@ -366,12 +366,11 @@ def _why_not(name: str) -> str | None:
 
 
 # The module each backend imports beyond numpy (which is always there).
-_NEEDS = {"torch": "torch", "numpy+ml_dtypes": "ml_dtypes"}
-KERNEL_MODULES: Mapping[str, str] = _NEEDS  # backend -> the module it imports (numpy: none)
+KERNEL_MODULES: Mapping[str, str] = {"torch": "torch", "numpy+ml_dtypes": "ml_dtypes"}
 
 
 def _why_backend_not(backend: str) -> str | None:
-    needs = _NEEDS.get(backend)
+    needs = KERNEL_MODULES.get(backend)
     return None if needs is None else _why_not(needs)
 
 
