@@ -4,6 +4,7 @@ skips, naming what is missing."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator
 
@@ -11,6 +12,7 @@ import pytest
 
 from reduction_appliance.dataplane.verbs import roce_unavailable
 from tests.roce.daemon import Appliance, appliance
+from tests.roce.ddp_twice import Zygote
 
 DEVICES = ("rxe1", "rxe2", "rxe3", "rxe4")
 
@@ -44,3 +46,20 @@ def roce_appliance() -> Iterator[Appliance]:
     of seconds in the emulated guest)."""
     with appliance() as a:
         yield a
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ddp_zygote(request: pytest.FixtureRequest) -> Iterator[Zygote | None]:
+    """The DDP test's zygote (tests/roce/ddp_twice.py), started with the session so that torch's
+    minutes of start-up in the guest overlap the other tests; None where that test will not run
+    (not selected, no lab, no torch)."""
+    wanted = any(item.nodeid.startswith("tests/roce/test_torch.py")
+                 for item in request.session.items)
+    if not wanted or _why_not() is not None or importlib.util.find_spec("torch") is None:
+        yield None
+        return
+    zygote = Zygote()
+    try:
+        yield zygote
+    finally:
+        zygote.close()

@@ -4,30 +4,34 @@ reductiond; the trained parameters must be bitwise the same."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 
 from tests.roce.daemon import START_S, Appliance
+from tests.roce.ddp_twice import Zygote
 
-pytest.importorskip("torch", reason="the example trains with torch")
+# Not imported here: torch takes 90 s to import in the guest, and only the ranks need it.
+if importlib.util.find_spec("torch") is None:
+    pytest.skip("the example trains with torch, which is not installed", allow_module_level=True)
 
 OPTIONS = ["--comm", "reduction", "--deterministic", "--steps", "6", "--warmup", "2",
            "--batch", "16", "--hidden", "64", "--layers", "2", "--shard", "256",
            "--bucket-mb", "0.05", "--seed", "5", "--json", "--timeout", "300"]
 
 
-def test_ddp_over_roce_ends_bitwise_where_udp_does(roce_appliance: Appliance) -> None:
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.roce.ddp_twice", str(rank),
-                               roce_appliance.api, *OPTIONS],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(2)]
+def test_ddp_over_roce_ends_bitwise_where_udp_does(roce_appliance: Appliance,
+                                                   ddp_zygote: Zygote | None,
+                                                   tmp_path: Path) -> None:
+    assert ddp_zygote is not None  # started by tests/roce/conftest.py wherever this test runs
+    # Room for the zygote's imports too, if the test came before they were done.
+    ranks = ddp_zygote.run([[str(rank), roce_appliance.api, *OPTIONS] for rank in range(2)],
+                           tmp_path, timeout=4 * START_S)
     runs = []
-    for p in procs:
-        out, err = p.communicate(timeout=3 * START_S)
-        assert p.returncode == 0, err[-3000:]
+    for status, out, err in ranks:
+        assert status == 0, err[-3000:]
         runs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
     assert all(len(r) == 2 for r in runs), runs
     udp = {r[0]["params_sha256"] for r in runs}
