@@ -29,7 +29,7 @@ from typing import IO
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
 # Below the tests' own processes: the zygote's imports should fill idle CPU, not delay them.
-ZYGOTE_NICENESS = 10
+ZYGOTE_NICENESS = 19
 
 
 def _example() -> ModuleType:
