@@ -5,7 +5,6 @@ status showing the queue pairs, a dead rank or a stopped appliance a clear error
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from reduction_appliance.control.apiclient import UnixApi
 from reduction_appliance.dataplane.verbs import SEND_BYTES
 from reduction_appliance.plugin.rendezvous import JobInfo, RendezvousError, connect, register
 from tests.roce.daemon import SEGMENT, START_S, Appliance, appliance
@@ -61,10 +61,9 @@ def finish(procs: list[Rank], timeout: float = START_S) -> list[tuple[int, str]]
 
 
 def status(app: Appliance) -> dict[str, Any]:
-    done = subprocess.run([*CTL, "status", "--json", "--socket", app.unix_socket],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    answer: dict[str, Any] = json.loads(done.stdout)
+    """What `reductionctl status --json` prints, asked through the same client in this process:
+    a reductionctl process takes 6 s to start in the guest (the deterministic test runs one)."""
+    answer: dict[str, Any] = UnixApi(app.unix_socket, timeout_s=120).get("/v1/status")
     return answer
 
 
@@ -165,10 +164,12 @@ def test_deterministic_mode_is_bitwise_and_status_shows_the_queue_pairs(
     # ranks joined and stay shows its two, connected while the ranks live. (Read after they
     # exited, a slow guest could pass the 5 s liveness timeout first: the appliance then tells
     # the gone ranks, and a send to a gone peer puts its queue pair in ERR.)
-    procs = workers(app, tmp_path, 2, name="shown", elements=10, exit_after_join=(0, 1),
-                    hold=True)
+    # Their own folder: the first job's ranks left joined-0 and joined-1 in tmp_path.
+    shown = tmp_path / "shown"
+    shown.mkdir()
+    procs = workers(app, shown, 2, name="shown", elements=10, exit_after_join=(0, 1), hold=True)
     try:
-        wait_until(lambda: all((tmp_path / f"joined-{r}").exists() for r in (0, 1)), START_S,
+        wait_until(lambda: all((shown / f"joined-{r}").exists() for r in (0, 1)), START_S,
                    0.05, "both ranks joined")
         answer = status(app)
     finally:
@@ -249,8 +250,9 @@ def test_a_restarted_core_takes_its_roce_workers_back(tmp_path: Path) -> None:
     # Liveness and deadline above the guest's core restart (tens of seconds when emulated).
     with appliance(base_port=7300, liveness_s=120.0, deadline_s=150.0) as own:
         victim = status(own)["cores"][0]["pid"]
-        # Rounds of 8 MB: about a second each in the guest, so the kill lands mid-run.
-        procs = workers(own, tmp_path, 2, name="restart", elements=2_000_000, rounds=12,
+        # Rounds of 8 MB: one to three seconds each in the guest, so the kill, after two, lands
+        # with four to go.
+        procs = workers(own, tmp_path, 2, name="restart", elements=2_000_000, rounds=6,
                         stay=True)
         wait_until(lambda: (tmp_path / "result-0-1.npy").exists()
                    and (tmp_path / "result-1-1.npy").exists(), START_S, 0.1, "two rounds")
