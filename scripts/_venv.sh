@@ -22,7 +22,8 @@ _venv_setup() {
     # The editable install leaves our own modules uncompiled, and where PYTHONDONTWRITEBYTECODE
     # is set (this CI's environment) every process compiles them again: 0.15 s per process here,
     # 4-6 s in the soft-RoCE guest, and the tests start hundreds. Up-to-date files are skipped.
-    # (compileall does not follow reduction_appliance/'s links to the top-level packages.)
+    # (compileall does not follow reduction_appliance/'s links to the top-level packages; a file
+    # that does not compile is for the stages that follow to report.)
     "$venv/bin/python" -m compileall -q -j 0 "$repo"/{reduction_appliance,tests,examples} \
-        "$repo"/{bench,control,dataplane,deploy,plugin} > /dev/null || return 1
+        "$repo"/{bench,control,dataplane,deploy,plugin} > /dev/null || true
 }

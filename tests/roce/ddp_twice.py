@@ -21,6 +21,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -90,20 +91,20 @@ class Zygote:
     """The zygote process, from the start of the session until `close`."""
 
     def __init__(self) -> None:
+        # A session of its own: `close` kills its group, ranks that a failed test left included.
         self._process = subprocess.Popen(
             [sys.executable, "-m", "tests.roce.ddp_twice"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            cwd=Path(__file__).resolve().parents[2])
+            cwd=Path(__file__).resolve().parents[2], start_new_session=True)
 
     def run(self, argvs: list[list[str]], folder: Path, timeout: float
             ) -> list[tuple[int, str, str]]:
         """Fork one rank per argv, wait for them all; (exit status, stdout, stderr) of each."""
         files = [(folder / f"ddp-{i}.out", folder / f"ddp-{i}.err") for i in range(len(argvs))]
-        assert self._process.stdin is not None
-        for argv, (out, err) in zip(argvs, files, strict=True):
-            self._process.stdin.write(json.dumps(
-                {"argv": argv, "stdout": str(out), "stderr": str(err)}) + "\n")
-        report, zygote_err = self._process.communicate(timeout=timeout)
+        requests = "".join(json.dumps({"argv": argv, "stdout": str(out), "stderr": str(err)})
+                           + "\n" for argv, (out, err) in zip(argvs, files, strict=True))
+        # (communicate: a zygote that died on its imports is reported below, not a broken pipe)
+        report, zygote_err = self._process.communicate(requests, timeout=timeout)
         if self._process.returncode != 0 or not report.strip():
             raise RuntimeError(f"the DDP zygote failed ({self._process.returncode}): "
                                f"{zygote_err[-3000:]}")
@@ -113,8 +114,8 @@ class Zygote:
                 for status, (out, err) in zip(statuses, files, strict=True)]
 
     def close(self) -> None:
-        if self._process.poll() is None:
-            self._process.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._process.pid, signal.SIGKILL)
         self._process.communicate()
 
 
