@@ -33,6 +33,7 @@ from typing import Any
 from reduction_appliance.dataplane.units import format_size
 from reduction_appliance.deploy.testnet.harness import HarnessError
 
+from .gauge import interpreter_ms
 from .plan import DTYPE_CHOICES, SweepPlan, parse_sizes, tc_rate
 from .progress import ProgressBar
 from .sweep import Row, failed, multicast_possible, run_sweep
@@ -265,35 +266,42 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[list[dict[str, Any]]] = []
     verdicts: list[bool | None] = []
     wrong: list[Row] = []
+    gauges: list[tuple[float, float]] = []  # this machine's Python speed before, after a run
     for run in range(args.repeat):
         if args.repeat > 1:
             print(f"\n=== run {run + 1} of {args.repeat}", flush=True)
         listener = _Quiet(plan.total_cases(multicast_possible(plan)))
+        before = interpreter_ms()
         try:
             rows = run_sweep(plan, listener)
         except HarnessError as exc:
             listener.progress.close()
             print(f"reduction_appliance.bench.allreduce failed: {exc}", file=sys.stderr)
             return 1
+        gauges.append((before, interpreter_ms()))
         pairs = pair(rows)
         report(plan, pairs)
+        print(f"this machine's Python (bench.gauge: a million loop turns, lower is faster): "
+              f"{gauges[-1][0]:.1f} ms before the run, {gauges[-1][1]:.1f} ms after")
         verdicts.append(verdict(plan, pairs))
         runs.append(pairs)
         wrong += failed(rows)
     if args.repeat > 1:
-        summarize_runs(runs)
+        summarize_runs(runs, gauges)
     passed = None if verdicts[0] is None else all(verdicts)
     if args.json is not None:
         args.json.write_text(json.dumps({"plan": plan.as_dict(), "runs": runs,
-                                         "rows": runs[-1], "target_pass": passed}, indent=2))
+                                         "rows": runs[-1], "target_pass": passed,
+                                         "gauge_ms": gauges}, indent=2))
     if wrong:
         print(f"{len(wrong)} results wrong or failed", file=sys.stderr)
         return 1
     return 0
 
 
-def summarize_runs(runs: list[list[dict[str, Any]]]) -> None:
-    """Each case's speedup over the runs: median, spread, and every run's figure."""
+def summarize_runs(runs: list[list[dict[str, Any]]], gauges: list[tuple[float, float]]) -> None:
+    """Each case's speedup over the runs: median, spread, and every run's figure; then the
+    machine's Python speed around each run (`bench.gauge`)."""
     print(f"\n=== {len(runs)} runs: speedup (gloo time / appliance time) per case")
     for i, first in enumerate(runs[0]):
         speedups = [r[i]["speedup"] for r in runs if r[i]["speedup"] is not None]
@@ -313,6 +321,8 @@ def summarize_runs(runs: list[list[dict[str, Any]]]) -> None:
               f"(min {min(speedups):.2f}x, max {max(speedups):.2f}x; runs "
               f"{', '.join(f'{x:.2f}x' for x in speedups)}); appliance "
               f"{_ms(statistics.median(times))} median{steal_text}")
+    print("  this machine's Python (bench.gauge, ms before-after each run, lower is faster): "
+          + ", ".join(f"{before:.1f}-{after:.1f}" for before, after in gauges))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from reduction_appliance.deploy.testnet.harness import (
 from reduction_appliance.deploy.testnet.topology import parse_rate
 
 from .cputime import CpuSample
+from .gauge import interpreter_ms
 from .progress import ProgressBar
 
 __all__ = ["COMMS", "EXAMPLE", "CommRun", "Plan", "example_argv", "main", "run_comm", "run_plan"]
@@ -292,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     progress = ProgressBar(len(COMMS))
+    before = interpreter_ms()
     try:
         runs = run_plan(plan, progress)
     except HarnessError as exc:
@@ -300,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     progress.close()
     print(format_table(plan, runs))
+    print(f"this machine's Python (bench.gauge: a million loop turns, lower is faster): "
+          f"{before:.1f} ms before the run, {interpreter_ms():.1f} ms after")
     if out is not None:
         print(f"wrote {write_json(out, plan, runs)}")
     return 0 if all(r.ranks_agree for r in runs) else 1

@@ -66,6 +66,8 @@ from reduction_appliance.plugin.client import ApplianceClient
 from reduction_appliance.plugin.rendezvous import JobInfo
 from reduction_appliance.plugin.transport import UdpWorkerTransport
 
+from .gauge import interpreter_ms
+
 __all__ = ["appliance_us_per_datagram", "main", "worker_us_per_segment"]
 
 SEGMENT = 8896  # the rack's payload at MTU 9000
@@ -229,6 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    before = interpreter_ms()
     worker = [worker_us_per_segment() for _ in range(args.repeat)]
     alone = [worker_us_per_segment(1) for _ in range(args.repeat)]
     # t(w) = segment + turn / w at w results per turn: two turn shapes give both parts.
@@ -239,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     wide_worker = [worker_us_per_segment(segment=WIDE_SEGMENT) for _ in range(args.repeat)]
     wide_appliance = [appliance_us_per_datagram(segment=WIDE_SEGMENT)
                       for _ in range(args.repeat)]
+    print(f"this machine's Python (bench.gauge: a million loop turns, lower is faster): "
+          f"{before:.1f} ms before, {interpreter_ms():.1f} ms after")
     print(f"worker:    {min(worker):.2f} us of Python per segment (sent and answered); "
           f"runs {', '.join(f'{w:.2f}' for w in worker)}")
     print(f"  of which a turn's own: {turn:.1f} us per turn, {turn / PER_WAKEUP:.2f} us per "

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from reduction_appliance.bench import allreduce, report, sweep
+from reduction_appliance.bench import allreduce, gauge, report, sweep
 from reduction_appliance.bench.plan import SweepPlan
 
 PLAN = SweepPlan(network="rack", workers=(2,), rate="1gbit", sizes=(1 << 20,),
@@ -60,7 +60,21 @@ def test_the_runs_summary_quotes_each_run_s_steal(capsys: pytest.CaptureFixture[
         return [{"size": 1 << 20, "dtype": "float32", "op": "sum", "speedup": speedup,
                  "appliance": {"time_s": 0.1, "machine_steal_share": steal,
                                "machine_counted_s": 0.2}}]
-    allreduce.summarize_runs([run(1.5, 0.02), run(1.4, 0.125), run(1.6, 0.0)])
+    allreduce.summarize_runs([run(1.5, 0.02), run(1.4, 0.125), run(1.6, 0.0)],
+                             [(31.96, 32.04), (55.0, 57.5), (40.0, 33.3)])
     out = capsys.readouterr().out
     assert "median 1.50x (min 1.40x, max 1.60x" in out
     assert "hypervisor steal in the appliance's timed calls 2.0%, 12.5%, 0.0% (coarse" in out, out
+    assert "lower is faster): 32.0-32.0, 55.0-57.5, 40.0-33.3" in out, out
+
+
+def test_the_gauge_times_the_loop_and_takes_the_median(monkeypatch: pytest.MonkeyPatch) -> None:
+    timings = iter([0.061, 0.032, 0.060, 0.063, 0.062])
+    monkeypatch.setattr(gauge, "_loop", lambda: next(timings))
+    assert gauge.interpreter_ms(5) == pytest.approx(61.0)
+    with pytest.raises(ValueError, match="at least 1"):
+        gauge.interpreter_ms(0)
+
+
+def test_the_gauge_s_real_loop_runs() -> None:
+    assert 0 < gauge.interpreter_ms(1) < 60_000
