@@ -18,6 +18,8 @@ The default run is the issue's target, "loopback allreduce, n = 4, 64 MiB, not s
 and ends with a PASS/FAIL line for it. `--repeat N` runs the whole comparison N times back to
 back (a fresh network each time) and ends with each case's speedup as the median and spread of
 the N runs, with every run's figure listed: one lucky run proves nothing on a shared machine.
+Each run is framed by `bench.gauge`, how fast the machine ran plain Python just before and just
+after it: where the appliance is CPU-bound and Gloo is not, the ratio follows that speed.
 """
 
 from __future__ import annotations

@@ -242,13 +242,15 @@ def format_table(plan: Plan, runs: list[CommRun]) -> str:
     return "\n".join(lines)
 
 
-def write_json(out: Path, plan: Plan, runs: list[CommRun]) -> Path:
+def write_json(out: Path, plan: Plan, runs: list[CommRun],
+               gauge_ms: tuple[float, float] | None = None) -> Path:
+    """`gauge_ms`: `bench.gauge` before and after the run."""
     from .report import environment
 
     out.mkdir(parents=True, exist_ok=True)
     path = out / "ddp_steps.json"
     path.write_text(json.dumps({"plan": asdict(plan), "environment": environment(),
-                                "rows": rows(runs)}, indent=2) + "\n")
+                                "rows": rows(runs), "gauge_ms": gauge_ms}, indent=2) + "\n")
     return path
 
 
@@ -301,11 +303,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ddp_steps failed: {exc}", file=sys.stderr)
         return 1
     progress.close()
+    gauge = (before, interpreter_ms())
     print(format_table(plan, runs))
     print(f"this machine's Python (bench.gauge: a million loop turns, lower is faster): "
-          f"{before:.1f} ms before the run, {interpreter_ms():.1f} ms after")
+          f"{gauge[0]:.1f} ms before the run, {gauge[1]:.1f} ms after")
     if out is not None:
-        print(f"wrote {write_json(out, plan, runs)}")
+        print(f"wrote {write_json(out, plan, runs, gauge)}")
     return 0 if all(r.ranks_agree for r in runs) else 1
 
 

@@ -1,5 +1,7 @@
 """How fast this machine runs Python just now: a figure to read a benchmark's ratios with.
 
+    python -m reduction_appliance.bench.gauge [--repeat 9]
+
 On a shared machine the same code runs at different speeds from one hour to the next. On the
 development machine (2 vCPUs) `bench.hotpath` read a worker's Python at 10.3 us per segment in
 one hour and at 14-18 us in others, with the hypervisor stealing under 3% of the CPU. Where the
@@ -16,10 +18,13 @@ read next to `bench.hotpath`).
 
 from __future__ import annotations
 
+import argparse
 import statistics
+import sys
 import time
+from collections.abc import Sequence
 
-__all__ = ["interpreter_ms"]
+__all__ = ["interpreter_ms", "main"]
 
 _ITERATIONS = 1_000_000
 
@@ -40,3 +45,20 @@ def interpreter_ms(repeat: int = 9) -> float:
     if repeat < 1:
         raise ValueError(f"repeat is at least 1, not {repeat}")
     return statistics.median(_loop() for _ in range(repeat)) * 1e3
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m reduction_appliance.bench.gauge",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=9, help="timings; the median is shown")
+    args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
+    timings = [_loop() * 1e3 for _ in range(args.repeat)]
+    print(f"{statistics.median(timings):.1f} ms for a million turns of a plain Python loop "
+          f"(median; lower is faster); timings {', '.join(f'{t:.1f}' for t in timings)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,8 +28,12 @@ def test_allreduce_bench_runs_both_systems_exactly(tmp_path: Path) -> None:
         cwd=_ROOT, capture_output=True, text=True, timeout=300, check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads(out.read_text())["rows"]
+    written = json.loads(out.read_text())
+    rows = written["rows"]
     assert len(rows) == 1
+    (before, after), = written["gauge_ms"]  # the machine's speed around the one run
+    assert before > 0 and after > 0
+    assert f"{before:.1f} ms before the run, {after:.1f} ms after" in proc.stdout, proc.stdout
     row = rows[0]
     assert (row["size"], row["dtype"], row["op"], row["workers"]) == (65536, "float32", "sum", 2)
     for system in ("appliance", "gloo"):

@@ -36,6 +36,8 @@ def test_tiny_ddp_steps_bench(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "ddp_steps.json").read_text())
     assert results["plan"]["workers"] == 2 and results["plan"]["rate"] == "1gbit"
     assert {"kernel", "cpu_count", "torch"} <= set(results["environment"])
+    before, after = results["gauge_ms"]  # the machine's speed around the run (bench.gauge)
+    assert f"{before:.1f} ms before the run, {after:.1f} ms after" in proc.stdout, proc.stdout
     rows = {row["comm"]: row for row in results["rows"]}
     assert list(rows) == ["gloo", "reduction", "hook"]
     for comm, row in rows.items():

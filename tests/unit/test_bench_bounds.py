@@ -76,5 +76,12 @@ def test_the_gauge_times_the_loop_and_takes_the_median(monkeypatch: pytest.Monke
         gauge.interpreter_ms(0)
 
 
-def test_the_gauge_s_real_loop_runs() -> None:
+def test_the_gauge_s_real_loop_runs_and_prints_its_median(
+        capsys: pytest.CaptureFixture[str]) -> None:
     assert 0 < gauge.interpreter_ms(1) < 60_000
+    assert gauge.main(["--repeat", "3"]) == 0
+    out = capsys.readouterr().out
+    median, timings = out.split(" ms for a million turns")[0], out.split("timings ")[1]
+    assert float(median) == sorted(float(t) for t in timings.split(", "))[1], out
+    with pytest.raises(SystemExit):
+        gauge.main(["--repeat", "0"])
