@@ -35,7 +35,7 @@ from typing import Any
 from reduction_appliance.dataplane.units import format_size
 from reduction_appliance.deploy.testnet.harness import HarnessError
 
-from .gauge import interpreter_ms
+from .gauge import framing, interpreter_ms
 from .plan import DTYPE_CHOICES, SweepPlan, parse_sizes, tc_rate
 from .progress import ProgressBar
 from .sweep import Row, failed, multicast_possible, run_sweep
@@ -283,8 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         gauges.append((before, interpreter_ms()))
         pairs = pair(rows)
         report(plan, pairs)
-        print(f"this machine's Python (bench.gauge: a million loop turns, lower is faster): "
-              f"{gauges[-1][0]:.1f} ms before the run, {gauges[-1][1]:.1f} ms after")
+        print(framing(*gauges[-1]))
         verdicts.append(verdict(plan, pairs))
         runs.append(pairs)
         wrong += failed(rows)

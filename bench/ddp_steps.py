@@ -45,7 +45,7 @@ from reduction_appliance.deploy.testnet.harness import (
 from reduction_appliance.deploy.testnet.topology import parse_rate
 
 from .cputime import CpuSample
-from .gauge import interpreter_ms
+from .gauge import framing, interpreter_ms
 from .progress import ProgressBar
 
 __all__ = ["COMMS", "EXAMPLE", "CommRun", "Plan", "example_argv", "main", "run_comm", "run_plan"]
@@ -305,8 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     progress.close()
     gauge = (before, interpreter_ms())
     print(format_table(plan, runs))
-    print(f"this machine's Python (bench.gauge: a million loop turns, lower is faster): "
-          f"{gauge[0]:.1f} ms before the run, {gauge[1]:.1f} ms after")
+    print(framing(*gauge))
     if out is not None:
         print(f"wrote {write_json(out, plan, runs, gauge)}")
     return 0 if all(r.ranks_agree for r in runs) else 1

@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-__all__ = ["interpreter_ms", "main"]
+__all__ = ["framing", "interpreter_ms", "main"]
 
 _ITERATIONS = 1_000_000
 
@@ -45,6 +45,12 @@ def interpreter_ms(repeat: int = 9) -> float:
     if repeat < 1:
         raise ValueError(f"repeat is at least 1, not {repeat}")
     return statistics.median(_loop() for _ in range(repeat)) * 1e3
+
+
+def framing(before_ms: float, after_ms: float) -> str:
+    """The line a benchmark prints about the gauge taken before and after its run."""
+    return (f"this machine's Python (bench.gauge: a million loop turns, lower is faster): "
+            f"{before_ms:.1f} ms before the run, {after_ms:.1f} ms after")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

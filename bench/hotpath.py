@@ -66,7 +66,7 @@ from reduction_appliance.plugin.client import ApplianceClient
 from reduction_appliance.plugin.rendezvous import JobInfo
 from reduction_appliance.plugin.transport import UdpWorkerTransport
 
-from .gauge import interpreter_ms
+from .gauge import framing, interpreter_ms
 
 __all__ = ["appliance_us_per_datagram", "main", "worker_us_per_segment"]
 
@@ -242,8 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     wide_worker = [worker_us_per_segment(segment=WIDE_SEGMENT) for _ in range(args.repeat)]
     wide_appliance = [appliance_us_per_datagram(segment=WIDE_SEGMENT)
                       for _ in range(args.repeat)]
-    print(f"this machine's Python (bench.gauge: a million loop turns, lower is faster): "
-          f"{before:.1f} ms before, {interpreter_ms():.1f} ms after")
+    print(framing(before, interpreter_ms()))
     print(f"worker:    {min(worker):.2f} us of Python per segment (sent and answered); "
           f"runs {', '.join(f'{w:.2f}' for w in worker)}")
     print(f"  of which a turn's own: {turn:.1f} us per turn, {turn / PER_WAKEUP:.2f} us per "
