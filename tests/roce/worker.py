@@ -57,7 +57,8 @@ def main() -> int:
     p.add_argument("--multicast", action="store_true", help="results as UD multicast")
     p.add_argument("--exit-after-join", action="store_true")
     p.add_argument("--hold", action="store_true",
-                   help="with --exit-after-join: stay joined (heartbeating) until stdin closes")
+                   help="stay joined (heartbeating) until stdin closes: after the join with "
+                        "--exit-after-join, else after the rounds")
     p.add_argument("--stay", action="store_true", help="do not leave the job at the end")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s: %(message)s")
@@ -75,6 +76,8 @@ def main() -> int:
                 x = inputs(a.rank, a.elements, a.dtype, a.deterministic, r)
                 client.allreduce(x, a.op)
                 np.save(out / f"result-{a.rank}-{r}.npy", x.view(np.uint8))
+            if a.hold:  # alive and heartbeating, its queue pairs up, until the test has looked
+                sys.stdin.read()
             if not a.stay:
                 # The last rank's leave ends the job: its queue pairs go.
                 leave(client.jobs[0], a.rank, LEAVE_S)
