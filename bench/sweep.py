@@ -49,7 +49,7 @@ from reduction_appliance.deploy.testnet.topology import Link
 
 from .plan import SweepPlan, add_sweep_arguments, dtype_name, plan_from_args
 
-__all__ = ["Listener", "Row", "main", "run", "run_sweep"]
+__all__ = ["LabNet", "Listener", "Row", "gloo_case", "main", "open_network", "run", "run_sweep"]
 
 Row = dict[str, Any]
 _GLOO_BASE_PORT = 29500
@@ -69,18 +69,20 @@ class Listener(Protocol):
 
 
 @dataclass
-class _Net:
+class LabNet:
+    """A network the benchmarks built, said in words for their reports."""
+
     net: Network
     description: str
     links: bool  # does each worker have a link of its own (rate, byte counters)?
 
 
 @contextlib.contextmanager
-def open_network(plan: SweepPlan, workers: int) -> Iterator[_Net]:
+def open_network(plan: SweepPlan, workers: int) -> Iterator[LabNet]:
     if plan.network == "loopback":
         with LoopbackNetwork.create(multicast=True) as lo:
             where = f"private namespace {lo.netns}" if lo.netns else "the host's loopback"
-            yield _Net(lo, f"loopback ({where}), MTU {lo.mtu}", links=False)
+            yield LabNet(lo, f"loopback ({where}), MTU {lo.mtu}", links=False)
         return
     if os.geteuid() != 0:
         raise HarnessError("--network rack needs root (network namespaces); try "
@@ -89,7 +91,7 @@ def open_network(plan: SweepPlan, workers: int) -> Iterator[_Net]:
                          appliance_link=Link(plan.appliance_rate) if plan.appliance_rate
                          else None) as lab:
         # cast: harness.Network declares `mtu` as a plain attribute, LabNetwork has a property.
-        yield _Net(cast(Network, lab),
+        yield LabNet(cast(Network, lab),
                    f"emulated rack {lab.lab.topology.name_prefix}: workers at "
                    f"{lab.worker_address(0)}.., appliance at {lab.appliance_address(0)}, one "
                    f"bridge, MTU {lab.mtu}, worker links {plan.rate or 'unshaped'}"
@@ -107,12 +109,12 @@ def _case_options(plan: SweepPlan, size: int, dtype: str, op: str) -> list[str]:
             "--warmup", str(plan.warmup), *([] if plan.check else ["--no-check"])]
 
 
-def _probe_options(net: _Net, pids: tuple[int, ...]) -> list[str]:
+def _probe_options(net: LabNet, pids: tuple[int, ...]) -> list[str]:
     link = ["--probe-link", net.net.worker_interface(0)] if net.links else []
     return ["--probe-machine", *link, *(["--probe-pids", ",".join(map(str, pids))] if pids else [])]
 
 
-def summarize(plan: SweepPlan, net: _Net, workers: int, outputs: list[list[Row]]) -> Row:
+def summarize(plan: SweepPlan, net: LabNet, workers: int, outputs: list[list[Row]]) -> Row:
     """One row from one case's per-rank reports (each process ran exactly one case)."""
     cases = [out[0] for out in outputs]
     first = cases[0]
@@ -175,7 +177,7 @@ def _job_name(workers: int, mode: str, index: int) -> str:
     return f"sweep-{os.getpid()}-n{workers}-{mode}-{index}"
 
 
-def _appliance_case(plan: SweepPlan, net: _Net, appliance: ApplianceProcess,
+def _appliance_case(plan: SweepPlan, net: LabNet, appliance: ApplianceProcess,
                     pids: tuple[int, ...], workers: int, mode: str, index: int,
                     case: tuple[int, str, str]) -> Row:
     size, dtype, op = case
@@ -204,7 +206,7 @@ def _appliance_case(plan: SweepPlan, net: _Net, appliance: ApplianceProcess,
     return row
 
 
-def _gloo_master(net: _Net, index: int) -> str:
+def _gloo_master(net: LabNet, index: int) -> str:
     if isinstance(net.net, LoopbackNetwork) and net.net.netns is None:
         with socket.socket() as s:  # the host's own loopback: any free port
             s.bind(("127.0.0.1", 0))
@@ -212,8 +214,10 @@ def _gloo_master(net: _Net, index: int) -> str:
     return f"{net.net.worker_address(0)}:{_GLOO_BASE_PORT + index % _GLOO_PORTS}"
 
 
-def _gloo_case(plan: SweepPlan, net: _Net, workers: int, index: int,
-               case: tuple[int, str, str]) -> Row:
+def gloo_case(plan: SweepPlan, net: LabNet, workers: int, index: int,
+              case: tuple[int, str, str]) -> Row:
+    """One case of Gloo ring (bench.gloo_worker on every rank); `index` picks its rendezvous
+    port, fresh per case."""
     size, dtype, op = case
     row = _base(plan, workers, "gloo", "ring", size, dtype, op)
     master = _gloo_master(net, index)
@@ -258,14 +262,14 @@ def run_sweep(plan: SweepPlan, listener: Listener) -> list[Row]:
     return rows
 
 
-def _run_pass(plan: SweepPlan, net: _Net, workers: int, system: str,
+def _run_pass(plan: SweepPlan, net: LabNet, workers: int, system: str,
               listener: Listener) -> list[Row]:
     rows = []
     label = "gloo ring" if system == "ring" else f"appliance {system}"
     if system == "ring":  # the appliance is stopped by now: Gloo gets every CPU
         for index, case in enumerate(plan.cases()):
             listener.case_started(f"n={workers} {label} {_case_label(case)}")
-            rows.append(_gloo_case(plan, net, workers, index, case))
+            rows.append(gloo_case(plan, net, workers, index, case))
             listener.row(rows[-1])
         return rows
     with start_appliance(net.net, cores=plan.cores, slots=plan.slots,

@@ -1,0 +1,316 @@
+"""How fast any appliance could be here: its traffic with the least Python, against Gloo ring.
+
+    python -m reduction_appliance.bench.floor [--network rack|loopback] [--workers 4]
+        [--rate 10gbit] [--size 64MiB] [--iters 5] [--window 64] [--repeat 3] [--json out.json]
+
+On the emulated rack every host shares this machine's few CPUs, so where links are fast the
+appliance's speed is the CPU its traffic costs. This asks how much of that cost is ours. On ONE
+network (the one bench.allreduce builds) it runs Gloo ring on fp32 (bench.sweep's case, every
+result checked), then the floor (bench/floor_peer.py): the same datagrams through the same
+sockets as the appliance's data path (GSO sends, GRO receives, multicast results, a window of
+segments per worker), the sum of each segment formed on the appliance, but none of the
+protocol, and a few numpy calls per coalesced receive as the only Python per datagram.
+
+It prints, per run:
+
+* the floor's time: the median over its timed iterations of the slowest worker's. The appliance
+  needs at least this long, unless its Python per batch were less than the floor's.
+* Gloo's time / the floor's: the most any appliance on these sockets could reach against Gloo
+  on this machine and network now.
+* the kernel's CPU in the floor's iterations (the machine's system, irq and softirq time from
+  /proc/stat, per iteration) spread over every CPU: the time the kernel's work alone fills,
+  and Gloo's time / that. No user-space code reaches past this ratio while the kernel's UDP
+  path carries these bytes: only a kernel that spent less on them could (another network path,
+  fewer copies, other hardware).
+
+With `--repeat N` it ends with each ratio's median and spread. Exits 1 if a run failed or
+returned a wrong result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from reduction_appliance.control.config import DataplaneConfig
+from reduction_appliance.dataplane.units import format_size
+from reduction_appliance.dataplane.wire import HEADER_SIZE, IP_UDP_HEADERS
+from reduction_appliance.deploy.testnet.harness import HarnessError, Network
+from reduction_appliance.deploy.testnet.probe import MachineTime, machine_cpu
+
+from .gauge import framing, interpreter_ms
+from .plan import SweepPlan, parse_sizes, tc_rate
+from .progress import ProgressBar
+from .sweep import LabNet, Row, gloo_case, open_network
+
+__all__ = ["FloorRun", "bounds", "floor_segments", "main", "run_floor"]
+
+_PEER = ("-m", "reduction_appliance.bench.floor_peer")
+_STEP_TIMEOUT_S = 300.0  # a peer's start, warm-up or timed iterations: generous, never a hang
+
+
+@dataclass
+class FloorRun:
+    """One run of the floor on one network."""
+
+    segments: int
+    payload: int  # bytes per segment
+    times: list[float]  # per timed iteration, its slowest worker's seconds
+    ok: bool  # every worker's last result was right
+    cpu: MachineTime  # the machine's CPU seconds over the timed iterations
+    wall_s: float  # how long the timed iterations took, all of them
+    # A worker's receive and send calls in its timed iterations, the median worker's: how
+    # many datagrams the kernel handed over per call, how many a GSO send carried.
+    worker_receives: int
+    worker_sends: int
+
+    @property
+    def time_s(self) -> float:
+        return statistics.median(self.times)
+
+
+def floor_segments(size: int, payload: int) -> int:
+    """Whole segments of `size` bytes: the floor moves these, never more than the appliance."""
+    if payload <= 0 or size < payload:
+        raise ValueError(f"{format_size(size)} is less than one segment of {payload} bytes")
+    return size // payload
+
+
+def bounds(gloo_s: float, floor_s: float, kernel_s_per_iter: float,
+           cpus: int) -> dict[str, float]:
+    """The floor's figures against Gloo's time: the floor's ratio, and the kernel's bound (its
+    CPU per iteration spread over every CPU, and the ratio no user space passes)."""
+    if min(gloo_s, floor_s) <= 0 or cpus < 1:
+        raise ValueError("times are positive and a machine has a CPU")
+    kernel_bound_s = kernel_s_per_iter / cpus
+    return {"floor_ratio": gloo_s / floor_s, "kernel_bound_s": kernel_bound_s,
+            "kernel_ratio": gloo_s / kernel_bound_s if kernel_bound_s > 0 else float("inf")}
+
+
+def _lines_from(procs: Sequence[subprocess.Popen[str]], key: str, deadline: float) -> list[Row]:
+    """The next JSON line of each process, which must hold `key`."""
+    got: list[Row] = []
+    for proc in procs:
+        stream: IO[str] | None = proc.stdout
+        assert stream is not None
+        ready, _, _ = select.select([stream], [], [], max(0.0, deadline - time.monotonic()))
+        line = stream.readline() if ready else ""
+        if not line.startswith("{") or key not in (row := json.loads(line)):
+            raise HarnessError(f"a floor peer said {line.strip()!r} where {key!r} was due"
+                               if line else f"a floor peer went quiet before {key!r}")
+        got.append(row)
+    return got
+
+
+def _tell(procs: Sequence[subprocess.Popen[str]]) -> None:
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+
+
+def run_floor(net: Network, workers: int, size: int, iters: int, warmup: int,
+              window: int) -> FloorRun:
+    """The floor's peers on `net`: the appliance on appliance 0, a worker per rank."""
+    payload = DataplaneConfig(mtu=net.mtu).max_payload  # the appliance's own segment size
+    segments = floor_segments(size, payload)
+    common = ["--workers", str(workers), "--segments", str(segments), "--payload",
+              str(payload), "--iters", str(iters), "--warmup", str(warmup)]
+    pipes: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE,
+                             "stderr": subprocess.PIPE, "text": True}
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        appliance = net.popen_appliance(0, [sys.executable, *_PEER, "appliance", "--bind",
+                                            net.appliance_address(0), *common], **pipes)
+        procs.append(appliance)
+        ranks = [net.popen_worker(rank, [sys.executable, *_PEER, "worker", "--bind",
+                                         net.worker_address(rank), "--appliance",
+                                         net.appliance_address(0), "--window", str(window),
+                                         *common], **pipes)
+                 for rank in range(workers)]
+        procs += ranks
+        _lines_from(procs, "ready", time.monotonic() + _STEP_TIMEOUT_S)
+        _tell(procs)
+        _lines_from(ranks, "warm", time.monotonic() + _STEP_TIMEOUT_S)
+        before, started = machine_cpu(), time.monotonic()
+        _tell(ranks)
+        reports = _lines_from(ranks, "times", time.monotonic() + _STEP_TIMEOUT_S)
+        after, wall = machine_cpu(), time.monotonic() - started
+        _lines_from([appliance], "contributions", time.monotonic() + _STEP_TIMEOUT_S)
+        for proc in procs:
+            proc.wait(timeout=_STEP_TIMEOUT_S)
+    except (HarnessError, OSError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
+        raise HarnessError(f"the floor failed: {exc}; {_stderr_of(procs)}") from exc
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    cpu = MachineTime(*(a - b for a, b in zip(after, before, strict=True)))
+    times = [max(r["times"][i] for r in reports) for i in range(iters)]
+    return FloorRun(segments, payload, times, all(r["ok"] for r in reports), cpu, wall,
+                    int(statistics.median(r["receives"] for r in reports)),
+                    int(statistics.median(r["sends"] for r in reports)))
+
+
+def _stderr_of(procs: Sequence[subprocess.Popen[str]]) -> str:
+    said = []
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            _, err = proc.communicate(timeout=5)
+        except (subprocess.TimeoutExpired, ValueError):
+            continue
+        if err.strip():
+            said.append(err.strip()[-500:])
+    return "; ".join(said) or "no peer said why"
+
+
+def _plan(args: argparse.Namespace) -> SweepPlan:
+    return SweepPlan(network=args.network, workers=(args.workers,),
+                     rate=args.rate if args.network == "rack" else None, sizes=(args.size,),
+                     dtypes=("fp32",), ops=("sum",), modes=("multicast",), iters=args.iters,
+                     warmup=args.warmup, cores=1)
+
+
+def one_run(plan: SweepPlan, window: int, progress: ProgressBar) -> Row:
+    """Gloo, then the floor, on one fresh network."""
+    workers, size = plan.workers[0], plan.sizes[0]
+    net: LabNet
+    with open_network(plan, workers) as net:
+        progress.update(label=f"gloo ring, {net.description}")
+        gloo = gloo_case(plan, net, workers, 0, (size, "fp32", "sum"))
+        if gloo.get("error") or not gloo["ok"] or not gloo["time_s"]:
+            raise HarnessError(f"Gloo's case failed: {gloo.get('error', 'a wrong result')}")
+        progress.update(label="the floor")
+        floor = run_floor(net.net, workers, size, plan.iters, plan.warmup, window)
+        description = net.description
+    iterations = len(floor.times)
+    row: Row = {"network": description, "gloo": gloo, "floor": asdict(floor),
+                "floor_time_s": floor.time_s,
+                "floor_kernel_s": floor.cpu.kernel / iterations,
+                "floor_user_s": floor.cpu.user / iterations,
+                "floor_steal_share": floor.cpu.steal / max(1e-9, sum(floor.cpu)),
+                "results_per_receive": floor.segments * iterations / max(1, floor.worker_receives),
+                "segments_per_send": floor.segments * iterations / max(1, floor.worker_sends)}
+    row |= bounds(gloo["time_s"], floor.time_s, row["floor_kernel_s"], os.cpu_count() or 1)
+    if plan.rate_bps:  # the floor's share of a worker's uplink
+        wire = floor.segments * (HEADER_SIZE + floor.payload + IP_UDP_HEADERS) * 8
+        row["floor_link_util"] = wire / (floor.time_s * plan.rate_bps)
+    return row
+
+
+def format_run(index: int, row: Row) -> str:
+    gloo = row["gloo"]
+    link = (f", {row['floor_link_util']:.0%} of a worker's link"
+            if "floor_link_util" in row else "")
+    return (f"run {index}: floor {row['floor_time_s'] * 1e3:.1f} ms{link}, a worker's "
+            f"{row['results_per_receive']:.1f} results per receive and "
+            f"{row['segments_per_send']:.1f} segments per send | gloo ring "
+            f"{gloo['time_s'] * 1e3:.1f} ms | gloo/floor {row['floor_ratio']:.2f}x | the "
+            f"floor's CPU per iteration: kernel {row['floor_kernel_s']:.3f} s, user "
+            f"{row['floor_user_s']:.3f} s; the kernel alone fills every CPU for "
+            f"{row['kernel_bound_s'] * 1e3:.1f} ms: gloo/that {row['kernel_ratio']:.2f}x")
+
+
+def _spread(values: list[float]) -> str:
+    return (f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f}; runs "
+            f"{', '.join(f'{v:.2f}x' for v in values)})")
+
+
+def summary(rows: list[Row]) -> str:
+    return "\n".join([
+        f"over {len(rows)} runs, median (range):",
+        f"  gloo/floor: {_spread([r['floor_ratio'] for r in rows])}: no appliance on these "
+        "sockets with more Python than the floor's gets further ahead of Gloo here",
+        f"  gloo/(the floor's kernel CPU over every CPU): "
+        f"{_spread([r['kernel_ratio'] for r in rows])}: no user-space code gets further ahead "
+        "while the kernel carries these bytes",
+    ])
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="reduction_appliance.bench.floor",
+                                description=__doc__.split("\n\n", 1)[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--network", choices=["loopback", "rack"], default="rack")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--rate", type=tc_rate, default="10gbit",
+                   help="worker link rate in the rack, tc syntax (default: 10gbit)")
+    p.add_argument("--size", type=parse_sizes, default=parse_sizes("64MiB"),
+                   help="bytes per allreduce (default: 64MiB)")
+    p.add_argument("--iters", type=int, default=5, help="timed iterations (default: 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed iterations (default: 1)")
+    p.add_argument("--window", type=int, default=64,
+                   help="segments in flight per worker (default: 64, the appliance's 32 "
+                        "slots on each of its 2 cores)")
+    p.add_argument("--repeat", type=int, default=1, help="runs, each on a fresh network")
+    p.add_argument("--json", type=Path, default=None, help="write every run here")
+    args = p.parse_args(argv)
+    if len(args.size) != 1:
+        p.error("--size takes one size")
+    args.size = args.size[0]
+    if min(args.workers, args.iters, args.window, args.repeat) < 1 or args.warmup < 0:
+        p.error("--workers, --iters, --window and --repeat are at least 1, --warmup 0")
+    if args.workers < 2:
+        p.error("--workers: Gloo ring needs at least 2")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if os.geteuid() != 0:
+        print("bench.floor needs root: its networks are namespaces", file=sys.stderr)
+        return 1
+    plan = _plan(args)
+    try:
+        floor_segments(args.size, DataplaneConfig(mtu=9000 if args.network == "rack"
+                                                  else 65535).max_payload)
+    except ValueError as exc:
+        print(f"bench.floor: --size: {exc}", file=sys.stderr)
+        return 1
+    print(f"floor: {args.workers} workers, {format_size(args.size)} fp32 sum, "
+          f"{args.network}{f' at {args.rate}' if args.network == 'rack' else ''}, "
+          f"{args.iters} timed iterations (+{args.warmup}), {os.cpu_count()} CPUs")
+    progress = ProgressBar(args.repeat)
+    before = interpreter_ms()
+    rows: list[Row] = []
+    try:
+        for index in range(args.repeat):
+            rows.append(one_run(plan, args.window, progress))
+            progress.advance()
+            progress.clear()
+            print(format_run(index + 1, rows[-1]))
+    except (HarnessError, ValueError) as exc:
+        progress.close()
+        print(f"bench.floor failed: {exc}", file=sys.stderr)
+        return 1
+    progress.close()
+    gauge = (before, interpreter_ms())
+    if len(rows) > 1:
+        print(summary(rows))
+    print(framing(*gauge))
+    if args.json is not None:
+        args.json.write_text(json.dumps({"plan": asdict(plan), "window": args.window,
+                                         "gauge_ms": gauge, "runs": rows}, indent=1))
+        print(f"wrote {args.json}")
+    if not all(r["floor"]["ok"] for r in rows):
+        print("bench.floor: a floor worker's result was wrong", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""bench.floor's arithmetic and arguments, and its peer's, in memory (the runs: tests/netns)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from reduction_appliance.bench import floor, floor_peer
+
+
+def test_the_floor_moves_whole_segments_never_more_than_the_size() -> None:
+    assert floor.floor_segments(64 * 2**20, 8896) == 7543  # 7543.x: the part is left out
+    assert floor.floor_segments(8896, 8896) == 1
+    with pytest.raises(ValueError, match="less than one segment"):
+        floor.floor_segments(8895, 8896)
+
+
+def test_bounds_are_gloo_against_the_floor_and_against_the_kernel_over_every_cpu() -> None:
+    got = floor.bounds(gloo_s=0.3, floor_s=0.6, kernel_s_per_iter=0.5, cpus=2)
+    assert got["floor_ratio"] == pytest.approx(0.5)
+    assert got["kernel_bound_s"] == pytest.approx(0.25)  # 0.5 CPU-seconds over two CPUs
+    assert got["kernel_ratio"] == pytest.approx(1.2)
+    assert floor.bounds(0.3, 0.6, 0.0, 2)["kernel_ratio"] == float("inf")
+    for bad in ((0.0, 0.6, 0.5, 2), (0.3, 0.0, 0.5, 2), (0.3, 0.6, 0.5, 0)):
+        with pytest.raises(ValueError):
+            floor.bounds(*bad)
+
+
+def _row(floor_ratio: float, kernel_ratio: float) -> dict[str, object]:
+    return {"floor_ratio": floor_ratio, "kernel_ratio": kernel_ratio}
+
+
+def test_the_summary_gives_each_ratio_as_median_range_and_every_run() -> None:
+    text = floor.summary([_row(0.4, 1.2), _row(0.5, 1.0), _row(0.3, 1.4)])
+    assert "over 3 runs" in text
+    assert "gloo/floor: 0.40x (0.30-0.50; runs 0.40x, 0.50x, 0.30x)" in text
+    assert "1.20x (1.00-1.40; runs 1.20x, 1.00x, 1.40x)" in text
+
+
+def test_a_run_line_says_the_floor_gloo_and_the_kernel_bound() -> None:
+    row = {"floor_time_s": 0.6, "floor_link_util": 0.07, "results_per_receive": 6.3,
+           "segments_per_send": 6.4, "gloo": {"time_s": 0.3}, "floor_ratio": 0.5,
+           "floor_kernel_s": 0.5, "floor_user_s": 0.7, "kernel_bound_s": 0.25,
+           "kernel_ratio": 1.2}
+    line = floor.format_run(2, row)
+    for part in ("run 2: floor 600.0 ms, 7% of a worker's link", "6.3 results per receive",
+                 "6.4 segments per send", "gloo ring 300.0 ms", "gloo/floor 0.50x",
+                 "kernel 0.500 s, user 0.700 s", "for 250.0 ms: gloo/that 1.20x"):
+        assert part in line, line
+    del row["floor_link_util"]  # loopback: no link of a worker's own
+    assert "link" not in floor.format_run(1, row)
+
+
+@pytest.mark.parametrize("numbers, expected", [
+    ([5, 6, 7], slice(5, 8)),
+    ([3], slice(3, 4)),
+    ([5, 7, 6], None),
+    ([1, 3, 2, 4], None),  # the ends fit a run of four; the middle does not
+    ([1, 2, 4, 3, 5, 9], None),
+])
+def test_a_batch_is_a_slice_only_when_it_numbers_consecutive_segments(
+        numbers: list[int], expected: slice | None) -> None:
+    assert floor_peer._run_of(np.array(numbers, np.uint32)) == expected
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--size", "1MiB,2MiB"], "one size"),
+    (["--workers", "1"], "at least 2"),
+    (["--iters", "0"], "at least 1"),
+    (["--window", "0"], "at least 1"),
+])
+def test_bad_floor_arguments_are_refused(argv: list[str], message: str,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        floor.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+_PEER = ["--bind", "127.0.0.1", "--workers", "2", "--segments", "4", "--iters", "1"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["worker", *_PEER, "--payload", "8896"], "needs --appliance"),
+    (["appliance", *_PEER, "--payload", "8895"], "whole fp32 elements"),
+    (["appliance", *_PEER, "--payload", "65536"], "one UDP datagram"),
+    (["appliance", *_PEER, "--payload", "8896", "--silence-s", "0"], "more than 0 seconds"),
+    (["appliance", *_PEER, "--payload", "8896", "--window", "0"], "at least 1"),
+])
+def test_bad_peer_arguments_are_refused(argv: list[str], message: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        floor_peer.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
