@@ -1,22 +1,24 @@
 """How fast any appliance could be here: its traffic with the least Python, against Gloo ring.
 
     python -m reduction_appliance.bench.floor [--network rack|loopback] [--workers 4]
-        [--rate 10gbit] [--size 64MiB] [--iters 5] [--window 64] [--repeat 3] [--json out.json]
+        [--rate 10gbit] [--size 64MiB] [--iters 5] [--window 64] [--no-appliance]
+        [--repeat 3] [--json out.json]
 
 On the emulated rack every host shares this machine's few CPUs, so where links are fast the
 appliance's speed is the CPU its traffic costs. This asks how much of that cost is ours. On ONE
-network (the one bench.allreduce builds) it runs Gloo ring on fp32 (bench.sweep's case, every
-result checked), then the floor (bench/floor_peer.py): the same datagrams through the same
-sockets as the appliance's data path (GSO sends, GRO receives, multicast results, a window of
-segments per worker), the sum of each segment formed on the appliance, but none of the
-protocol, and a few numpy calls per coalesced receive as the only Python per datagram.
+network (the one bench.allreduce builds) it runs, on fp32 sums, Gloo ring and then the appliance
+(bench.sweep's cases, every result checked), then the floor (bench/floor_peer.py): the same
+datagrams through the same sockets as the appliance's data path (GSO sends, GRO receives,
+multicast results, a window of segments per worker), the sum of each segment formed on the
+appliance, but none of the protocol, and a few numpy calls per coalesced receive as the only
+Python per datagram.
 
 It prints, per run:
 
-* the floor's time: the median over its timed iterations of the slowest worker's. The appliance
-  needs at least this long, unless its Python per batch were less than the floor's.
-* Gloo's time / the floor's: the most any appliance on these sockets could reach against Gloo
-  on this machine and network now.
+* each system's time: the median over its timed iterations of the slowest worker's; the
+  appliance's also as a share of the floor's speed (floor time / appliance time).
+* Gloo's time / the floor's: the most an appliance on these sockets, spending at least the
+  floor's Python, could reach against Gloo on this machine and network now.
 * the kernel's CPU in the floor's iterations (the machine's system, irq and softirq time from
   /proc/stat, per iteration) spread over every CPU: the time the kernel's work alone fills,
   and Gloo's time / that. No user-space code reaches past this ratio while the kernel's UDP
@@ -45,13 +47,13 @@ from typing import IO, Any
 from reduction_appliance.control.config import DataplaneConfig
 from reduction_appliance.dataplane.units import format_size
 from reduction_appliance.dataplane.wire import HEADER_SIZE, IP_UDP_HEADERS
-from reduction_appliance.deploy.testnet.harness import HarnessError, Network
-from reduction_appliance.deploy.testnet.probe import MachineTime, machine_cpu
+from reduction_appliance.deploy.testnet.harness import HarnessError, Network, start_appliance
+from reduction_appliance.deploy.testnet.probe import MachineTime, descendants, machine_cpu
 
 from .gauge import framing, interpreter_ms
 from .plan import SweepPlan, parse_sizes, tc_rate
 from .progress import ProgressBar
-from .sweep import LabNet, Row, gloo_case, open_network
+from .sweep import LabNet, Row, appliance_case, gloo_case, open_network
 
 __all__ = ["FloorRun", "bounds", "floor_segments", "main", "run_floor"]
 
@@ -181,23 +183,30 @@ def _plan(args: argparse.Namespace) -> SweepPlan:
     return SweepPlan(network=args.network, workers=(args.workers,),
                      rate=args.rate if args.network == "rack" else None, sizes=(args.size,),
                      dtypes=("fp32",), ops=("sum",), modes=("multicast",), iters=args.iters,
-                     warmup=args.warmup, cores=1)
+                     warmup=args.warmup, cores=2)
 
 
-def one_run(plan: SweepPlan, window: int, progress: ProgressBar) -> Row:
-    """Gloo, then the floor, on one fresh network."""
+def one_run(plan: SweepPlan, window: int, appliance: bool, progress: ProgressBar) -> Row:
+    """Gloo, then the appliance (unless not `appliance`), then the floor, on one network."""
     workers, size = plan.workers[0], plan.sizes[0]
+    case = (size, "fp32", "sum")
     net: LabNet
     with open_network(plan, workers) as net:
         progress.update(label=f"gloo ring, {net.description}")
-        gloo = gloo_case(plan, net, workers, 0, (size, "fp32", "sum"))
-        if gloo.get("error") or not gloo["ok"] or not gloo["time_s"]:
-            raise HarnessError(f"Gloo's case failed: {gloo.get('error', 'a wrong result')}")
+        gloo = _checked("Gloo", gloo_case(plan, net, workers, 0, case))
+        ours: Row | None = None
+        if appliance:
+            progress.update(label="the appliance")
+            with start_appliance(net.net, cores=plan.cores, slots=plan.slots,
+                                 queue_target_s=plan.queue_target_s, multicast=True) as appl:
+                ours = _checked("the appliance", appliance_case(
+                    plan, net, appl, descendants(appl.process.pid), workers, "multicast", 0,
+                    case))
         progress.update(label="the floor")
         floor = run_floor(net.net, workers, size, plan.iters, plan.warmup, window)
         description = net.description
     iterations = len(floor.times)
-    row: Row = {"network": description, "gloo": gloo, "floor": asdict(floor),
+    row: Row = {"network": description, "gloo": gloo, "appliance": ours, "floor": asdict(floor),
                 "floor_time_s": floor.time_s,
                 "floor_kernel_s": floor.cpu.kernel / iterations,
                 "floor_user_s": floor.cpu.user / iterations,
@@ -205,23 +214,36 @@ def one_run(plan: SweepPlan, window: int, progress: ProgressBar) -> Row:
                 "results_per_receive": floor.segments * iterations / max(1, floor.worker_receives),
                 "segments_per_send": floor.segments * iterations / max(1, floor.worker_sends)}
     row |= bounds(gloo["time_s"], floor.time_s, row["floor_kernel_s"], os.cpu_count() or 1)
+    if ours is not None:
+        row["appliance_ratio"] = gloo["time_s"] / ours["time_s"]
+        row["appliance_of_floor"] = floor.time_s / ours["time_s"]
     if plan.rate_bps:  # the floor's share of a worker's uplink
         wire = floor.segments * (HEADER_SIZE + floor.payload + IP_UDP_HEADERS) * 8
         row["floor_link_util"] = wire / (floor.time_s * plan.rate_bps)
     return row
 
 
+def _checked(system: str, row: Row) -> Row:
+    if row.get("error") or not row["ok"] or not row["time_s"]:
+        raise HarnessError(f"{system}'s case failed: {row.get('error') or 'a wrong result'}")
+    return row
+
+
 def format_run(index: int, row: Row) -> str:
-    gloo = row["gloo"]
+    gloo, ours = row["gloo"], row.get("appliance")
     link = (f", {row['floor_link_util']:.0%} of a worker's link"
             if "floor_link_util" in row else "")
-    return (f"run {index}: floor {row['floor_time_s'] * 1e3:.1f} ms{link}, a worker's "
+    appliance = (f"the appliance {ours['time_s'] * 1e3:.1f} ms (gloo/appliance "
+                 f"{row['appliance_ratio']:.2f}x, {row['appliance_of_floor']:.0%} of the "
+                 f"floor's speed) | " if ours is not None else "")
+    return (f"run {index}: gloo ring {gloo['time_s'] * 1e3:.1f} ms | {appliance}floor "
+            f"{row['floor_time_s'] * 1e3:.1f} ms{link}, a worker's "
             f"{row['results_per_receive']:.1f} results per receive and "
-            f"{row['segments_per_send']:.1f} segments per send | gloo ring "
-            f"{gloo['time_s'] * 1e3:.1f} ms | gloo/floor {row['floor_ratio']:.2f}x | the "
-            f"floor's CPU per iteration: kernel {row['floor_kernel_s']:.3f} s, user "
-            f"{row['floor_user_s']:.3f} s; the kernel alone fills every CPU for "
-            f"{row['kernel_bound_s'] * 1e3:.1f} ms: gloo/that {row['kernel_ratio']:.2f}x")
+            f"{row['segments_per_send']:.1f} segments per send (gloo/floor "
+            f"{row['floor_ratio']:.2f}x) | the floor's CPU per iteration: kernel "
+            f"{row['floor_kernel_s']:.3f} s, user {row['floor_user_s']:.3f} s; the kernel alone "
+            f"fills every CPU for {row['kernel_bound_s'] * 1e3:.1f} ms: gloo/that "
+            f"{row['kernel_ratio']:.2f}x")
 
 
 def _spread(values: list[float]) -> str:
@@ -230,14 +252,17 @@ def _spread(values: list[float]) -> str:
 
 
 def summary(rows: list[Row]) -> str:
-    return "\n".join([
-        f"over {len(rows)} runs, median (range):",
+    lines = [f"over {len(rows)} runs, median (range):"]
+    if all(r.get("appliance_ratio") for r in rows):
+        lines.append(f"  gloo/appliance: {_spread([r['appliance_ratio'] for r in rows])}")
+    lines += [
         f"  gloo/floor: {_spread([r['floor_ratio'] for r in rows])}: no appliance on these "
         "sockets with more Python than the floor's gets further ahead of Gloo here",
         f"  gloo/(the floor's kernel CPU over every CPU): "
         f"{_spread([r['kernel_ratio'] for r in rows])}: no user-space code gets further ahead "
         "while the kernel carries these bytes",
-    ])
+    ]
+    return "\n".join(lines)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -256,6 +281,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=64,
                    help="segments in flight per worker (default: 64, the appliance's 32 "
                         "slots on each of its 2 cores)")
+    p.add_argument("--no-appliance", action="store_true",
+                   help="Gloo and the floor only, not the appliance itself")
     p.add_argument("--repeat", type=int, default=1, help="runs, each on a fresh network")
     p.add_argument("--json", type=Path, default=None, help="write every run here")
     args = p.parse_args(argv)
@@ -289,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[Row] = []
     try:
         for index in range(args.repeat):
-            rows.append(one_run(plan, args.window, progress))
+            rows.append(one_run(plan, args.window, not args.no_appliance, progress))
             progress.advance()
             progress.clear()
             print(format_run(index + 1, rows[-1]))

@@ -89,10 +89,12 @@ def _receiver(sock: socket.socket) -> None:
 
 
 def _run_of(index: NDArray[np.uint32]) -> slice | None:
-    """`index` as a slice when it numbers consecutive segments (the usual batch), else None."""
-    first, last = int(index[0]), int(index[-1])
-    if last - first == len(index) - 1 and (len(index) < 3 or bool(np.all(np.diff(index) == 1))):
-        return slice(first, last + 1)
+    """`index` as a slice when it numbers consecutive segments (the usual batch), else None.
+    (In plain Python: for the few numbers of a batch, a numpy call or two costs more.)"""
+    numbers = index.tolist()
+    first = numbers[0]
+    if numbers == list(range(first, first + len(numbers))):
+        return slice(first, first + len(numbers))
     return None
 
 

@@ -49,7 +49,8 @@ from reduction_appliance.deploy.testnet.topology import Link
 
 from .plan import SweepPlan, add_sweep_arguments, dtype_name, plan_from_args
 
-__all__ = ["LabNet", "Listener", "Row", "gloo_case", "main", "open_network", "run", "run_sweep"]
+__all__ = ["LabNet", "Listener", "Row", "appliance_case", "gloo_case", "main", "open_network",
+           "run", "run_sweep"]
 
 Row = dict[str, Any]
 _GLOO_BASE_PORT = 29500
@@ -177,9 +178,11 @@ def _job_name(workers: int, mode: str, index: int) -> str:
     return f"sweep-{os.getpid()}-n{workers}-{mode}-{index}"
 
 
-def _appliance_case(plan: SweepPlan, net: LabNet, appliance: ApplianceProcess,
-                    pids: tuple[int, ...], workers: int, mode: str, index: int,
-                    case: tuple[int, str, str]) -> Row:
+def appliance_case(plan: SweepPlan, net: LabNet, appliance: ApplianceProcess,
+                   pids: tuple[int, ...], workers: int, mode: str, index: int,
+                   case: tuple[int, str, str]) -> Row:
+    """One case on a running appliance (the lab worker on every rank, a fresh job, deleted
+    after); `pids`: the appliance's processes, whose CPU rank 0 samples."""
     size, dtype, op = case
     row = _base(plan, workers, "appliance", mode, size, dtype, op)
     job = _job_name(workers, mode, index)
@@ -279,7 +282,7 @@ def _run_pass(plan: SweepPlan, net: LabNet, workers: int, system: str,
         counters = appl.counters()
         for index, case in enumerate(plan.cases()):
             listener.case_started(f"n={workers} {label} {_case_label(case)}")
-            row = _appliance_case(plan, net, appl, pids, workers, system, index, case)
+            row = appliance_case(plan, net, appl, pids, workers, system, index, case)
             # The appliance is idle between cases, so one read serves as "after" of this case
             # and "before" of the next.
             after = appl.counters()

@@ -1,4 +1,5 @@
-"""bench.floor end to end (not timed): Gloo and the floor on one loopback namespace, both exact;
+"""bench.floor end to end (not timed): Gloo, the appliance and the floor on one loopback
+namespace, each exact;
 and a floor peer that hears nothing stops with the reason instead of hanging."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def _root_or_skip() -> None:
         pytest.skip("needs root: the loopback network is a private namespace with multicast")
 
 
-def test_floor_bench_runs_gloo_and_the_floor_exactly(tmp_path: Path) -> None:
+def test_floor_bench_runs_gloo_the_appliance_and_the_floor_exactly(tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="bench.gloo_worker needs torch (torch.distributed gloo)")
     _root_or_skip()
     out = tmp_path / "floor.json"
@@ -36,7 +37,10 @@ def test_floor_bench_runs_gloo_and_the_floor_exactly(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     written = json.loads(out.read_text())
     (run,) = written["runs"]
-    assert run["gloo"]["ok"] and run["gloo"]["checked"], run["gloo"]
+    for system in ("gloo", "appliance"):
+        assert run[system]["ok"] and run[system]["checked"], run[system]
+    assert run["appliance_ratio"] == pytest.approx(run["gloo"]["time_s"]
+                                                   / run["appliance"]["time_s"])
     result = run["floor"]
     assert result["ok"], result  # every element of every worker's result is the sum, 2
     # 1 MiB in loopback's 65408-byte segments: 16 whole ones, each timed iteration.
@@ -45,7 +49,8 @@ def test_floor_bench_runs_gloo_and_the_floor_exactly(tmp_path: Path) -> None:
     assert result["worker_receives"] >= 1 and result["worker_sends"] >= 1
     assert run["floor_ratio"] == pytest.approx(run["gloo"]["time_s"] / run["floor_time_s"])
     assert run["floor_kernel_s"] >= 0 and run["kernel_bound_s"] >= 0
-    assert "run 1: floor" in proc.stdout and "gloo/floor" in proc.stdout, proc.stdout
+    assert "run 1: gloo ring" in proc.stdout and "gloo/floor" in proc.stdout, proc.stdout
+    assert "of the floor's speed" in proc.stdout, proc.stdout
     (before, after) = written["gauge_ms"]
     assert f"{before:.1f} ms before the run, {after:.1f} ms after" in proc.stdout
 

@@ -26,29 +26,38 @@ def test_bounds_are_gloo_against_the_floor_and_against_the_kernel_over_every_cpu
             floor.bounds(*bad)
 
 
-def _row(floor_ratio: float, kernel_ratio: float) -> dict[str, object]:
-    return {"floor_ratio": floor_ratio, "kernel_ratio": kernel_ratio}
+def _row(floor_ratio: float, kernel_ratio: float, appliance_ratio: float | None = None
+         ) -> dict[str, object]:
+    return {"floor_ratio": floor_ratio, "kernel_ratio": kernel_ratio,
+            **({"appliance_ratio": appliance_ratio} if appliance_ratio else {})}
 
 
 def test_the_summary_gives_each_ratio_as_median_range_and_every_run() -> None:
-    text = floor.summary([_row(0.4, 1.2), _row(0.5, 1.0), _row(0.3, 1.4)])
+    text = floor.summary([_row(0.4, 1.2, 0.3), _row(0.5, 1.0, 0.35), _row(0.3, 1.4, 0.25)])
     assert "over 3 runs" in text
+    assert "gloo/appliance: 0.30x (0.25-0.35; runs 0.30x, 0.35x, 0.25x)" in text
     assert "gloo/floor: 0.40x (0.30-0.50; runs 0.40x, 0.50x, 0.30x)" in text
     assert "1.20x (1.00-1.40; runs 1.20x, 1.00x, 1.40x)" in text
+    # --no-appliance: no appliance line
+    assert "gloo/appliance" not in floor.summary([_row(0.4, 1.2), _row(0.5, 1.0)])
 
 
-def test_a_run_line_says_the_floor_gloo_and_the_kernel_bound() -> None:
+def test_a_run_line_says_each_system_and_the_kernel_bound() -> None:
     row = {"floor_time_s": 0.6, "floor_link_util": 0.07, "results_per_receive": 6.3,
            "segments_per_send": 6.4, "gloo": {"time_s": 0.3}, "floor_ratio": 0.5,
            "floor_kernel_s": 0.5, "floor_user_s": 0.7, "kernel_bound_s": 0.25,
-           "kernel_ratio": 1.2}
+           "kernel_ratio": 1.2, "appliance": {"time_s": 0.8}, "appliance_ratio": 0.375,
+           "appliance_of_floor": 0.75}
     line = floor.format_run(2, row)
-    for part in ("run 2: floor 600.0 ms, 7% of a worker's link", "6.3 results per receive",
-                 "6.4 segments per send", "gloo ring 300.0 ms", "gloo/floor 0.50x",
+    for part in ("run 2: gloo ring 300.0 ms | the appliance 800.0 ms (gloo/appliance 0.38x, "
+                 "75% of the floor's speed) | floor 600.0 ms, 7% of a worker's link",
+                 "6.3 results per receive", "6.4 segments per send", "(gloo/floor 0.50x)",
                  "kernel 0.500 s, user 0.700 s", "for 250.0 ms: gloo/that 1.20x"):
         assert part in line, line
+    row |= {"appliance": None}  # --no-appliance
     del row["floor_link_util"]  # loopback: no link of a worker's own
-    assert "link" not in floor.format_run(1, row)
+    line = floor.format_run(1, row)
+    assert "link" not in line and "appliance" not in line, line
 
 
 @pytest.mark.parametrize("numbers, expected", [
