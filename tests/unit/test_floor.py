@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from reduction_appliance.bench import floor, floor_peer
+from reduction_appliance.bench import floor, floor_peer, floor_plot
 
 
 def test_the_floor_moves_whole_segments_never_more_than_the_size() -> None:
@@ -102,3 +105,44 @@ def test_bad_peer_arguments_are_refused(argv: list[str], message: str,
         floor_peer.main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _written(network: str = "rack", runs: int = 2) -> dict[str, object]:
+    return {"plan": {"network": network, "workers": [8], "rate": "500mbit" if network == "rack"
+                     else None, "sizes": [2**20]},
+            "runs": [{"appliance_ratio": 1.0 + i / 10, "floor_ratio": 1.5, "kernel_ratio": 6.0}
+                     for i in range(runs)]}
+
+
+def test_a_plotted_case_is_named_by_its_plan_and_keeps_every_runs_ratios() -> None:
+    case = floor_plot.case_of(_written(), target=2.0)
+    assert case.label == "n = 8, 500mbit, 1 MiB" and case.target == 2.0
+    assert case.ratios == {"appliance_ratio": [1.0, 1.1], "floor_ratio": [1.5, 1.5],
+                           "kernel_ratio": [6.0, 6.0]}
+    assert floor_plot.case_of(_written("loopback")).label == "n = 8, loopback, 1 MiB"
+    written = _written()
+    for run in written["runs"]:  # type: ignore[attr-defined]
+        run["appliance_ratio"] = None  # --no-appliance: no such bar
+    assert "appliance_ratio" not in floor_plot.case_of(written).ratios
+    with pytest.raises(ValueError, match="no runs"):
+        floor_plot.case_of(_written(runs=0))
+
+
+def test_the_plot_is_written_from_json_files_with_their_targets(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the plot extra)")
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps(_written()))
+    second.write_text(json.dumps(_written("loopback")))
+    image = tmp_path / "floor.png"
+    assert floor_plot.main([str(image), f"{first}:2.0", str(second)]) == 0
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_plot_refuses_what_bench_floor_did_not_write(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"rows": []}))
+    assert floor_plot.main([str(tmp_path / "x.png"), str(other)]) == 1
+    assert "not bench.floor's output" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        floor_plot.main([str(tmp_path / "x.png"), f"{other}:fast"])
