@@ -75,6 +75,7 @@ class FloorRun:
     # many datagrams the kernel handed over per call, how many a GSO send carried.
     worker_receives: int
     worker_sends: int
+    worker_cpu_s: float  # the median worker's own CPU seconds (user and kernel) in them
 
     @property
     def time_s(self) -> float:
@@ -162,7 +163,8 @@ def run_floor(net: Network, workers: int, size: int, iters: int, warmup: int,
     times = [max(r["times"][i] for r in reports) for i in range(iters)]
     return FloorRun(segments, payload, times, all(r["ok"] for r in reports), cpu, wall,
                     int(statistics.median(r["receives"] for r in reports)),
-                    int(statistics.median(r["sends"] for r in reports)))
+                    int(statistics.median(r["sends"] for r in reports)),
+                    statistics.median(r["cpu_s"] for r in reports))
 
 
 def _stderr_of(procs: Sequence[subprocess.Popen[str]]) -> str:
@@ -212,7 +214,10 @@ def one_run(plan: SweepPlan, window: int, appliance: bool, progress: ProgressBar
                 "floor_user_s": floor.cpu.user / iterations,
                 "floor_steal_share": floor.cpu.steal / max(1e-9, sum(floor.cpu)),
                 "results_per_receive": floor.segments * iterations / max(1, floor.worker_receives),
-                "segments_per_send": floor.segments * iterations / max(1, floor.worker_sends)}
+                "segments_per_send": floor.segments * iterations / max(1, floor.worker_sends),
+                # per GB each rank allreduced, as the appliance's `worker_cpu_s_per_gb`
+                "floor_worker_cpu_s_per_gb": floor.worker_cpu_s
+                / (floor.segments * floor.payload * iterations / 1e9)}
     row |= bounds(gloo["time_s"], floor.time_s, row["floor_kernel_s"], os.cpu_count() or 1)
     if ours is not None:
         row["appliance_ratio"] = gloo["time_s"] / ours["time_s"]
@@ -235,15 +240,21 @@ def format_run(index: int, row: Row) -> str:
             if "floor_link_util" in row else "")
     appliance = (f"the appliance {ours['time_s'] * 1e3:.1f} ms (gloo/appliance "
                  f"{row['appliance_ratio']:.2f}x, {row['appliance_of_floor']:.0%} of the "
-                 f"floor's speed) | " if ours is not None else "")
+                 f"floor's speed{_worker_cpu(ours.get('worker_cpu_s_per_gb'))}) | "
+                 if ours is not None else "")
     return (f"run {index}: gloo ring {gloo['time_s'] * 1e3:.1f} ms | {appliance}floor "
             f"{row['floor_time_s'] * 1e3:.1f} ms{link}, a worker's "
             f"{row['results_per_receive']:.1f} results per receive and "
-            f"{row['segments_per_send']:.1f} segments per send (gloo/floor "
+            f"{row['segments_per_send']:.1f} segments per send"
+            f"{_worker_cpu(row.get('floor_worker_cpu_s_per_gb'))} (gloo/floor "
             f"{row['floor_ratio']:.2f}x) | the floor's CPU per iteration: kernel "
             f"{row['floor_kernel_s']:.3f} s, user {row['floor_user_s']:.3f} s; the kernel alone "
             f"fills every CPU for {row['kernel_bound_s'] * 1e3:.1f} ms: gloo/that "
             f"{row['kernel_ratio']:.2f}x")
+
+
+def _worker_cpu(s_per_gb: float | None) -> str:
+    return "" if s_per_gb is None else f"; a worker's CPU {s_per_gb:.2f} s per GB"
 
 
 def _spread(values: list[float]) -> str:

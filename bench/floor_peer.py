@@ -25,8 +25,9 @@ stops the run with an error, after `SILENCE_S` without progress (there is no rec
 Protocol with bench.floor on stdin and stdout, one line each: the process prints a JSON line
 {"ready": true} when its sockets are open, and waits for a line on stdin; a worker then runs its
 warm-up iterations, prints {"warm": true} and waits for a second line; then it runs the timed
-iterations and prints {"times": [...], "ok": ...}. The appliance prints {"contributions": ...}
-when every contribution is in. Errors go to stderr, with exit status 1.
+iterations and prints {"times": [...], "ok": ..., "cpu_s": ...} (its own CPU in them). The
+appliance prints {"contributions": ...} when every contribution is in. Errors go to stderr,
+with exit status 1.
 """
 
 from __future__ import annotations
@@ -199,10 +200,12 @@ def worker(bind: str, appliance_address: str, segments: int, payload: int, iters
         _wait_for_go()
         times = []
         receives = sends = 0
+        cpu_from = 0.0
         for iteration in range(warmup + iters):
             if iteration == warmup:
                 _say(warm=True)
                 _wait_for_go()
+                cpu_from = time.process_time()
             start = time.perf_counter()
             sent = got = 0
             while got < segments:
@@ -228,7 +231,8 @@ def worker(bind: str, appliance_address: str, segments: int, payload: int, iters
             if iteration >= warmup:
                 times.append(time.perf_counter() - start)
         # Every worker's input is ones: every result is the number of workers, in every element.
-        _say(times=times, ok=bool(np.all(out == workers)), receives=receives, sends=sends)
+        _say(times=times, ok=bool(np.all(out == workers)), receives=receives, sends=sends,
+             cpu_s=time.process_time() - cpu_from)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
