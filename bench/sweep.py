@@ -93,11 +93,11 @@ def open_network(plan: SweepPlan, workers: int) -> Iterator[LabNet]:
                          else None) as lab:
         # cast: harness.Network declares `mtu` as a plain attribute, LabNetwork has a property.
         yield LabNet(cast(Network, lab),
-                   f"emulated rack {lab.lab.topology.name_prefix}: workers at "
-                   f"{lab.worker_address(0)}.., appliance at {lab.appliance_address(0)}, one "
-                   f"bridge, MTU {lab.mtu}, worker links {plan.rate or 'unshaped'}"
-                   f"{f' with {plan.loss_pct:g}% loss each way' if plan.loss_pct else ''}, "
-                   f"appliance link {plan.appliance_rate or 'unshaped'}", links=True)
+                     f"emulated rack {lab.lab.topology.name_prefix}: workers at "
+                     f"{lab.worker_address(0)}.., appliance at {lab.appliance_address(0)}, "
+                     f"one bridge, MTU {lab.mtu}, worker links {plan.rate or 'unshaped'}"
+                     f"{f' with {plan.loss_pct:g}% loss each way' if plan.loss_pct else ''}, "
+                     f"appliance link {plan.appliance_rate or 'unshaped'}", links=True)
 
 
 def multicast_possible(plan: SweepPlan) -> bool:
