@@ -55,7 +55,7 @@ from .plan import SweepPlan, parse_sizes, tc_rate
 from .progress import ProgressBar
 from .sweep import LabNet, Row, appliance_case, gloo_case, open_network
 
-__all__ = ["FloorRun", "bounds", "floor_segments", "main", "run_floor"]
+__all__ = ["FloorRun", "bounds", "floor_segments", "main", "run_floor", "segment_bytes"]
 
 _PEER = ("-m", "reduction_appliance.bench.floor_peer")
 _STEP_TIMEOUT_S = 300.0  # a peer's start, warm-up or timed iterations: generous, never a hang
@@ -87,6 +87,11 @@ def floor_segments(size: int, payload: int) -> int:
     if payload <= 0 or size < payload:
         raise ValueError(f"{format_size(size)} is less than one segment of {payload} bytes")
     return size // payload
+
+
+def segment_bytes(net: Network) -> int:
+    """The appliance's own segment size on `net` (what its config derives from the MTU)."""
+    return DataplaneConfig(mtu=net.mtu).max_payload
 
 
 def bounds(gloo_s: float, floor_s: float, kernel_s_per_iter: float,
@@ -125,7 +130,7 @@ def _tell(procs: Sequence[subprocess.Popen[str]]) -> None:
 def run_floor(net: Network, workers: int, size: int, iters: int, warmup: int,
               window: int) -> FloorRun:
     """The floor's peers on `net`: the appliance on appliance 0, a worker per rank."""
-    payload = DataplaneConfig(mtu=net.mtu).max_payload  # the appliance's own segment size
+    payload = segment_bytes(net)
     segments = floor_segments(size, payload)
     common = ["--workers", str(workers), "--segments", str(segments), "--payload",
               str(payload), "--iters", str(iters), "--warmup", str(warmup)]
@@ -194,6 +199,7 @@ def one_run(plan: SweepPlan, window: int, appliance: bool, progress: ProgressBar
     case = (size, "fp32", "sum")
     net: LabNet
     with open_network(plan, workers) as net:
+        floor_segments(size, segment_bytes(net.net))  # (a size too small: said before any run)
         progress.update(label=f"gloo ring, {net.description}")
         gloo = _checked("Gloo", gloo_case(plan, net, workers, 0, case))
         ours: Row | None = None
@@ -313,12 +319,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("bench.floor needs root: its networks are namespaces", file=sys.stderr)
         return 1
     plan = _plan(args)
-    try:
-        floor_segments(args.size, DataplaneConfig(mtu=9000 if args.network == "rack"
-                                                  else 65535).max_payload)
-    except ValueError as exc:
-        print(f"bench.floor: --size: {exc}", file=sys.stderr)
-        return 1
     print(f"floor: {args.workers} workers, {format_size(args.size)} fp32 sum, "
           f"{args.network}{f' at {args.rate}' if args.network == 'rack' else ''}, "
           f"{args.iters} timed iterations (+{args.warmup}), {os.cpu_count()} CPUs")

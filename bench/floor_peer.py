@@ -76,8 +76,9 @@ def _bytes_of(array: NDArray[np.float32]) -> memoryview:
     return array.view(np.uint8).reshape(-1).data.cast("B")
 
 
-def _gso(datagram: int, count: int) -> list[tuple[int, int, bytes]]:
-    return [(_SOL_UDP, UDP_SEGMENT, struct.pack("=H", datagram))] if count > 1 else []
+def _segmenting(datagram: int) -> list[tuple[int, int, bytes]]:
+    """A GSO send's control message (made once: it is the same for every send)."""
+    return [(_SOL_UDP, UDP_SEGMENT, struct.pack("=H", datagram))]
 
 
 def _batch_of(datagram: int) -> int:
@@ -120,7 +121,7 @@ def _take(sock: socket.socket, buf: bytearray) -> int:
 def appliance(bind: str, workers: int, segments: int, payload: int, iters: int,
               silence_s: float = SILENCE_S) -> None:
     datagram = HEADER_SIZE + payload
-    records, batch = _records(payload), _batch_of(datagram)
+    records, batch, gso = _records(payload), _batch_of(datagram), _segmenting(datagram)
     sums = np.zeros((segments, payload // 4), np.float32)
     counts = np.zeros(segments, np.int64)
     headers, results = _headers(segments), _bytes_of(sums)
@@ -166,11 +167,11 @@ def appliance(bind: str, workers: int, segments: int, payload: int, iters: int,
                     iov += (headers[j * HEADER_SIZE:(j + 1) * HEADER_SIZE],
                             results[j * payload:(j + 1) * payload])
                     if len(iov) == 2 * batch:
-                        sock.sendmsg(iov, _gso(datagram, batch), 0, GROUP)
+                        sock.sendmsg(iov, gso if batch > 1 else [], 0, GROUP)
                         sends += 1
                         iov = []
                 if iov:
-                    sock.sendmsg(iov, _gso(datagram, len(iov) // 2), 0, GROUP)
+                    sock.sendmsg(iov, gso if len(iov) > 2 else [], 0, GROUP)
                     sends += 1
                 sums[done] = 0.0  # (sent: the kernel has copied them)
         _say(contributions=taken, receives=receives, sends=sends)
@@ -179,7 +180,7 @@ def appliance(bind: str, workers: int, segments: int, payload: int, iters: int,
 def worker(bind: str, appliance_address: str, segments: int, payload: int, iters: int,
            warmup: int, window: int, workers: int, silence_s: float = SILENCE_S) -> None:
     datagram = HEADER_SIZE + payload
-    records, batch = _records(payload), _batch_of(datagram)
+    records, batch, gso = _records(payload), _batch_of(datagram), _segmenting(datagram)
     data = np.ones((segments, payload // 4), np.float32)
     out = np.zeros_like(data)
     headers, contributions = _headers(segments), _bytes_of(data)
@@ -215,7 +216,7 @@ def worker(bind: str, appliance_address: str, segments: int, payload: int, iters
                     for k in range(sent, end):
                         iov += (headers[k * HEADER_SIZE:(k + 1) * HEADER_SIZE],
                                 contributions[k * payload:(k + 1) * payload])
-                    tx.sendmsg(iov, _gso(datagram, end - sent), 0, dest)
+                    tx.sendmsg(iov, gso if end - sent > 1 else [], 0, dest)
                     sends += iteration >= warmup
                     sent = end
                 if not select.select([rx], [], [], silence_s)[0]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -78,34 +79,26 @@ def test_a_batch_is_a_slice_only_when_it_numbers_consecutive_segments(
     assert floor_peer._run_of(np.array(numbers, np.uint32)) == expected
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--size", "1MiB,2MiB"], "one size"),
-    (["--workers", "1"], "at least 2"),
-    (["--iters", "0"], "at least 1"),
-    (["--window", "0"], "at least 1"),
-])
-def test_bad_floor_arguments_are_refused(argv: list[str], message: str,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
-        floor.parse_args(argv)
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
-
-
 _PEER = ["--bind", "127.0.0.1", "--workers", "2", "--segments", "4", "--iters", "1"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["worker", *_PEER, "--payload", "8896"], "needs --appliance"),
-    (["appliance", *_PEER, "--payload", "8895"], "whole fp32 elements"),
-    (["appliance", *_PEER, "--payload", "65536"], "one UDP datagram"),
-    (["appliance", *_PEER, "--payload", "8896", "--silence-s", "0"], "more than 0 seconds"),
-    (["appliance", *_PEER, "--payload", "8896", "--window", "0"], "at least 1"),
+@pytest.mark.parametrize("program, argv, message", [
+    (floor.parse_args, ["--size", "1MiB,2MiB"], "one size"),
+    (floor.parse_args, ["--workers", "1"], "at least 2"),
+    (floor.parse_args, ["--iters", "0"], "at least 1"),
+    (floor.parse_args, ["--window", "0"], "at least 1"),
+    (floor_peer.main, ["worker", *_PEER, "--payload", "8896"], "needs --appliance"),
+    (floor_peer.main, ["appliance", *_PEER, "--payload", "8895"], "whole fp32 elements"),
+    (floor_peer.main, ["appliance", *_PEER, "--payload", "65536"], "one UDP datagram"),
+    (floor_peer.main, ["appliance", *_PEER, "--payload", "8896", "--silence-s", "0"],
+     "more than 0 seconds"),
+    (floor_peer.main, ["appliance", *_PEER, "--payload", "8896", "--window", "0"], "at least 1"),
 ])
-def test_bad_peer_arguments_are_refused(argv: list[str], message: str,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_arguments_are_refused_with_the_reason(
+        program: Callable[[list[str]], object], argv: list[str], message: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        floor_peer.main(argv)
+        program(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
 
