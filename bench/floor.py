@@ -76,6 +76,7 @@ class FloorRun:
     worker_receives: int
     worker_sends: int
     worker_cpu_s: float  # the median worker's own CPU seconds (user and kernel) in them
+    worker_kernel_cpu_s: float  # ... the kernel's part, the median worker's
 
     @property
     def time_s(self) -> float:
@@ -169,7 +170,8 @@ def run_floor(net: Network, workers: int, size: int, iters: int, warmup: int,
     return FloorRun(segments, payload, times, all(r["ok"] for r in reports), cpu, wall,
                     int(statistics.median(r["receives"] for r in reports)),
                     int(statistics.median(r["sends"] for r in reports)),
-                    statistics.median(r["cpu_s"] for r in reports))
+                    statistics.median(r["cpu_s"] for r in reports),
+                    statistics.median(r["kernel_cpu_s"] for r in reports))
 
 
 def _stderr_of(procs: Sequence[subprocess.Popen[str]]) -> str:
@@ -214,6 +216,7 @@ def one_run(plan: SweepPlan, window: int, appliance: bool, progress: ProgressBar
         floor = run_floor(net.net, workers, size, plan.iters, plan.warmup, window)
         description = net.description
     iterations = len(floor.times)
+    moved_gb = floor.segments * floor.payload * iterations / 1e9
     row: Row = {"network": description, "gloo": gloo, "appliance": ours, "floor": asdict(floor),
                 "floor_time_s": floor.time_s,
                 "floor_kernel_s": floor.cpu.kernel / iterations,
@@ -222,8 +225,8 @@ def one_run(plan: SweepPlan, window: int, appliance: bool, progress: ProgressBar
                 "results_per_receive": floor.segments * iterations / max(1, floor.worker_receives),
                 "segments_per_send": floor.segments * iterations / max(1, floor.worker_sends),
                 # per GB each rank allreduced, as the appliance's `worker_cpu_s_per_gb`
-                "floor_worker_cpu_s_per_gb": floor.worker_cpu_s
-                / (floor.segments * floor.payload * iterations / 1e9)}
+                "floor_worker_cpu_s_per_gb": floor.worker_cpu_s / moved_gb,
+                "floor_worker_kernel_cpu_s_per_gb": floor.worker_kernel_cpu_s / moved_gb}
     row |= bounds(gloo["time_s"], floor.time_s, row["floor_kernel_s"], os.cpu_count() or 1)
     if ours is not None:
         row["appliance_ratio"] = gloo["time_s"] / ours["time_s"]
@@ -246,21 +249,27 @@ def format_run(index: int, row: Row) -> str:
             if "floor_link_util" in row else "")
     appliance = (f"the appliance {ours['time_s'] * 1e3:.1f} ms (gloo/appliance "
                  f"{row['appliance_ratio']:.2f}x, {row['appliance_of_floor']:.0%} of the "
-                 f"floor's speed{_worker_cpu(ours.get('worker_cpu_s_per_gb'))}) | "
+                 f"floor's speed{_worker_cpu(ours, '')}) | "
                  if ours is not None else "")
     return (f"run {index}: gloo ring {gloo['time_s'] * 1e3:.1f} ms | {appliance}floor "
             f"{row['floor_time_s'] * 1e3:.1f} ms{link}, a worker's "
             f"{row['results_per_receive']:.1f} results per receive and "
             f"{row['segments_per_send']:.1f} segments per send"
-            f"{_worker_cpu(row.get('floor_worker_cpu_s_per_gb'))} (gloo/floor "
+            f"{_worker_cpu(row, 'floor_')} (gloo/floor "
             f"{row['floor_ratio']:.2f}x) | the floor's CPU per iteration: kernel "
             f"{row['floor_kernel_s']:.3f} s, user {row['floor_user_s']:.3f} s; the kernel alone "
             f"fills every CPU for {row['kernel_bound_s'] * 1e3:.1f} ms: gloo/that "
             f"{row['kernel_ratio']:.2f}x")
 
 
-def _worker_cpu(s_per_gb: float | None) -> str:
-    return "" if s_per_gb is None else f"; a worker's CPU {s_per_gb:.2f} s per GB"
+def _worker_cpu(row: Row, prefix: str) -> str:
+    """A worker's CPU per GB in `row` (keys named `prefix`worker_...), with the kernel's part
+    where the row has it."""
+    total, kernel = (row.get(f"{prefix}worker_{what}_s_per_gb") for what in ("cpu", "kernel_cpu"))
+    if total is None:
+        return ""
+    return f"; a worker's CPU {total:.2f} s per GB" + (
+        "" if kernel is None else f" ({kernel:.2f} s of it kernel)")
 
 
 def _spread(values: list[float]) -> str:

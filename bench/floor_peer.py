@@ -25,15 +25,16 @@ stops the run with an error, after `SILENCE_S` without progress (there is no rec
 Protocol with bench.floor on stdin and stdout, one line each: the process prints a JSON line
 {"ready": true} when its sockets are open, and waits for a line on stdin; a worker then runs its
 warm-up iterations, prints {"warm": true} and waits for a second line; then it runs the timed
-iterations and prints {"times": [...], "ok": ..., "cpu_s": ...} (its own CPU in them). The
-appliance prints {"contributions": ...} when every contribution is in. Errors go to stderr,
-with exit status 1.
+iterations and prints {"times": [...], "ok": ..., "cpu_s": ..., "kernel_cpu_s": ...} (its own
+CPU in them, and the kernel's part of that). The appliance prints {"contributions": ...} when
+every contribution is in. Errors go to stderr, with exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import select
 import socket
 import struct
@@ -201,12 +202,12 @@ def worker(bind: str, appliance_address: str, segments: int, payload: int, iters
         _wait_for_go()
         times = []
         receives = sends = 0
-        cpu_from = 0.0
+        cpu_from = resource.getrusage(resource.RUSAGE_SELF)
         for iteration in range(warmup + iters):
             if iteration == warmup:
                 _say(warm=True)
                 _wait_for_go()
-                cpu_from = time.process_time()
+                cpu_from = resource.getrusage(resource.RUSAGE_SELF)
             start = time.perf_counter()
             sent = got = 0
             while got < segments:
@@ -231,9 +232,11 @@ def worker(bind: str, appliance_address: str, segments: int, payload: int, iters
                     got += k
             if iteration >= warmup:
                 times.append(time.perf_counter() - start)
+        cpu_to = resource.getrusage(resource.RUSAGE_SELF)
+        kernel_s = cpu_to.ru_stime - cpu_from.ru_stime
         # Every worker's input is ones: every result is the number of workers, in every element.
         _say(times=times, ok=bool(np.all(out == workers)), receives=receives, sends=sends,
-             cpu_s=time.process_time() - cpu_from)
+             cpu_s=cpu_to.ru_utime - cpu_from.ru_utime + kernel_s, kernel_cpu_s=kernel_s)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

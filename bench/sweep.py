@@ -163,6 +163,9 @@ def summarize(plan: SweepPlan, net: LabNet, workers: int, outputs: list[list[Row
     if "worker_cpu_s" in first:  # the median rank's CPU per GB it allreduced
         row["worker_cpu_s_per_gb"] = statistics.median(
             c["worker_cpu_s"] for c in cases) / (moved / 1e9)
+    if "worker_kernel_cpu_s" in first:  # ... and the kernel's part of it, the median rank's
+        row["worker_kernel_cpu_s_per_gb"] = statistics.median(
+            c["worker_kernel_cpu_s"] for c in cases) / (moved / 1e9)
     return row
 
 

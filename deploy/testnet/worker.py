@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from collections.abc import Callable
@@ -148,18 +149,22 @@ def _run_case(client: ApplianceClient, args: argparse.Namespace, case: int, dtyp
     window = client.pipeline.window  # the congestion window (None: fixed windows)
     cuts_before = window.cuts if window is not None else 0
     probe = probe_of(args)
-    cpu_s = 0.0  # this process's CPU time in the timed calls (its heartbeat thread included)
+    # this process's CPU time in the timed calls (its heartbeat thread included), and the
+    # kernel's part of it (its system calls: sends, receives, waits)
+    cpu_s = kernel_s = 0.0
     for i in range(args.warmup + args.iters):
         np.copyto(work, mine)
         timed = i >= args.warmup
         if timed:
             probe.before()
-        cpu_start = time.process_time()
+        cpu_start = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
         client.allreduce(work, op)
         elapsed = time.perf_counter() - start
         if timed:
-            cpu_s += time.process_time() - cpu_start
+            cpu_end = resource.getrusage(resource.RUSAGE_SELF)
+            cpu_s += cpu_end.ru_utime + cpu_end.ru_stime - cpu_start.ru_utime - cpu_start.ru_stime
+            kernel_s += cpu_end.ru_stime - cpu_start.ru_stime
             probe.after(elapsed)
             times.append(elapsed)
         if want is not None and not same_bits(work, want):
@@ -173,7 +178,7 @@ def _run_case(client: ApplianceClient, args: argparse.Namespace, case: int, dtyp
         "repairs": {field: now - then for field, now, then
                     in zip(Repairs._fields, client.repairs, repairs_before, strict=True)},
         "segments": -(-(n * itemsize) // client.segment_bytes) * (args.warmup + args.iters),
-        "worker_cpu_s": cpu_s,
+        "worker_cpu_s": cpu_s, "worker_kernel_cpu_s": kernel_s,
         # the congestion window: its cuts in this case, and the least any core's came to
         **({"window_cuts": window.cuts - cuts_before, "window_least": window.least}
            if window is not None else {}),

@@ -48,6 +48,9 @@ def test_floor_bench_runs_gloo_the_appliance_and_the_floor_exactly(tmp_path: Pat
     assert len(result["times"]) == 2 and all(t > 0 for t in result["times"])
     assert result["worker_receives"] >= 1 and result["worker_sends"] >= 1
     assert result["worker_cpu_s"] > 0 and run["floor_worker_cpu_s_per_gb"] > 0
+    assert 0 <= result["worker_kernel_cpu_s"] <= result["worker_cpu_s"]
+    ours = run["appliance"]
+    assert 0 <= ours["worker_kernel_cpu_s_per_gb"] <= ours["worker_cpu_s_per_gb"], ours
     assert run["floor_ratio"] == pytest.approx(run["gloo"]["time_s"] / run["floor_time_s"])
     assert run["floor_kernel_s"] >= 0 and run["kernel_bound_s"] >= 0
     assert "run 1: gloo ring" in proc.stdout and "gloo/floor" in proc.stdout, proc.stdout

@@ -50,21 +50,25 @@ def test_a_run_line_says_each_system_and_the_kernel_bound() -> None:
     row = {"floor_time_s": 0.6, "floor_link_util": 0.07, "results_per_receive": 6.3,
            "segments_per_send": 6.4, "gloo": {"time_s": 0.3}, "floor_ratio": 0.5,
            "floor_kernel_s": 0.5, "floor_user_s": 0.7, "kernel_bound_s": 0.25,
-           "kernel_ratio": 1.2, "appliance": {"time_s": 0.8, "worker_cpu_s_per_gb": 4.57},
+           "kernel_ratio": 1.2, "appliance": {"time_s": 0.8, "worker_cpu_s_per_gb": 4.57,
+                                              "worker_kernel_cpu_s_per_gb": 1.9},
            "appliance_ratio": 0.375, "appliance_of_floor": 0.75,
-           "floor_worker_cpu_s_per_gb": 1.234}
+           "floor_worker_cpu_s_per_gb": 1.234, "floor_worker_kernel_cpu_s_per_gb": 0.81}
     line = floor.format_run(2, row)
     for part in ("run 2: gloo ring 300.0 ms | the appliance 800.0 ms (gloo/appliance 0.38x, "
-                 "75% of the floor's speed; a worker's CPU 4.57 s per GB) | floor 600.0 ms, "
+                 "75% of the floor's speed; a worker's CPU 4.57 s per GB (1.90 s of it kernel)) | "
+                 "floor 600.0 ms, "
                  "7% of a worker's link",
                  "6.3 results per receive", "6.4 segments per send; a worker's CPU 1.23 s per "
-                 "GB (gloo/floor 0.50x)",
+                 "GB (0.81 s of it kernel) (gloo/floor 0.50x)",
                  "kernel 0.500 s, user 0.700 s", "for 250.0 ms: gloo/that 1.20x"):
         assert part in line, line
     row |= {"appliance": None}  # --no-appliance
     del row["floor_link_util"]  # loopback: no link of a worker's own
+    del row["floor_worker_kernel_cpu_s_per_gb"]  # a row of a run before the kernel's part
     line = floor.format_run(1, row)
     assert "link" not in line and "appliance" not in line, line
+    assert "a worker's CPU 1.23 s per GB (gloo/floor" in line, line
 
 
 @pytest.mark.parametrize("numbers, expected", [
