@@ -25,7 +25,6 @@ from collections.abc import Iterable, Sequence
 from .slots import RxPool
 from .spec import CoreConfig
 from .transport import RxBatch, Send, Staging, TransportCounts, datagram_starts
-from .wire import HEADER_SIZE, Header, pack_into
 
 __all__ = [
     "GRO_BUFFER",
@@ -113,6 +112,9 @@ def segment_size(ancdata: list[tuple[int, int, bytes]], nbytes: int) -> int:
     return receive_facts(ancdata, nbytes)[0]
 
 
+Buffer = bytes | bytearray | memoryview
+
+
 class DatagramBatcher:
     """Queue datagrams; consecutive ones to the same destination with the same size (the last
     may be shorter) leave in one GSO `sendmsg`. Call `flush` before waiting for anything."""
@@ -120,13 +122,12 @@ class DatagramBatcher:
     def __init__(self, sock: socket.socket, *, gso: bool = True) -> None:
         self.sock = sock
         self.gso = gso
-        self._iov: list[bytes | bytearray | memoryview] = []
+        self._iov: list[Buffer] = []
         self._dest: Address | None = None
         self._size = 0
         self._bytes = 0
         self._count = 0
         self._closed_group = False  # a shorter last segment ends the group
-        self._headers = [bytearray(HEADER_SIZE) for _ in range(_MAX_GSO_SEGMENTS)]
         self.datagrams_sent = 0
         self.bytes_sent = 0
         self.send_errors = 0
@@ -142,29 +143,26 @@ class DatagramBatcher:
         self.datagrams_sent = self.bytes_sent = self.send_errors = 0
         return counts
 
-    def add_headers(self, datagrams: Iterable[tuple[Address, Header, memoryview]]) -> None:
-        """Queue datagrams whose headers are packed here (into buffers owned by the batcher):
-        `add`'s rules, spelled out for the one case a worker sends per segment, and a turn's
-        sends in one call."""
-        headers, unsegmentable = self._headers, self._unsegmentable
+    def add_all(self, datagrams: Iterable[tuple[Address, Buffer, Buffer]]) -> None:
+        """`add` for each (destination, header, payload) in turn: a turn's sends in one call,
+        `add`'s rules spelled out once for all of them (a worker's path, per segment)."""
+        unsegmentable = self._unsegmentable
+        iov = self._iov
         for dest, header, payload in datagrams:
-            size = HEADER_SIZE + len(payload)
+            size = len(header) + len(payload)
             count = self._count
             if count and (dest != self._dest or self._closed_group or size > self._size
                           or count >= _MAX_GSO_SEGMENTS or self._bytes + size > _MAX_GSO_BYTES
                           or not self.gso):
                 self.flush()
+                iov = self._iov
                 count = 0
-            # A group's i-th datagram takes the i-th header buffer: a group holds at most
-            # _MAX_GSO_SEGMENTS, and its buffers are free again once it has left (flush).
-            buf = headers[count]
-            pack_into(buf, header)
             if not count:
                 self._dest, self._size = dest, size
                 self._closed_group = dest in unsegmentable  # then one datagram per call
             elif size < self._size:
                 self._closed_group = True
-            self._iov += (buf, payload)
+            iov += (header, payload)
             self._bytes += size
             self._count = count + 1
 

@@ -96,6 +96,7 @@ __all__ = [
     "pack_silent",
     "peek_kind",
     "peek_round",
+    "peek_slot",
     "serial_newer",
     "unpack",
     "unpack_silent",
@@ -249,6 +250,16 @@ def peek_round(buf: bytes | bytearray | memoryview, at: int = 0) -> int:
     """The round the header at `at` names, nothing else read or checked (a worker's way to
     find which round a coalesced receive belongs to before it decodes anything)."""
     return int(_ROUND.unpack_from(buf, at + _ROUND_AT)[0])
+
+
+_SLOT = struct.Struct("!I")
+_SLOT_AT = 28  # HEADER's slot field
+
+
+def peek_slot(buf: bytes | bytearray | memoryview, at: int = 0) -> int:
+    """The slot the header at `at` names, nothing else read or checked (a transport's way to
+    place a packed header's datagram)."""
+    return int(_SLOT.unpack_from(buf, at + _SLOT_AT)[0])
 
 
 def serial_newer(serial: int, than: int) -> bool:

@@ -43,7 +43,7 @@ from .lease import Lease
 from .pipeline import Outcome, RoundPipeline
 from .rendezvous import JobInfo
 from .rtt import RttEstimator, Timing
-from .session import Endpoint, Repairs, Transmit
+from .session import Endpoint, Packed, Repairs
 from .transport import Outgoing, UdpWorkerTransport, WorkerTransport, decode_each
 
 __all__ = ["ApplianceClient", "dtype_of", "op_of"]
@@ -57,10 +57,10 @@ _FRAGMENTING_LOGGED: set[str] = set()
 _new_tuple = tuple.__new__
 
 
-# Transmit's endpoint, picked in C (the key runs per segment). Sorted by it alone, and stably:
+# A transmission's endpoint, picked in C (the key runs per segment). Sorted by it alone, and stably:
 # each core's first transmissions must leave in the order `due` numbered them (SendOrder), or
 # the core would take the numbers' disorder for losses.
-_by_endpoint: Callable[[Transmit], int] = operator.itemgetter(0)
+_by_endpoint: Callable[[Packed], int] = operator.itemgetter(0)
 
 
 def dtype_of(array: NDArray[Any]) -> DType:
@@ -342,14 +342,16 @@ class ApplianceClient:
             # appliance's resending that whole result.
             self.transport.receive(self._on_datagram, self._on_run)
         # Grouped by endpoint so consecutive segments to one core leave in one GSO send.
-        due = sorted(self.pipeline.due(self._clock()), key=_by_endpoint)
+        due = sorted(self.pipeline.due_packed(self._clock()), key=_by_endpoint)
         if due:
-            # (Outgoing's fields in order through tuple.__new__, as wire.unpack does: per
-            # segment sent.)
+            # A contribution's payload is its segment of the tensor (the view's end clamps
+            # the last one). (Outgoing's fields in order through tuple.__new__, as wire.unpack
+            # does: per segment sent.)
+            size = self.segment_bytes
             self.transport.send([
-                _new_tuple(Outgoing, (addresses[e], h, views[ticket][h.offset:h.offset + h.length]
-                                      if h.kind is Kind.CONTRIBUTION else memoryview(note)))
-                for e, _, h, ticket, note in due])
+                _new_tuple(Outgoing, (addresses[e], header, views[ticket][k * size:k * size + size]
+                                      if note is None else memoryview(note)))
+                for e, k, header, ticket, note in due])
 
     def _on_run(self, buf: bytearray, view: memoryview, nbytes: int, size: int,
                 source: Address, waited: float) -> None:

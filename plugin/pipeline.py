@@ -58,11 +58,13 @@ from .session import (
     Address,
     AllreduceRound,
     Endpoint,
+    Packed,
     Repairs,
     SendOrder,
     SlotUses,
     Transmit,
 )
+from .slotplan import transmit_of
 
 __all__ = ["Outcome", "RoundPipeline", "lane_endpoints"]
 
@@ -226,13 +228,17 @@ class RoundPipeline:
     # ---- what to send ----
     def due(self, now: float) -> list[Transmit]:
         """Start what may start; every active round's transmissions (or its failure)."""
-        out: list[Transmit] = []
+        return [transmit_of(p) for p in self.due_packed(now)]
+
+    def due_packed(self, now: float) -> list[Packed]:
+        """`due`, each header in wire bytes (the send path's form)."""
+        out: list[Packed] = []
         while True:
             self._start_queued(now)
             failed = self._check_appliances(now)
             for rnd in list(self._active.values()):
                 try:
-                    out.extend(rnd.due(now))  # asking twice at one instant returns nothing new
+                    out.extend(rnd.due_packed(now))  # asking twice at one instant: nothing new
                 except ReductionError as exc:
                     self._finish(rnd, exc)
                     failed = True

@@ -40,7 +40,7 @@ from reduction_appliance.dataplane.verbs import (
     enums,
     roce_unavailable,
 )
-from reduction_appliance.dataplane.wire import HEADER_SIZE, pack_into, unpack
+from reduction_appliance.dataplane.wire import HEADER_SIZE, peek_slot, unpack
 
 from .rendezvous import JobInfo
 from .roce_multicast import MulticastReceiver
@@ -216,9 +216,9 @@ class RoceWorkerTransport:
                 if entry is None:
                     continue  # a full queue: like a loss
                 view = views[entry]
-                pack_into(view, d.header)
+                view[:HEADER_SIZE] = d.header
                 view[HEADER_SIZE:HEADER_SIZE + n] = d.payload
-                self._post(c, HEADER_SIZE + n, d.header.slot)
+                self._post(c, HEADER_SIZE + n, peek_slot(d.header))
 
     def send_raw(self, datagram: bytes, dest: Address) -> None:
         with self._lock:

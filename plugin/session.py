@@ -36,24 +36,37 @@ from collections import deque
 
 from reduction_appliance.dataplane.errors import AllreduceTimeout, JobAborted, ReductionError
 from reduction_appliance.dataplane.wire import (
+    HEADER_SIZE,
+    SERIAL_AT,
     SERIALS,
     DType,
     Flags,
     Header,
     Kind,
     Op,
+    pack_into,
 )
 
 from .answers import RoundAnswers
 from .congestion import CongestionWindow, admit, any_admitted
 from .expiry import STALL_SHARE, CoreSigns, Expiry
+from .firsts import FLAGS_AT, USE, USE_AT, first_headers
 from .rtt import RttEstimator
 from .serials import ResultSerials
-from .slotplan import Address, Endpoint, Repairs, SendOrder, SlotUses, Transmit
+from .slotplan import (
+    Address,
+    Endpoint,
+    Packed,
+    Repairs,
+    SendOrder,
+    SlotUses,
+    Transmit,
+    transmit_of,
+)
 from .stall import stall_report, stalled_cores
 
-__all__ = ["Address", "AllreduceRound", "Endpoint", "Repairs", "SendOrder", "SlotUses",
-           "Transmit"]
+__all__ = ["Address", "AllreduceRound", "Endpoint", "Packed", "Repairs", "SendOrder",
+           "SlotUses", "Transmit"]
 
 _new_tuple = tuple.__new__  # a NamedTuple built without its keyword-capable __new__
 _NUMBER = [bytes((n,)) for n in range(SERIALS)]  # a QUERY's payload, made once
@@ -157,6 +170,11 @@ class AllreduceRound(RoundAnswers):
         self._pending: dict[int, tuple[int, bytes]] = {}  # endpoint -> (arrived count, bitmap)
         self._aborted_by: str | None = None
         self.retransmissions = 0
+        # Every first transmission's header, packed now but for what is decided as it leaves
+        # (plugin/firsts.py); each leaves as a view of its own 48 bytes.
+        self._firsts = first_headers(endpoints, rank, round_no, epoch, dtype, op, nbytes,
+                                     segment_bytes)
+        self._firsts_view = memoryview(self._firsts)
 
     # ---- geometry ----
     def offset(self, k: int) -> int:
@@ -208,8 +226,12 @@ class AllreduceRound(RoundAnswers):
     def due(self, now: float) -> list[Transmit]:
         """Segments to transmit now: presumed lost ones (fast retransmit), expired timers,
         newly released ones."""
+        return [transmit_of(p) for p in self.due_packed(now)]
+
+    def due_packed(self, now: float) -> list[Packed]:
+        """`due`, each header in wire bytes (the send path's form: no header decoded)."""
         self.check(now)
-        out: list[Transmit] = []
+        out: list[Packed] = []
         n_ep = len(self.endpoints)
         while self._nudged:
             k = self._nudged.popleft()
@@ -256,28 +278,25 @@ class AllreduceRound(RoundAnswers):
         sent_seq, seq, unanswered = self._sent_seq, self._seq, self._unanswered
         in_flight, mine = self._in_flight, self._mine
         ticket, push = self.ticket, heapq.heappush
-        # A first transmission's header, spelled out here (`_repeat_header` builds the others):
-        # the fields common to the round are looked up once per call.
+        # A first transmission's header was packed with the round (plugin/firsts.py): here
+        # it gets what is decided as it leaves, its use, send sequence and QUEUED flag.
         endpoints, uses, use = self.endpoints, self._uses.counts, self._use
-        dtype, op, rank, round_no, epoch = self.dtype, self.op, self.rank, self.round, self.epoch
-        size, nbytes, contribution = self.segment_bytes, self.nbytes, Kind.CONTRIBUTION
         numbers, numbered = self._order.next, self._order.sent
-        flags_of = [Flags.QUEUED if queued else Flags.NONE for queued in self._measured]
+        firsts, firsts_view, pack_use = self._firsts, self._firsts_view, USE.pack_into
+        flags_of = [int(Flags.QUEUED) if queued else 0 for queued in self._measured]
         while ready:
             k = ready.popleft()
             e = k % n_ep
             ep = endpoints[e]
-            slot = ep.slot_base + (k // n_ep) % ep.slots
-            key = e << 32 | slot  # SlotUses.take, in line
+            key = e << 32 | (ep.slot_base + (k // n_ep) % ep.slots)  # SlotUses.take, in line
             use[k] = this_use = uses[key] = uses.get(key, 0) + 1
-            offset = k * size
             number = numbers[e]
             numbers[e] = (number + 1) % SERIALS
             numbered[e][number] = (self, k)
-            first = _new_tuple(Header, (
-                contribution, dtype, op, flags_of[e], ep.job_id, rank, ep.cookie, round_no,
-                slot, offset, size if offset + size <= nbytes else nbytes - offset, this_use,
-                epoch, number))
+            at = k * HEADER_SIZE
+            firsts[at + FLAGS_AT] = flags_of[e]
+            firsts[at + SERIAL_AT] = number
+            pack_use(firsts, at + USE_AT, this_use)
             sent_at[k] = last_sent[k] = self._payload_sent[k] = now
             rto[k] = rto_of[e]
             timer[k] = when = now + rto_of[e]
@@ -287,27 +306,30 @@ class AllreduceRound(RoundAnswers):
             mine[e] += 1
             seq[k] = sent_seq[e]
             unanswered[e][k] = None
-            out.append(_new_tuple(Transmit, (e, k, first, ticket, b"")))
+            out.append(_new_tuple(Packed, (e, k, firsts_view[at:at + HEADER_SIZE], ticket,
+                                           None)))
         return out
 
     def _clean(self) -> bool:
         """Has this round repaired no loss yet (no fast retransmission, no nudged resend)?"""
         return not self.fast_retransmissions and not self.nudged_retransmissions
 
-    def _resend(self, k: int, now: float, out: list[Transmit], probe: bool = False) -> None:
+    def _resend(self, k: int, now: float, out: list[Packed], probe: bool = False) -> None:
         self._retransmitted[k] = 1
         self.retransmissions += 1
         self._arm(k, now)
         header = self._repeat_header(k, probe)
         e = k % len(self.endpoints)
-        note = b""
+        note: bytes | None = None
         if header.kind is Kind.QUERY:
             self.queries += 1
             note = _NUMBER[(self._order.next[e] - 1) % SERIALS]  # (SENT) our newest to the core
         else:
             self._payload_sent[k] = now
             self._lacks_ours[k] = 0
-        out.append(Transmit(e, k, header, self.ticket, note))
+        packed = bytearray(HEADER_SIZE)
+        pack_into(packed, header)
+        out.append(Packed(e, k, packed, self.ticket, note))
 
     def _arm(self, k: int, now: float) -> None:
         self._last_sent[k] = now

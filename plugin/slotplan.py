@@ -1,18 +1,20 @@
 """What a worker's rounds are cut into and sent to: the appliance cores (`Endpoint`), the
 uses of their slots (`SlotUses`), the numbering of what leaves for each core (`SendOrder`),
-what leaves (`Transmit`), and why what left again did (`Repairs`)."""
+what leaves (`Transmit`, or `Packed` with its header already in wire bytes), and why what left
+again did (`Repairs`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from reduction_appliance.dataplane.wire import SERIALS, Header
+from reduction_appliance.dataplane.wire import SERIALS, Header, unpack
 
 if TYPE_CHECKING:
     from .session import AllreduceRound
 
-__all__ = ["Address", "Endpoint", "Repairs", "SendOrder", "SlotUses", "Transmit"]
+__all__ = ["Address", "Endpoint", "Packed", "Repairs", "SendOrder", "SlotUses", "Transmit",
+           "transmit_of"]
 
 Address = tuple[str, int]
 
@@ -36,6 +38,26 @@ class Transmit(NamedTuple):
     header: Header
     ticket: int  # the round as its submitter knows it (see pipeline.RoundPipeline.submit)
     note: bytes  # a QUERY's payload (wire.Flags.SENT); a CONTRIBUTION's is the tensor's
+
+
+class Packed(NamedTuple):
+    """A `Transmit` as the worker's send path takes it: the header packed (wire bytes), and
+    no note for a CONTRIBUTION, whose payload is the tensor's segment."""
+
+    endpoint: int
+    segment: int
+    header: bytes | bytearray | memoryview  # wire.HEADER_SIZE bytes
+    ticket: int
+    note: bytes | None  # a QUERY's payload; None: the segment's bytes of the tensor
+
+
+_new_tuple = tuple.__new__
+
+
+def transmit_of(packed: Packed) -> Transmit:
+    """The same transmission with its header decoded."""
+    e, k, header, ticket, note = packed
+    return _new_tuple(Transmit, (e, k, unpack(header), ticket, b"" if note is None else note))
 
 
 class SlotUses:

@@ -38,7 +38,6 @@ from reduction_appliance.dataplane.wire import (
     HEADER_SIZE,
     IP_UDP_HEADERS,
     Header,
-    pack_into,
     unpack,
 )
 
@@ -86,7 +85,7 @@ def decode_each(buf: bytearray, view: memoryview, start: int, nbytes: int, size:
 
 class Outgoing(NamedTuple):
     dest: Address
-    header: Header
+    header: bytes | bytearray | memoryview  # packed: wire.HEADER_SIZE bytes
     payload: memoryview
 
 
@@ -227,7 +226,7 @@ class UdpWorkerTransport:
 
     def send(self, datagrams: Sequence[Outgoing]) -> None:
         batcher = self._batcher
-        batcher.add_headers(datagrams)
+        batcher.add_all(datagrams)
         batcher.flush()
         error, batcher.last_error = batcher.last_error, None
         if error is not None and error.errno not in _TRANSIENT:
@@ -291,7 +290,6 @@ class MemoryWorkerTransport:
         self.endpoint: MemoryEndpoint = net.bind(address)
         for group in groups:
             net.join(group, address)
-        self._header = bytearray(HEADER_SIZE)
         self._coalesced = bytearray(_RECEIVE_BUFFER)
 
     @property
@@ -303,8 +301,7 @@ class MemoryWorkerTransport:
 
     def send(self, datagrams: Sequence[Outgoing]) -> None:
         for d in datagrams:
-            pack_into(self._header, d.header)
-            self.endpoint.sendto(bytes(self._header) + bytes(d.payload), d.dest)
+            self.endpoint.sendto(bytes(d.header) + bytes(d.payload), d.dest)
 
     def send_raw(self, datagram: bytes, dest: Address) -> None:
         self.endpoint.sendto(datagram, dest)

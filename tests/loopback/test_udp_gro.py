@@ -42,6 +42,12 @@ def header(k: int, kind: Kind = Kind.CONTRIBUTION, length: int = SEGMENT) -> Hea
                   1, 1)
 
 
+def packed(h: Header) -> bytes:
+    buf = bytearray(HEADER_SIZE)
+    pack_into(buf, h)
+    return bytes(buf)
+
+
 def gso_burst(dest: tuple[str, int], count: int, last: int = SEGMENT,
               kind: Kind = Kind.CONTRIBUTION) -> list[bytes]:
     """Send `count` datagrams to `dest` in one GSO sendmsg (the last `last` bytes of payload);
@@ -49,8 +55,8 @@ def gso_burst(dest: tuple[str, int], count: int, last: int = SEGMENT,
     payloads = [bytes([k]) * (SEGMENT if k < count - 1 else last) for k in range(count)]
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         batcher = DatagramBatcher(sock)
-        batcher.add_headers((dest, header(k, kind, len(payload)), memoryview(payload))
-                            for k, payload in enumerate(payloads))
+        batcher.add_all((dest, packed(header(k, kind, len(payload))), memoryview(payload))
+                        for k, payload in enumerate(payloads))
         batcher.flush()
         assert batcher.take_counts()[2] == 0 and not batcher.gso_refused
     return payloads
