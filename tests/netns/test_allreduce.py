@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from reduction_appliance.deploy.testnet.harness import (
+    ApplianceProcess,
     HarnessError,
     LabNetwork,
     run_workers,
@@ -36,9 +37,24 @@ def reduce_on_rack(
     with LabNetwork.rack(workers, multicast=not unicast, **links) as net, \
             start_appliance(net, cores=cores) as appliance:
         extra = ["--unicast"] if unicast else []
-        outputs = run_workers(net, worker_argv(net, appliance.api, workers, "test",
-                                               options + extra), timeout_s=300)
+        try:
+            outputs = run_workers(net, worker_argv(net, appliance.api, workers, "test",
+                                                   options + extra), timeout_s=300)
+        except HarnessError as exc:  # what each core counted says where a stall stood
+            raise HarnessError(f"{exc}; the appliance's cores then: {_cores_said(appliance)}"
+                               ) from exc
         return outputs, appliance.counters()
+
+
+def _cores_said(appliance: ApplianceProcess) -> str:
+    """Each data-plane core's non-zero counters, as the API shows them."""
+    try:
+        cores = appliance.status()["cores"]
+    except Exception as exc:  # a failure report must not fail for want of a status
+        return f"no status ({type(exc).__name__}: {exc})"
+    return "; ".join(
+        f"core {i}: " + ", ".join(f"{k} {v}" for k, v in sorted(core["counters"].items()) if v)
+        for i, core in enumerate(cores))
 
 
 def assert_all_exact(outputs: list[list[dict[str, Any]]], cases: int) -> None:
