@@ -22,10 +22,12 @@ with a backed-off timeout) is decided in plugin/expiry.py from what the core sai
 First transmissions carry their send sequence to the core (`SendOrder`); a core that sees it
 jump says which never came (MISSING, `missing`), and they go again at once.
 
-The transport asks `due(now)` what to send, offers each received RESULT header to `accept`, and
-reports `stored` once the payload sits in the output array (or hands a coalesced receive's
-results to `take_results` at once: plugin/answers.py). Nothing here touches a socket or a
-clock: time is passed in, so tests run thousands of lossy rounds in milliseconds.
+The transport asks `due(now)` what to send (or `due_packed(now)`: the same, each header in wire
+bytes, first transmissions' from the round's packed block: plugin/firsts.py), offers each
+received RESULT header to `accept`, and reports `stored` once the payload sits in the output
+array (or hands a coalesced receive's results to `take_results` at once: plugin/answers.py).
+Nothing here touches a socket or a clock: time is passed in, so tests run thousands of lossy
+rounds in milliseconds.
 """
 
 from __future__ import annotations
