@@ -86,7 +86,10 @@ _ATTEMPT_S = 5.0  # one attempt's own timeout, so that a lost answer leaves time
 
 def _call(appliance: str, method: str, path: str, body: dict[str, object] | None,
           token: str | None, timeout_s: float) -> JobDescription:
-    reply = _call_raw(appliance, method, path, body, token, timeout_s)
+    return _job_of(appliance, _call_raw(appliance, method, path, body, token, timeout_s))
+
+
+def _job_of(appliance: str, reply: object) -> JobDescription:
     try:
         job = JobDescription.from_json(reply)
     except SchemaError as exc:
@@ -99,7 +102,11 @@ def _call(appliance: str, method: str, path: str, body: dict[str, object] | None
 
 
 def _call_raw(appliance: str, method: str, path: str, body: dict[str, object] | None,
-              token: str | None, timeout_s: float, *, unreachable_is_final: bool = False) -> object:
+              token: str | None, timeout_s: float, *, unreachable_is_final: bool = False,
+              gone_after_retry: bool = False) -> object:
+    """The API's JSON answer, attempts repeated while it does not answer or is busy (5xx).
+    `gone_after_retry`: a 404 to a repeated attempt answers None (an earlier attempt whose
+    answer was lost removed the resource: what a leave asks for)."""
     deadline = time.monotonic() + timeout_s
     pause = _FIRST_RETRY_S
     attempts = 0
@@ -109,6 +116,10 @@ def _call_raw(appliance: str, method: str, path: str, body: dict[str, object] | 
         try:
             reply = _attempt(appliance, method, path, body, token, min(_ATTEMPT_S, max(left, 0.1)))
             break
+        except _Gone:
+            if gone_after_retry and attempts > 1:
+                return None
+            raise
         except _Retryable as exc:
             if unreachable_is_final and exc.unreachable:
                 raise RendezvousError(str(exc)) from exc.__cause__
@@ -118,6 +129,10 @@ def _call_raw(appliance: str, method: str, path: str, body: dict[str, object] | 
             time.sleep(pause)  # backoff between attempts at an API that did not answer
             pause = min(pause * 2, _MOST_BETWEEN_S)
     return reply
+
+
+class _Gone(RendezvousError):
+    """The API answered 404: no such job (or path)."""
 
 
 class _Retryable(Exception):
@@ -145,6 +160,8 @@ def _attempt(appliance: str, method: str, path: str, body: dict[str, object] | N
         message = f"appliance {appliance} refused {method} {path}: {exc.code} {detail}"
         if exc.code >= 500:
             raise _Retryable(message) from exc
+        if exc.code == 404:
+            raise _Gone(message) from exc
         raise RendezvousError(message) from exc
     except (OSError, ValueError) as exc:
         reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
@@ -265,6 +282,11 @@ def resync(info: JobInfo, seen_epoch: int, timeout_s: float = 30.0) -> JobInfo:
 
 
 def leave(info: JobInfo, rank: int, timeout_s: float = 5.0) -> None:
-    """Tell the appliance this rank is done; the last rank's leave frees the job's slots."""
-    _call(info.appliance, "POST", f"/v1/jobs/{info.job_id}/leave",
-          {"rank": rank, "secret": info.secret or ""}, info.token, timeout_s)
+    """Tell the appliance this rank is done; the last rank's leave frees the job's slots.
+    Where an attempt's answer is lost (a busy appliance) and the repeated attempt finds the
+    job gone, the first attempt was the last rank's leave, which removed it: done."""
+    reply = _call_raw(info.appliance, "POST", f"/v1/jobs/{info.job_id}/leave",
+                      {"rank": rank, "secret": info.secret or ""}, info.token, timeout_s,
+                      gone_after_retry=True)
+    if reply is not None:
+        _job_of(info.appliance, reply)  # (checked as every job reply is)

@@ -6,6 +6,7 @@ import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from reduction_appliance.control.config import parse
 from reduction_appliance.control.registry import JobRequest, Registry
 from reduction_appliance.dataplane.wire import VERSION
-from reduction_appliance.plugin.rendezvous import RendezvousError, register
+from reduction_appliance.plugin.rendezvous import JobInfo, RendezvousError, leave, register
 
 
 @contextmanager
@@ -66,3 +67,56 @@ def test_the_same_format_is_accepted() -> None:
     with api_answering(described()) as where:
         info = register(where, "j", 2, timeout_s=5)
     assert (info.name, info.world_size, info.secret) == ("j", 2, None)
+
+
+@contextmanager
+def api_replying(statuses: list[int]) -> Iterator[tuple[str, list[str]]]:
+    """An HTTP server on loopback that answers the n-th POST with `statuses[n]` (the last one
+    from then on) and an error body; its "host:port" and the paths it was asked."""
+    asked: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            asked.append(self.path)
+            status = statuses[min(len(asked), len(statuses)) - 1]
+            body = json.dumps({"error": f"status {status}"}).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), Handler) as server:
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield f"127.0.0.1:{server.server_address[1]}", asked
+        finally:
+            server.shutdown()
+            thread.join()
+
+
+def _joined(where: str) -> JobInfo:
+    """Job "j" (id 1) as a rank knows it, its API at `where`."""
+    with api_answering(described()) as served:
+        info = register(served, "j", 2, timeout_s=5)
+    return replace(info, appliance=where)
+
+
+def test_a_leave_whose_answer_was_lost_and_finds_the_job_gone_is_done() -> None:
+    """The first attempt's answer never came (here: the appliance was busy, 503); the repeat
+    finds no job, since that attempt was the last rank's leave and removed it."""
+    with api_replying([503, 404]) as (where, asked):
+        leave(_joined(where), 1, timeout_s=5)
+    assert asked == ["/v1/jobs/1/leave"] * 2
+
+
+def test_a_first_leave_that_finds_no_job_is_an_error() -> None:
+    with api_replying([404]) as (where, asked), \
+            pytest.raises(RendezvousError, match="refused POST /v1/jobs/1/leave: 404"):
+        leave(_joined(where), 1, timeout_s=5)
+    assert asked == ["/v1/jobs/1/leave"]
