@@ -161,6 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress = ProgressBar(args.pairs)
     try:
         result = compare(args.other, args.side, args.pairs, progress)
+    except RuntimeError as exc:  # a tree whose bench.hotpath cannot run: said, not a traceback
+        print(f"hotpath_ab: {exc}", file=sys.stderr)
+        return 1
     finally:
         progress.close()
     print(framing(before, interpreter_ms()))

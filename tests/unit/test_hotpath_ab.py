@@ -46,3 +46,14 @@ def test_a_tree_against_itself_measures_every_pair(capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert "appliance, 2 pairs: this tree min" in out and "us per datagram" in out, out
     assert "paired: median" in out, out
+
+
+def test_a_tree_whose_hotpath_cannot_run_is_named(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "reduction_appliance").mkdir()
+    (tmp_path / "reduction_appliance" / "__init__.py").write_text("")  # no bench.hotpath
+    assert hotpath_ab.main([str(tmp_path), "--pairs", "1"]) == 1
+    # It fails to import, or (an installed tree found instead) imports another tree's: either
+    # way it is refused by name, never measured as if it were that tree.
+    err = capsys.readouterr().err
+    assert err.startswith(f"hotpath_ab: the measuring process of {tmp_path.resolve()} "), err
