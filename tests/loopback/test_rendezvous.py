@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,14 +18,17 @@ from reduction_appliance.plugin.rendezvous import JobInfo, RendezvousError, leav
 
 
 @contextmanager
-def api_answering(answer: dict[str, object]) -> Iterator[str]:
-    """An HTTP server on loopback that answers every POST with `answer`; its "host:port"."""
-    body = json.dumps(answer).encode()
+def _api(reply: Callable[[int], tuple[int, bytes]]) -> Iterator[tuple[str, list[str]]]:
+    """An HTTP server on loopback answering the n-th POST (from 1) with `reply(n)`, a status
+    and a JSON body; its "host:port" and the paths it was asked."""
+    asked: list[str] = []
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers["Content-Length"]))
-            self.send_response(201)
+            asked.append(self.path)
+            status, body = reply(len(asked))
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -38,10 +41,18 @@ def api_answering(answer: dict[str, object]) -> Iterator[str]:
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         try:
-            yield f"127.0.0.1:{server.server_address[1]}"
+            yield f"127.0.0.1:{server.server_address[1]}", asked
         finally:
             server.shutdown()
             thread.join()
+
+
+@contextmanager
+def api_answering(answer: dict[str, object]) -> Iterator[str]:
+    """An API on loopback that answers every POST with `answer`; its "host:port"."""
+    body = json.dumps(answer).encode()
+    with _api(lambda _: (201, body)) as (where, _):
+        yield where
 
 
 def described() -> dict[str, object]:
@@ -71,33 +82,14 @@ def test_the_same_format_is_accepted() -> None:
 
 @contextmanager
 def api_replying(statuses: list[int]) -> Iterator[tuple[str, list[str]]]:
-    """An HTTP server on loopback that answers the n-th POST with `statuses[n]` (the last one
-    from then on) and an error body; its "host:port" and the paths it was asked."""
-    asked: list[str] = []
+    """An API on loopback that answers the n-th POST with `statuses[n]` (the last one from
+    then on) and an error body; its "host:port" and the paths it was asked."""
+    def reply(n: int) -> tuple[int, bytes]:
+        status = statuses[min(n, len(statuses)) - 1]
+        return status, json.dumps({"error": f"status {status}"}).encode()
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers["Content-Length"]))
-            asked.append(self.path)
-            status = statuses[min(len(asked), len(statuses)) - 1]
-            body = json.dumps({"error": f"status {status}"}).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    with ThreadingHTTPServer(("127.0.0.1", 0), Handler) as server:
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
-        try:
-            yield f"127.0.0.1:{server.server_address[1]}", asked
-        finally:
-            server.shutdown()
-            thread.join()
+    with _api(reply) as served:
+        yield served
 
 
 def _joined(where: str) -> JobInfo:
