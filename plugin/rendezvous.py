@@ -81,7 +81,10 @@ class JobInfo:
 
 _FIRST_RETRY_S = 0.1
 _MOST_BETWEEN_S = 2.0
-_ATTEMPT_S = 5.0  # one attempt's own timeout, so that a lost answer leaves time to retry
+# One attempt's own timeout, so that a lost answer leaves time to retry; never more than half
+# a call's whole time, so that every call can make a second attempt (a leave's 5 s used to be
+# one attempt's, and a timed-out leave was never repeated).
+_ATTEMPT_S = 5.0
 
 
 def _call(appliance: str, method: str, path: str, body: dict[str, object] | None,
@@ -108,13 +111,14 @@ def _call_raw(appliance: str, method: str, path: str, body: dict[str, object] | 
     `gone_after_retry`: a 404 to a repeated attempt answers None (an earlier attempt whose
     answer was lost removed the resource: what a leave asks for)."""
     deadline = time.monotonic() + timeout_s
+    attempt_s = min(_ATTEMPT_S, timeout_s / 2)
     pause = _FIRST_RETRY_S
     attempts = 0
     while True:
         attempts += 1
         left = deadline - time.monotonic()
         try:
-            reply = _attempt(appliance, method, path, body, token, min(_ATTEMPT_S, max(left, 0.1)))
+            reply = _attempt(appliance, method, path, body, token, min(attempt_s, max(left, 0.1)))
             break
         except _Gone:
             if gone_after_retry and attempts > 1:
@@ -281,12 +285,14 @@ def resync(info: JobInfo, seen_epoch: int, timeout_s: float = 30.0) -> JobInfo:
     return replace(info, epoch=job.epoch)
 
 
-def leave(info: JobInfo, rank: int, timeout_s: float = 5.0) -> None:
+def leave(info: JobInfo, rank: int, timeout_s: float = 10.0) -> None:
     """Tell the appliance this rank is done; the last rank's leave frees the job's slots.
     Where an attempt's answer is lost (a busy appliance) and the repeated attempt finds the
-    job gone, the first attempt was the last rank's leave, which removed it: done."""
+    job gone, the first attempt was the last rank's leave, which removed it: done. A refused
+    connection is final at once: nothing listens, and the job went with the daemon (a worker
+    shutting down then need not wait out `timeout_s`)."""
     reply = _call_raw(info.appliance, "POST", f"/v1/jobs/{info.job_id}/leave",
                       {"rank": rank, "secret": info.secret or ""}, info.token, timeout_s,
-                      gone_after_retry=True)
+                      unreachable_is_final=True, gone_after_retry=True)
     if reply is not None:
         _job_of(info.appliance, reply)  # (checked as every job reply is)

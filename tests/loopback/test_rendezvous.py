@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,11 +30,12 @@ def _api(reply: Callable[[int], tuple[int, bytes]]) -> Iterator[tuple[str, list[
             self.rfile.read(int(self.headers["Content-Length"]))
             asked.append(self.path)
             status, body = reply(len(asked))
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            with contextlib.suppress(OSError):  # (a client that gave up on this one is gone)
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
         def log_message(self, *args: object) -> None:
             pass
@@ -112,3 +115,32 @@ def test_a_first_leave_that_finds_no_job_is_an_error() -> None:
             pytest.raises(RendezvousError, match="refused POST /v1/jobs/1/leave: 404"):
         leave(_joined(where), 1, timeout_s=5)
     assert asked == ["/v1/jobs/1/leave"]
+
+
+def test_a_leave_whose_first_attempt_hangs_is_repeated_within_its_time() -> None:
+    """Every call leaves time for a second attempt: a leave's first attempt that never answers
+    (until the second arrives) is repeated, however short the call's time. (One attempt
+    used to take a leave's whole 5 s, and a timed-out leave was never repeated.)"""
+    second = threading.Event()
+    body = json.dumps(described()).encode()
+
+    def reply(n: int) -> tuple[int, bytes]:
+        if n == 1:
+            second.wait(30)  # (set by the second attempt; a bound, not a wait for time)
+        else:
+            second.set()
+        return 200, body
+
+    with _api(reply) as (where, asked):
+        leave(_joined(where), 1, timeout_s=2)
+    assert asked == ["/v1/jobs/1/leave"] * 2
+
+
+def test_a_leave_to_an_appliance_where_nothing_listens_fails_at_once() -> None:
+    """A refused connection is final for a leave: the daemon is gone, and its jobs with it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        where = f"127.0.0.1:{probe.getsockname()[1]}"  # (closed: nothing listens there)
+    with pytest.raises(RendezvousError, match="cannot reach appliance API") as raised:
+        leave(_joined(where), 1, timeout_s=30)
+    assert "gave up after" not in str(raised.value)
