@@ -9,8 +9,9 @@ counted alike by every rank), which the appliance checks against its window. Res
 accepted only from the core the segment went to, for its use and epoch.
 
 Loss recovery at rack speed: every appliance core has its own round-trip estimate (RFC 6298,
-Karn's rule, its gains divided by the segments in flight as RFC 7323 has them for a window's
-worth of samples per round trip) with a floor in the rack's time scale (`Timing.rto_min`), and
+Karn's rule; a sample from every fourth answer that may give one, its gains divided by the
+samples a round trip brings, as RFC 7323 has them for a window's worth: plugin/answers.py)
+with a floor in the rack's time scale (`Timing.rto_min`), and
 only the lost segment's own timer backs off: one loss never slows the rest. A gap is repaired
 without waiting for a timer when it shows: once results came back for `FAST_RETRANSMIT`
 segments sent to the same core after one that is still unanswered, and it has been gone two
@@ -33,6 +34,7 @@ rounds in milliseconds.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
 
@@ -153,6 +155,7 @@ class AllreduceRound(RoundAnswers):
         # this round's lowest unanswered segment to each core, which goes whatever the window.
         self._window = window
         self._lowest = list(range(len(endpoints)))
+        self._unsampled = [0] * len(endpoints)  # RTT samples (plugin/answers.py, SAMPLE_EVERY)
         # What our contributions say of the path (wire.Flags.QUEUED): the window's own measure.
         self._measured = window.measured if window is not None else [False] * len(endpoints)
         # Retransmissions are QUERYs (48 bytes: "the result, or say what you lack") until the
@@ -164,7 +167,13 @@ class AllreduceRound(RoundAnswers):
         self.nudged_retransmissions = 0  # resent because a PENDING or MISSING said ours never came
         self.queries = 0  # retransmissions that were QUERYs (header only)
         self.remaining = n
-        self._timers: list[tuple[float, int]] = []
+        # The armed timers, a heap of (when, tag, segments): a first transmission's timer
+        # joins the entry of the segments that left to its core in the same call (they share
+        # `when`), so a turn's first transmissions cost one heap push per core, not one each.
+        # An entry is live while one of its segments is unanswered with that timer; `_timer`
+        # says which timer a segment has now (a later one supersedes it).
+        self._timers: list[tuple[float, int, list[int]]] = []
+        self._tags = itertools.count()  # (entries of equal `when` never compare their lists)
         e = len(endpoints)
         self._ready: deque[int] = deque(
             k for k in range(n) if k // e < endpoints[k % e].slots
@@ -245,11 +254,15 @@ class AllreduceRound(RoundAnswers):
                 del self._unanswered[k % n_ep][k]
                 self.fast_retransmissions += 1
                 self._resend(k, now, out)
-        timers = self._timers
+        timers, done, timer = self._timers, self._done, self._timer
         signs, timing = self._signs, self._rtt.timing
+        expired: list[tuple[float, int]] = []
         while timers and timers[0][0] <= now:
-            when, k = heapq.heappop(timers)
-            if self._done[k] or when != self._timer[k]:
+            when, _, ran_out = heapq.heappop(timers)
+            expired.extend((when, k) for k in ran_out)
+        expired.sort()  # (in timer order, and segment order among equal ones)
+        for when, k in expired:
+            if done[k] or when != timer[k]:
                 continue  # answered, or superseded by a later timer
             e = k % n_ep
             verdict = signs.on_expiry(
@@ -265,8 +278,8 @@ class AllreduceRound(RoundAnswers):
                 # Its answer, however late, is no round-trip sample (a late rank's wait, not
                 # the path's; Karn's rule, as for a resend).
                 self._timed_out[k] = 1
-            self._timer[k] = verdict.at
-            heapq.heappush(timers, (verdict.at, k))
+            timer[k] = verdict.at
+            heapq.heappush(timers, (verdict.at, next(self._tags), [k]))
         ready = self._ready
         if not ready:
             return out
@@ -279,7 +292,8 @@ class AllreduceRound(RoundAnswers):
         sent_at, rto, timer, last_sent = self._sent_at, self._rto, self._timer, self._last_sent
         sent_seq, seq, unanswered = self._sent_seq, self._seq, self._unanswered
         in_flight, mine = self._in_flight, self._mine
-        ticket, push = self.ticket, heapq.heappush
+        ticket, push, tags = self.ticket, heapq.heappush, self._tags
+        armed_now: list[list[int] | None] = [None] * n_ep  # this call's timer entry per core
         # A first transmission's header was packed with the round (plugin/firsts.py): here
         # it gets what is decided as it leaves, its use, send sequence and QUEUED flag.
         endpoints, uses, use = self.endpoints, self._uses.counts, self._use
@@ -301,8 +315,12 @@ class AllreduceRound(RoundAnswers):
             pack_use(firsts, at + USE_AT, this_use)
             sent_at[k] = last_sent[k] = self._payload_sent[k] = now
             rto[k] = rto_of[e]
-            timer[k] = when = now + rto_of[e]
-            push(timers, (when, k))
+            timer[k] = now + rto_of[e]
+            armed = armed_now[e]
+            if armed is None:
+                armed = armed_now[e] = []
+                push(timers, (timer[k], next(tags), armed))
+            armed.append(k)
             sent_seq[e] += 1
             in_flight[e] += 1
             mine[e] += 1
@@ -336,7 +354,7 @@ class AllreduceRound(RoundAnswers):
     def _arm(self, k: int, now: float) -> None:
         self._last_sent[k] = now
         self._timer[k] = when = now + self._rto[k]
-        heapq.heappush(self._timers, (when, k))
+        heapq.heappush(self._timers, (when, next(self._tags), [k]))
 
     def _settle(self, e: int) -> float:
         """How long after it left a segment overtaken by later ones to core `e` is presumed
@@ -391,10 +409,16 @@ class AllreduceRound(RoundAnswers):
 
     def next_timer(self) -> float:
         """When the earliest live retransmission timer expires (inf: none is armed)."""
-        timers = self._timers
-        while timers and (self._done[timers[0][1]] or timers[0][0] != self._timer[timers[0][1]]):
-            heapq.heappop(timers)  # answered, or superseded by a later timer
-        return timers[0][0] if timers else math.inf
+        timers, done, timer = self._timers, self._done, self._timer
+        while timers:
+            when, _, armed = timers[0]
+            for i, k in enumerate(armed):
+                if not done[k] and timer[k] == when:
+                    if i:
+                        del armed[:i]  # answered, or superseded: not scanned again
+                    return when
+            heapq.heappop(timers)  # every segment in it answered, or superseded
+        return math.inf
 
     # ---- what comes back (accept, stored, take_results: plugin/answers.py) ----
     def release(self) -> None:

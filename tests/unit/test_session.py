@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,6 +18,7 @@ from reduction_appliance.deploy.testnet.reference import (
     reference,
     same_bits,
 )
+from reduction_appliance.plugin.answers import SAMPLE_EVERY, samples_per_rtt
 from reduction_appliance.plugin.rtt import RttEstimator, Timing
 from reduction_appliance.plugin.serials import ResultSerials
 from reduction_appliance.plugin.session import (
@@ -120,6 +123,26 @@ def test_a_round_samples_with_its_window_in_flight() -> None:
     assert srtt is not None and 0.008 < srtt < 0.010
 
 
+def test_every_fourth_answer_to_a_core_gives_a_sample_from_the_first() -> None:
+    """The 1st, 5th, 9th ... answer that may give an RTT sample (Karn's rule) does, per core
+    and round (`SAMPLE_EVERY`): a round of one segment per core still samples, the others
+    move nothing, and a sample's gain is shared by the samples a round trip brings."""
+    assert SAMPLE_EVERY == 4
+    estimator = RttEstimator(Timing(rto_min=0.001))
+    rnd = AllreduceRound(endpoints(1, 8), 0, 2, 1, DType.FLOAT32, Op.SUM, 8 * 64, 64,
+                         estimator, 0.0)
+    sent = rnd.due(0.0)
+    answer(rnd, sent[0], 0.004)
+    assert estimator.srtt(0) == 0.004  # the first sample is taken whole
+    for t in sent[1:4]:
+        answer(rnd, t, 0.010)
+    assert estimator.srtt(0) == 0.004  # the 2nd to 4th: no samples
+    answer(rnd, sent[4], 0.012)
+    # the 5th, with 4 in flight: one sample a round trip, RFC 6298's gain whole
+    assert estimator.srtt(0) == pytest.approx(0.004 + 0.125 * (0.012 - 0.004))
+    assert [samples_per_rtt(n) for n in (1, 4, 5, 32)] == [1, 1, 2, 8]
+
+
 def one_segment(timing: Timing, rtt: float | None = None) -> tuple[AllreduceRound, Transmit]:
     """Rank 0 of 2, one segment, one core (with a round trip of `rtt` measured); sent at t=0."""
     estimator = RttEstimator(timing)
@@ -192,6 +215,24 @@ def stalled_window() -> tuple[AllreduceRound, list[Transmit]]:
 def answer(rnd: AllreduceRound, t: Transmit, now: float, serial: int = 0) -> None:
     assert rnd.accept(t.header._replace(kind=Kind.RESULT, serial=serial)) == t.segment
     rnd.stored(t.segment, now)
+
+
+def test_first_transmissions_of_one_call_to_a_core_share_one_timer_entry() -> None:
+    """One heap entry for a call's first transmissions to a core (they share their timeout):
+    it stands while any of them is unanswered with that timer, and goes with the last."""
+    rnd, sent = stalled_window()
+    assert len(rnd._timers) == 1
+    for t in sent[:3]:
+        answer(rnd, t, 0.01)
+    assert rnd.next_timer() == pytest.approx(0.1)  # segment 3's, still waiting
+    answer(rnd, sent[3], 0.02)
+    assert rnd.next_timer() == math.inf and rnd._timers == []
+    released = rnd.due(0.02)  # segments 4-7, their slots free again: one entry again
+    assert [t.segment for t in released] == [4, 5, 6, 7] and len(rnd._timers) == 1
+    # All four run out together, taken in segment order: the lowest asks for the stalled
+    # core, the others wait for its answer (plugin/expiry.py).
+    assert [t.segment for t in rnd.due(0.2)] == [4]
+    assert rnd.next_timer() == pytest.approx(0.2 + 0.1)
 
 
 def test_a_segment_waiting_its_turn_behind_answered_ones_is_not_queried() -> None:
