@@ -72,6 +72,7 @@ def main() -> int:
             failures: list[str] = []
             first_failure: float | None = None  # CLOCK_MONOTONIC: the test's clock too
             times: list[float] = []
+            repairs_before = client.repairs
             for _ in range(count):
                 work = mine.copy()
                 start = time.perf_counter()
@@ -88,6 +89,10 @@ def main() -> int:
                               "failures": failures[-3:], "times": times,
                               "first_failure": first_failure,
                               "rejected": client.pipeline.rejected,
+                              # this command's retransmissions, by the sign that sent each
+                              "repairs": {name: after - before for name, after, before in zip(
+                                  client.repairs._fields, client.repairs, repairs_before,
+                                  strict=True)},
                               "epoch": client.pipeline.epoch}), flush=True)
         leave(client.jobs[0], args.rank)
     return 0

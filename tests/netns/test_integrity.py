@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
-from statistics import median
 
 import pytest
 
@@ -109,11 +108,16 @@ def test_a_killed_worker_rejoins_and_the_next_allreduces_are_exact(
 
 def test_a_job_pinning_receive_buffers_does_not_starve_another(
         rack: tuple[LabNetwork, ApplianceProcess]) -> None:
+    """The greedy job's early contributions fill its own quota of held buffers and are then
+    turned away; none of the quiet job's are. (A contribution turned away is repaired only
+    when a PENDING tells its rank it never came: `told` counts those. This replaced a bound
+    on the quiet job's time, loaded against alone, of 2x: on two cores next to the RoCE
+    guest's emulated CPU it once measured 2.12x, with every result exact and in time.)"""
     net, appliance = rack
     quiet_job = Job(net, appliance, "quiet", 2, "--deterministic")
     greedy = None
     try:
-        quiet = median(t for r in quiet_job.run(20, 1 << 20) for t in r["times"])
+        assert all_exact(quiet_job.run(20, 1 << 20))
         # A deterministic job of 64 ranks whose rank 0 never comes: 63 ranks x 32 slots x 2
         # cores = 4032 early contributions, each wanting a held buffer.
         greedy = net.popen_worker(2, [sys.executable, str(HERE / "attacker.py"), "hold",
@@ -125,8 +129,7 @@ def test_a_job_pinning_receive_buffers_does_not_starve_another(
         assert held["sent"] == 2 * 63 * 32 * 2
         reports = quiet_job.run(20, 1 << 20)
         assert all_exact(reports)
-        loaded = median(t for r in reports for t in r["times"])
-        assert loaded < 2 * quiet, (quiet, loaded)
+        assert [r["repairs"]["told"] for r in reports] == [0, 0], reports
         assert appliance.counters()["drop_no_buffer"] > 0  # the greedy job hit its quota
     finally:
         if greedy is not None:
