@@ -38,20 +38,9 @@ from .rtt import RttEstimator
 from .serials import ResultSerials
 from .slotplan import Address, Endpoint
 
-__all__ = ["SAMPLE_EVERY", "RoundAnswers", "samples_per_rtt"]
+__all__ = ["RoundAnswers"]
 
 QUEUED = int(Flags.QUEUED)
-# A round-trip sample from every SAMPLE_EVERY-th answer that may give one (Karn's rule), per
-# core and round, from the first on (a round of any size samples), its gains scaled by the
-# samples a round trip then brings (plugin/rtt.py). Neighbouring segments' round trips are
-# alike, so the estimate is the same in expectation; a sample per segment was a twentieth of
-# a worker's Python per segment (bench.hotpath), with the cached RTO worked out after each.
-SAMPLE_EVERY = 4
-
-
-def samples_per_rtt(in_flight: int) -> int:
-    """How many samples a round trip brings with `in_flight` segments in flight to a core."""
-    return -(-in_flight // SAMPLE_EVERY)
 
 
 class RoundAnswers:
@@ -82,7 +71,6 @@ class RoundAnswers:
     _acked_seq: list[int]
     _unanswered: list[dict[int, None]]
     _lowest: list[int]
-    _unsampled: list[int]  # per core: answers that may give a sample to pass before the next
     _ready: deque[int]
 
     def accept(self, h: Header, source: Address | None = None) -> int | None:
@@ -128,13 +116,8 @@ class RoundAnswers:
         window = self._window
         if not self._retransmitted[k]:
             self._signs.progress_at[e] = now
-            if self._timed_out[k]:
-                pass
-            elif self._unsampled[e]:
-                self._unsampled[e] -= 1
-            else:
-                self._rtt.sample(e, now - self._sent_at[k], samples_per_rtt(in_flight[e]))
-                self._unsampled[e] = SAMPLE_EVERY - 1
+            if not self._timed_out[k]:
+                self._rtt.sample(e, now - self._sent_at[k], in_flight[e])
             if window is not None and window.shrunk:
                 window.on_answer(e)
         if window is not None and completer >= 0:
@@ -185,7 +168,7 @@ class RoundAnswers:
         # written back on the way out, not looked up per result.
         e = -1
         ep: Endpoint | None = None
-        in_flight = acked = low = nxt_step = unsampled = 0
+        in_flight = acked = low = nxt_step = 0
         newest = -1
         progressed = False
         unanswered: dict[int, None] = {}
@@ -212,7 +195,6 @@ class RoundAnswers:
                         return at
                     in_flight, acked, low = self._in_flight[e], self._acked_seq[e], self._lowest[e]
                     newest, unanswered = self._serials.newest[e], self._unanswered[e]
-                    unsampled = self._unsampled[e]
                     nxt_step = ep.slots * n_ep
                 elif k % n_ep != e:
                     return at
@@ -231,13 +213,8 @@ class RoundAnswers:
                 taken += 1
                 if not retransmitted[k]:
                     progressed = True
-                    if timed_out[k]:
-                        pass
-                    elif unsampled:
-                        unsampled -= 1
-                    else:  # (`samples_per_rtt`, in line)
-                        sample(e, now - sent_at[k], -(-in_flight // SAMPLE_EVERY))
-                        unsampled = SAMPLE_EVERY - 1
+                    if not timed_out[k]:
+                        sample(e, now - sent_at[k], in_flight)
                     if shrinking and window is not None:  # (whole again: a no-op)
                         window.on_answer(e)
                 if window is not None:
@@ -271,4 +248,3 @@ class RoundAnswers:
                 self._acked_seq[e] = acked
                 self._lowest[e] = low
                 self._serials.newest[e] = newest
-                self._unsampled[e] = unsampled

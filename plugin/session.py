@@ -9,9 +9,8 @@ counted alike by every rank), which the appliance checks against its window. Res
 accepted only from the core the segment went to, for its use and epoch.
 
 Loss recovery at rack speed: every appliance core has its own round-trip estimate (RFC 6298,
-Karn's rule; a sample from every fourth answer that may give one, its gains divided by the
-samples a round trip brings, as RFC 7323 has them for a window's worth: plugin/answers.py)
-with a floor in the rack's time scale (`Timing.rto_min`), and
+Karn's rule, its gains divided by the segments in flight as RFC 7323 has them for a window's
+worth of samples per round trip) with a floor in the rack's time scale (`Timing.rto_min`), and
 only the lost segment's own timer backs off: one loss never slows the rest. A gap is repaired
 without waiting for a timer when it shows: once results came back for `FAST_RETRANSMIT`
 segments sent to the same core after one that is still unanswered, and it has been gone two
@@ -155,7 +154,6 @@ class AllreduceRound(RoundAnswers):
         # this round's lowest unanswered segment to each core, which goes whatever the window.
         self._window = window
         self._lowest = list(range(len(endpoints)))
-        self._unsampled = [0] * len(endpoints)  # RTT samples (plugin/answers.py, SAMPLE_EVERY)
         # What our contributions say of the path (wire.Flags.QUEUED): the window's own measure.
         self._measured = window.measured if window is not None else [False] * len(endpoints)
         # Retransmissions are QUERYs (48 bytes: "the result, or say what you lack") until the

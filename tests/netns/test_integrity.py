@@ -109,10 +109,13 @@ def test_a_killed_worker_rejoins_and_the_next_allreduces_are_exact(
 def test_a_job_pinning_receive_buffers_does_not_starve_another(
         rack: tuple[LabNetwork, ApplianceProcess]) -> None:
     """The greedy job's early contributions fill its own quota of held buffers and are then
-    turned away; none of the quiet job's are. (A contribution turned away is repaired only
-    when a PENDING tells its rank it never came: `told` counts those. This replaced a bound
-    on the quiet job's time, loaded against alone, of 2x: on two cores next to the RoCE
-    guest's emulated CPU it once measured 2.12x, with every result exact and in time.)"""
+    turned away; the quiet job's are not. A contribution turned away is repaired only when a
+    PENDING tells its rank it never came (`told`). Each quiet rank sends 20 x 118 of them:
+    with the per-job quota broken on purpose, rank 1 (out of turn, so holding buffers) was
+    told of 1046; on a loaded CI machine rank 0 once of 9 (datagrams lost while a process was
+    not running), so the bound is 100. (This replaced a bound of 2x on the quiet job's time,
+    loaded against alone: next to the RoCE guest's emulated CPU it once measured 2.12x, with
+    every result exact and in time.)"""
     net, appliance = rack
     quiet_job = Job(net, appliance, "quiet", 2, "--deterministic")
     greedy = None
@@ -129,7 +132,7 @@ def test_a_job_pinning_receive_buffers_does_not_starve_another(
         assert held["sent"] == 2 * 63 * 32 * 2
         reports = quiet_job.run(20, 1 << 20)
         assert all_exact(reports)
-        assert [r["repairs"]["told"] for r in reports] == [0, 0], reports
+        assert all(r["repairs"]["told"] < 100 for r in reports), reports
         assert appliance.counters()["drop_no_buffer"] > 0  # the greedy job hit its quota
     finally:
         if greedy is not None:

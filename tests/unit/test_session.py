@@ -18,7 +18,6 @@ from reduction_appliance.deploy.testnet.reference import (
     reference,
     same_bits,
 )
-from reduction_appliance.plugin.answers import SAMPLE_EVERY, samples_per_rtt
 from reduction_appliance.plugin.rtt import RttEstimator, Timing
 from reduction_appliance.plugin.serials import ResultSerials
 from reduction_appliance.plugin.session import (
@@ -121,26 +120,6 @@ def test_a_round_samples_with_its_window_in_flight() -> None:
         rnd.stored(t.segment, 0.001)
     srtt = estimator.srtt(0)
     assert srtt is not None and 0.008 < srtt < 0.010
-
-
-def test_every_fourth_answer_to_a_core_gives_a_sample_from_the_first() -> None:
-    """The 1st, 5th, 9th ... answer that may give an RTT sample (Karn's rule) does, per core
-    and round (`SAMPLE_EVERY`): a round of one segment per core still samples, the others
-    move nothing, and a sample's gain is shared by the samples a round trip brings."""
-    assert SAMPLE_EVERY == 4
-    estimator = RttEstimator(Timing(rto_min=0.001))
-    rnd = AllreduceRound(endpoints(1, 8), 0, 2, 1, DType.FLOAT32, Op.SUM, 8 * 64, 64,
-                         estimator, 0.0)
-    sent = rnd.due(0.0)
-    answer(rnd, sent[0], 0.004)
-    assert estimator.srtt(0) == 0.004  # the first sample is taken whole
-    for t in sent[1:4]:
-        answer(rnd, t, 0.010)
-    assert estimator.srtt(0) == 0.004  # the 2nd to 4th: no samples
-    answer(rnd, sent[4], 0.012)
-    # the 5th, with 4 in flight: one sample a round trip, RFC 6298's gain whole
-    assert estimator.srtt(0) == pytest.approx(0.004 + 0.125 * (0.012 - 0.004))
-    assert [samples_per_rtt(n) for n in (1, 4, 5, 32)] == [1, 1, 2, 8]
 
 
 def one_segment(timing: Timing, rtt: float | None = None) -> tuple[AllreduceRound, Transmit]:
