@@ -32,6 +32,7 @@ __all__ = [
     "STAMPED_CMSG_SPACE",
     "DatagramBatcher",
     "UdpCoreTransport",
+    "by_destination",
     "datagram_starts",
     "enable_gro",
     "enable_stamps",
@@ -110,6 +111,31 @@ def segment_size(ancdata: list[tuple[int, int, bytes]], nbytes: int) -> int:
     """The size of each datagram in a receive of `nbytes` (the last may be shorter): the
     kernel's UDP_GRO control message says, when it coalesced several; else one datagram."""
     return receive_facts(ancdata, nbytes)[0]
+
+
+def by_destination(sends: Sequence[Send]) -> Sequence[Send]:
+    """`sends` with each destination's datagrams together, in the order each destination
+    first appears, and each destination's own in their order.
+
+    A burst's results to a job's group leave in GSO sends of consecutive datagrams to one
+    destination. On a lossy network a burst mixes other datagrams in among them: a PENDING
+    to a rank that asked, a result resent to one, a MISSING notice. Each would end the group's
+    send there and start another, so the results left in more, smaller sends, each a receive
+    call of its own at every worker (bench.loss at 1%: 4.1 datagrams per worker receive
+    against 6.3 lossless). The order between destinations carries nothing: each is another
+    receiver, or another socket of one (a worker's unicast socket and its group's)."""
+    if not sends:
+        return sends
+    first = sends[0].dest
+    for send in sends:
+        if send.dest != first:
+            break
+    else:
+        return sends  # one destination: a lossless burst's results, nearly always
+    grouped: dict[Address, list[Send]] = {}
+    for send in sends:
+        grouped.setdefault(send.dest, []).append(send)
+    return [send for group in grouped.values() for send in group]
 
 
 Buffer = bytes | bytearray | memoryview
@@ -319,7 +345,7 @@ class UdpCoreTransport:
 
     def send(self, sends: Sequence[Send]) -> None:
         batcher = self.batcher
-        for send in sends:
+        for send in by_destination(sends):
             batcher.add(send.dest, send.header, send.payload)
         batcher.flush()
 

@@ -7,10 +7,17 @@ import socket
 import struct
 from typing import Any
 
-from reduction_appliance.dataplane.udp import UDP_SEGMENT, DatagramBatcher
+from reduction_appliance.dataplane.transport import Send
+from reduction_appliance.dataplane.udp import (
+    UDP_SEGMENT,
+    DatagramBatcher,
+    UdpCoreTransport,
+    by_destination,
+)
 
 A = ("198.18.0.1", 7000)
 B = ("198.18.0.2", 7000)
+GROUP = ("239.255.0.1", 7000)
 
 
 class RecordingSocket:
@@ -94,3 +101,26 @@ def test_a_route_too_narrow_to_segment_gets_one_datagram_per_call_and_only_it() 
     assert [(len(iov), cmsg != [], dest) for iov, cmsg, dest in sock.calls] == [
         (2, False, B), (2, False, B), (2, False, B), (6, True, A)]
     assert b.gso and b.take_counts() == (6, 306, 0)
+
+
+def test_a_lossy_bursts_notices_do_not_split_its_results_to_the_group() -> None:
+    """On a lossy network a burst's results to the job's group come mixed with unicast
+    notices (a PENDING to a rank that asked, or to one whose contribution never came): the
+    core sends each destination's datagrams together, in their order, so the results leave
+    in one GSO send where they would have left in four."""
+    sends = [Send(GROUP, bytes([0]) * 4, b"r" * 100), Send(A, b"pend", b"1"),
+             Send(GROUP, bytes([1]) * 4, b"r" * 100), Send(B, b"pend", b"2"),
+             Send(GROUP, bytes([2]) * 4, b"r" * 100), Send(A, b"pend", b"3"),
+             Send(GROUP, bytes([3]) * 4, b"r" * 100)]
+    assert by_destination(sends) == [sends[i] for i in (0, 2, 4, 6, 1, 5, 3)]
+    one_destination = sends[::2]
+    assert by_destination(one_destination) is one_destination  # the usual burst: as it is
+    assert by_destination([]) == []
+    sock = RecordingSocket()
+    core = UdpCoreTransport.__new__(UdpCoreTransport)  # its send path alone, on the stand-in
+    core.batcher = batcher(sock)
+    core.send(sends)
+    assert [(len(iov) // 2, dest) for iov, _, dest in sock.calls] == [(4, GROUP), (2, A),
+                                                                       (1, B)]
+    assert sock.calls[0][0][::2] == [bytes([i]) * 4 for i in range(4)]
+    assert sock.calls[1][0][1::2] == [b"1", b"3"]
