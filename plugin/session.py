@@ -142,6 +142,8 @@ class AllreduceRound(RoundAnswers):
         self._sent_seq = [0] * len(endpoints)
         self._acked_seq = [0] * len(endpoints)
         self._unanswered: list[dict[int, None]] = [{} for _ in endpoints]
+        # ... and those of them asked after at once for a result lost on its way (`_overtaken`)
+        self._for_lost: list[dict[int, None]] = [{} for _ in endpoints]
         # Sent and unanswered, per core: how many RTT samples a round trip brings. Rounds in
         # flight together (the lanes of pipeline.py) share one estimator, so they share these
         # counts too (`in_flight`); `_mine` is this round's part of them, for `release`.
@@ -247,9 +249,12 @@ class AllreduceRound(RoundAnswers):
             if not self._done[k]:
                 self.nudged_retransmissions += 1
                 self._resend(k, now, out)
-        for k, presumed_lost in self._overtaken():
+        for k, presumed_lost, for_lost in self._overtaken():
             if now >= presumed_lost:
-                del self._unanswered[k % n_ep][k]
+                e = k % n_ep
+                del self._unanswered[e][k]
+                if for_lost:
+                    self._for_lost[e][k] = None
                 self.fast_retransmissions += 1
                 self._resend(k, now, out)
         timers, done, timer = self._timers, self._done, self._timer
@@ -366,21 +371,44 @@ class AllreduceRound(RoundAnswers):
         srtt = self._rtt.srtt(e)
         return 0.0 if srtt is None else srtt * (1.0 + REORDER_SHARE)
 
-    def _overtaken(self) -> list[tuple[int, float]]:
+    def _overtaken(self) -> list[tuple[int, float, bool]]:
         """Unanswered segments not yet fast-retransmitted that `FAST_RETRANSMIT` later ones
-        to the same core have overtaken, each with the time it is presumed lost."""
-        found: list[tuple[int, float]] = []
-        seq, last_sent = self._seq, self._last_sent
+        to the same core have overtaken, oldest first, each with the time it is presumed lost
+        and whether it is asked after at once for a result the core's serials say was lost.
+
+        A result lost on its way (a skipped serial) answered one segment, most likely one of
+        the oldest overtaken: as many of those as results are lost (less those asked after
+        for them and unanswered) are asked after at once, the others after the reordering
+        window. Asking after all at once, at 1% loss each way, made most queries find their
+        result on its way (`results_withheld`): a peer's lost contribution, which the core
+        tells that peer of, overtakes as many segments."""
+        found: list[tuple[int, float, bool]] = []
+        seq, last_sent, lost = self._seq, self._last_sent, self._serials.lost
         for e, candidates in enumerate(self._unanswered):
             acked = self._acked_seq[e]
             settle = -1.0  # worked out once it is needed: on a clean network, never
+            at_once = -1
             for k in candidates:
                 if seq[k] + FAST_RETRANSMIT > acked:
                     break
+                if at_once < 0:
+                    at_once = len(lost[e]) - self._asked_for_lost(e) if lost[e] else 0
+                if at_once > 0:
+                    at_once -= 1
+                    found.append((k, last_sent[k], True))
+                    continue
                 if settle < 0.0:
-                    settle = 0.0 if self._serials.lost[e] else self._settle(e)
-                found.append((k, last_sent[k] + settle))
+                    settle = self._settle(e)
+                found.append((k, last_sent[k] + settle, False))
         return found
+
+    def _asked_for_lost(self, e: int) -> int:
+        """How many segments to core `e` were asked after at once for a lost result and are
+        still unanswered."""
+        asked, done = self._for_lost[e], self._done
+        for k in [k for k in asked if done[k]]:
+            del asked[k]
+        return len(asked)
 
     def wakeup(self) -> float:
         """The time `due` next has work, unless a result arrives first (ready segments that
@@ -390,7 +418,7 @@ class AllreduceRound(RoundAnswers):
                                        or self._admits_any(window.limit))):
             return 0.0
         soonest = min(self.next_timer(), self._deadline)
-        for _, at in self._overtaken():  # (none, on a clean network: asked every turn)
+        for _, at, _ in self._overtaken():  # (none, on a clean network: asked every turn)
             if at < soonest:
                 soonest = at
         return soonest

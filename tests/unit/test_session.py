@@ -339,6 +339,37 @@ def test_an_overtaken_segment_is_asked_after_at_once_while_its_core_skipped_a_se
     assert all(t.segment != 0 for t in calm.due(0.022))
 
 
+def test_as_many_overtaken_segments_are_asked_after_at_once_as_results_were_lost() -> None:
+    """One skipped serial is one lost result, which answered one segment, most likely the
+    oldest overtaken: that one is asked after at once, and while it is unanswered, another
+    overtaken segment waits the reordering window, as on a core that lost nothing (it waits
+    on a peer's repair as often). Asking after every overtaken segment at once, at 1% loss
+    each way, made most such queries find their result complete and on its way."""
+    rnd, sent = stalled_window()
+    answer(rnd, sent[2], 0.020, 0)
+    answer(rnd, sent[3], 0.021, 2)  # serial 1 never came
+    due = rnd.due(0.021)  # 0 is overtaken: asked after at once; 6 and 7 take the free slots
+    assert [(t.segment, t.header.kind) for t in due] == [
+        (0, Kind.QUERY), (6, Kind.CONTRIBUTION), (7, Kind.CONTRIBUTION)]
+    answer(rnd, due[1], 0.030, 3)  # now 1 is overtaken too
+    assert rnd.due(0.030) == []
+    srtt = rnd._rtt.srtt(0)
+    assert srtt is not None
+    presumed = 0.0 + srtt * (1 + REORDER_SHARE)
+    assert presumed > 0.030 and rnd.wakeup() == pytest.approx(presumed)
+    (query,) = rnd.due(presumed)  # 1 after the window, as if nothing were lost
+    assert query.segment == 1 and query.header.kind is Kind.QUERY
+    assert rnd.repairs == Repairs(overtaken=2, told=0, timer=0, queries=2)
+
+    # Two results lost: the second overtaken segment is asked after at once too.
+    rnd, sent = stalled_window()
+    answer(rnd, sent[2], 0.020, 0)
+    answer(rnd, sent[3], 0.021, 3)  # serials 1 and 2 never came
+    due = rnd.due(0.021)
+    answer(rnd, due[1], 0.030, 4)
+    assert [(t.segment, t.header.kind) for t in rnd.due(0.030)] == [(1, Kind.QUERY)]
+
+
 def test_skipped_result_serials_are_kept_across_the_wrap_until_they_come_or_grow_stale() -> None:
     serials = ResultSerials(1)
     serials.jump(0, 254)  # the first heard: nothing skipped
