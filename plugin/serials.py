@@ -3,7 +3,7 @@ numbers its results of a job mod 256 in the order it sends them, and they reach 
 order), shared by the rounds of one rank as `slotplan.SendOrder` is: the newest, which a query
 carries so that the core resends only a result that was lost, and the ones skipped: results
 lost on their way here, until they come again. While a core has some, as many segments
-overtaken there are asked after at once (plugin/session.py): they may be theirs. Sans-I/O."""
+overtaken there are asked after at once (plugin/overtaken.py): they may be theirs. Sans-I/O."""
 
 from __future__ import annotations
 

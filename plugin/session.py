@@ -54,6 +54,7 @@ from .answers import RoundAnswers
 from .congestion import CongestionWindow, admit, any_admitted
 from .expiry import STALL_SHARE, CoreSigns, Expiry
 from .firsts import FLAGS_AT, USE, USE_AT, first_headers
+from .overtaken import FAST_RETRANSMIT, REORDER_SHARE, Overtaking
 from .rtt import RttEstimator
 from .serials import ResultSerials
 from .slotplan import (
@@ -68,16 +69,14 @@ from .slotplan import (
 )
 from .stall import stall_report, stalled_cores
 
-__all__ = ["Address", "AllreduceRound", "Endpoint", "Packed", "Repairs", "SendOrder",
-           "SlotUses", "Transmit"]
+__all__ = ["FAST_RETRANSMIT", "REORDER_SHARE", "Address", "AllreduceRound", "Endpoint", "Packed",
+           "Repairs", "SendOrder", "SlotUses", "Transmit"]
 
 _new_tuple = tuple.__new__  # a NamedTuple built without its keyword-capable __new__
 _NUMBER = [bytes((n,)) for n in range(SERIALS)]  # a QUERY's payload, made once
-FAST_RETRANSMIT = 3  # later segments answered before an unanswered one is presumed lost
-REORDER_SHARE = 1.0  # ... and gone a smoothed round trip and this much of another (`_settle`)
 
 
-class AllreduceRound(RoundAnswers):
+class AllreduceRound(RoundAnswers, Overtaking):
     """One allreduce of `nbytes` bytes by this rank."""
 
     def __init__(
@@ -358,57 +357,6 @@ class AllreduceRound(RoundAnswers):
         self._last_sent[k] = now
         self._timer[k] = when = now + self._rto[k]
         heapq.heappush(self._timers, (when, next(self._tags), [k]))
-
-    def _settle(self, e: int) -> float:
-        """How long after it left a segment overtaken by later ones to core `e` is presumed
-        lost: two smoothed round trips (a time-based reordering window, as RFC 8985 has).
-        Overtaken is usual here: a segment completes when its last rank's contribution is in,
-        and a rank that lost its contribution or the slot's previous result sends it late.
-        With three later answers alone as the sign, 28% of segments were queried at 1% loss
-        each way on the rack (n = 4, 1 Gbit/s), and most queries found their result already
-        on its way; with a quarter of a round trip more (RFC 8985's default) 14%, with a whole
-        one 6-7%."""
-        srtt = self._rtt.srtt(e)
-        return 0.0 if srtt is None else srtt * (1.0 + REORDER_SHARE)
-
-    def _overtaken(self) -> list[tuple[int, float, bool]]:
-        """Unanswered segments not yet fast-retransmitted that `FAST_RETRANSMIT` later ones
-        to the same core have overtaken, oldest first, each with the time it is presumed lost
-        and whether it is asked after at once for a result the core's serials say was lost.
-
-        A result lost on its way (a skipped serial) answered one segment, most likely one of
-        the oldest overtaken: as many of those as results are lost (less those asked after
-        for them and unanswered) are asked after at once, the others after the reordering
-        window. Asking after all at once, at 1% loss each way, made most queries find their
-        result on its way (`results_withheld`): a peer's lost contribution, which the core
-        tells that peer of, overtakes as many segments."""
-        found: list[tuple[int, float, bool]] = []
-        seq, last_sent, lost = self._seq, self._last_sent, self._serials.lost
-        for e, candidates in enumerate(self._unanswered):
-            acked = self._acked_seq[e]
-            settle = -1.0  # worked out once it is needed: on a clean network, never
-            at_once = -1
-            for k in candidates:
-                if seq[k] + FAST_RETRANSMIT > acked:
-                    break
-                if at_once < 0:
-                    at_once = len(lost[e]) - self._asked_for_lost(e) if lost[e] else 0
-                if at_once > 0:
-                    at_once -= 1
-                    found.append((k, last_sent[k], True))
-                    continue
-                if settle < 0.0:
-                    settle = self._settle(e)
-                found.append((k, last_sent[k] + settle, False))
-        return found
-
-    def _asked_for_lost(self, e: int) -> int:
-        """How many segments to core `e` were asked after at once for a lost result and are
-        still unanswered."""
-        asked, done = self._for_lost[e], self._done
-        for k in [k for k in asked if done[k]]:
-            del asked[k]
-        return len(asked)
 
     def wakeup(self) -> float:
         """The time `due` next has work, unless a result arrives first (ready segments that
