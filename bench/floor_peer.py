@@ -27,7 +27,9 @@ Protocol with bench.floor on stdin and stdout, one line each: the process prints
 warm-up iterations, prints {"warm": true} and waits for a second line; then it runs the timed
 iterations and prints {"times": [...], "ok": ..., "cpu_s": ..., "kernel_cpu_s": ...} (its own
 CPU in them, and the kernel's part of that). The appliance prints {"contributions": ...} when
-every contribution is in. Errors go to stderr, with exit status 1.
+every contribution is in. Errors go to stderr, with exit status 1; a datagram lost, with
+`LOST_EXIT` (bench.floor runs the floor again on the same network: a property of the network's
+moment, not of the floor's figures).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import struct
 import sys
 import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 import numpy as np
 from numpy.typing import NDArray
@@ -58,6 +61,7 @@ _MAX_GSO_BYTES = 65000
 _BUFFER = 65536  # one coalesced receive
 _SOCKET_BUFFER = 64 << 20
 SILENCE_S = 5.0  # no progress this long: a datagram was lost, and the floor cannot repair it
+LOST_EXIT = 3  # the exit status that says so
 
 
 def _records(payload: int) -> np.dtype[np.void]:
@@ -143,8 +147,7 @@ def appliance(bind: str, workers: int, segments: int, payload: int, iters: int,
         taken = receives = sends = 0
         while taken < expected:
             if not select.select([sock], [], [], silence_s)[0]:
-                raise SystemExit(f"appliance: {expected - taken} contributions never came "
-                                 f"(lost: the floor has no recovery)")
+                _lost(f"appliance: {expected - taken} contributions never came")
             while nbytes := _take(sock, buf):
                 k = nbytes // datagram
                 receives += 1
@@ -221,8 +224,7 @@ def worker(bind: str, appliance_address: str, segments: int, payload: int, iters
                     sends += iteration >= warmup
                     sent = end
                 if not select.select([rx], [], [], silence_s)[0]:
-                    raise SystemExit(f"worker {bind}: {segments - got} results never came "
-                                     f"(lost: the floor has no recovery)")
+                    _lost(f"worker {bind}: {segments - got} results never came")
                 while nbytes := _take(rx, buf):
                     k = nbytes // datagram
                     receives += iteration >= warmup
@@ -237,6 +239,12 @@ def worker(bind: str, appliance_address: str, segments: int, payload: int, iters
         # Every worker's input is ones: every result is the number of workers, in every element.
         _say(times=times, ok=bool(np.all(out == workers)), receives=receives, sends=sends,
              cpu_s=cpu_to.ru_utime - cpu_from.ru_utime + kernel_s, kernel_cpu_s=kernel_s)
+
+
+def _lost(what: str) -> NoReturn:
+    """A datagram was lost: say what never came, and exit with `LOST_EXIT`."""
+    print(f"{what} (lost: the floor has no recovery)", file=sys.stderr, flush=True)
+    raise SystemExit(LOST_EXIT)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from reduction_appliance.bench import floor, floor_peer, floor_plot
+from reduction_appliance.deploy.testnet.probe import MachineTime
 
 
 def test_the_floor_moves_whole_segments_never_more_than_the_size() -> None:
@@ -146,3 +147,59 @@ def test_the_plot_refuses_what_bench_floor_did_not_write(
     assert "not bench.floor's output" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         floor_plot.main([str(tmp_path / "x.png"), f"{other}:fast"])
+
+
+def _floor_run() -> floor.FloorRun:
+    return floor.FloorRun(segments=4, payload=8896, times=[0.1], ok=True,
+                          cpu=MachineTime(0.1, 0.0, 0.1, 0.0), wall_s=0.1,
+                          worker_receives=1, worker_sends=1, worker_cpu_s=0.1,
+                          worker_kernel_cpu_s=0.05)
+
+
+def test_a_floor_run_that_lost_a_datagram_runs_again_and_is_counted() -> None:
+    outcomes: list[object] = [floor.FloorLost("lost one"), floor.FloorLost("lost two"),
+                              _floor_run()]
+    told: list[str] = []
+
+    def run() -> floor.FloorRun:
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        assert isinstance(outcome, floor.FloorRun)
+        return outcome
+
+    got, lost = floor.runs_until_one_is_whole(run, 3, lambda exc: told.append(str(exc)))
+    assert (got.times, lost, told) == ([0.1], 2, ["lost one", "lost two"])
+
+
+def test_the_floor_gives_up_after_its_attempts_and_at_once_on_any_other_failure() -> None:
+    calls = 0
+
+    def lossy() -> floor.FloorRun:
+        nonlocal calls
+        calls += 1
+        raise floor.FloorLost(f"lost in run {calls}")
+
+    with pytest.raises(floor.FloorLost, match=r"each of its 3 runs .*lost in run 3"):
+        floor.runs_until_one_is_whole(lossy, 3)
+    assert calls == 3
+
+    def broken() -> floor.FloorRun:
+        nonlocal calls
+        calls += 1
+        raise floor.HarnessError("a peer crashed")
+
+    calls = 0
+    with pytest.raises(floor.HarnessError, match="a peer crashed"):
+        floor.runs_until_one_is_whole(broken, 3)
+    assert calls == 1
+
+
+def test_a_run_line_says_how_many_floor_runs_were_lost_before_it() -> None:
+    row = {"floor_time_s": 0.6, "results_per_receive": 6.3, "segments_per_send": 6.4,
+           "gloo": {"time_s": 0.3}, "floor_ratio": 0.5, "floor_kernel_s": 0.5,
+           "floor_user_s": 0.7, "kernel_bound_s": 0.25, "kernel_ratio": 1.2, "appliance": None}
+    assert "lost" not in floor.format_run(1, row | {"floor_runs_lost": 0})
+    assert ("the floor lost a datagram in 2 runs before this one on the same network, and ran "
+            "again") in floor.format_run(1, row | {"floor_runs_lost": 2})
+
