@@ -6,9 +6,18 @@ measured side by side on the emulated rack, every result checked exact.
 
 For each repeat, for each loss rate (lossless first, so every repeat has its own baseline):
 build the rack with that loss on every worker link (each direction: a contribution and its
-result each cross one lossy port), start reductiond, run every size (one fresh job each, an
-untimed warmup, `--iters` timed calls), stop. A case's time is the median over its iterations
-of the slowest rank; a loss rate's figure is the median over repeats, with the spread.
+result each cross one lossy port), start reductiond, run a size (one fresh job, an untimed
+warmup, then timed calls), stop; then the next size. A case's time is the median over its
+iterations of the slowest rank; a loss rate's figure is the median over repeats, with the
+spread.
+
+How many timed calls: `--iters` at least, and for a small size enough that they move
+`TIMED_BYTES` (1 MiB: 16 calls). The shaped links' token bucket (a hundredth of a second of the
+link's rate: 1.25 MB at 1 Gbit/s) lends a short run its bytes at the veth's speed: three timed
+1 MiB calls after the warm-up ran lossless in 6.0-6.3 ms, faster than the 8.5 ms the link
+takes to carry them, and so set a baseline no call can keep. Sixteen calls move 13 times the
+bucket, at the link's rate. And a lossy small call's time has a long tail (one repair lost
+again doubles it): the median of three of them moved by half from one repeat to the next.
 
 Targets (the loss-recovery issue): at 64 MiB, throughput >= 70% of lossless at 1% loss, >= 40%
 at 5%, >= 10% at 20%; at 5% loss a 1 MiB allreduce within 10x of lossless. Exits 1 when a
@@ -31,13 +40,20 @@ from .plan import SweepPlan, parse_sizes
 from .progress import ProgressBar
 from .sweep import Row, failed, run_sweep
 
-__all__ = ["TARGETS", "main"]
+__all__ = ["TARGETS", "TIMED_BYTES", "iterations_for", "main"]
 
 MIB = 1 << 20
+#: A size's timed calls move at least this much together (the module's docstring says why).
+TIMED_BYTES = 16 * MIB
 #: (loss %, size) -> the least throughput as a share of lossless (time ratio <= 1/share)
 TARGETS: dict[tuple[float, int], float] = {
     (1.0, 64 * MIB): 0.70, (5.0, 64 * MIB): 0.40, (20.0, 64 * MIB): 0.10, (5.0, MIB): 0.10,
 }
+
+
+def iterations_for(size: int, least: int) -> int:
+    """Timed calls of `size` bytes: `least`, or enough to move `TIMED_BYTES`."""
+    return max(least, -(-TIMED_BYTES // size))
 
 
 class _Progress:
@@ -97,13 +113,17 @@ def main(argv: list[str] | None = None) -> int:
                    default=[0.0, 1.0, 5.0, 20.0], help="percent per direction, per link")
     p.add_argument("--sizes", type=parse_sizes, default=[MIB, 64 * MIB])
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--iters", type=int, default=3,
+                   help="timed calls per case, at least (small sizes get enough to move "
+                        f"{TIMED_BYTES >> 20} MiB)")
     p.add_argument("--cores", type=int, default=2, help="appliance data-plane cores")
     p.add_argument("--queue-target", type=float, default=0.025, metavar="SECONDS",
                    help="jobs.queue_target_s: the congestion windows' round-trip target "
                         "(0: fixed windows)")
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     args = p.parse_args(argv)
+    if args.iters < 1 or args.repeat < 1:
+        p.error("--iters and --repeat are at least 1")
     if not 0 <= args.queue_target <= 10:
         p.error("--queue-target must be 0..10 seconds (0: fixed windows)")
     losses = sorted(set([0.0, *args.losses]))
@@ -118,8 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for repeat in range(args.repeat):
             for loss in losses:
-                plan = dataclasses.replace(base, loss_pct=loss)
-                for row in run_sweep(plan, listener):
+                rows_of_loss: list[Row] = []
+                for size in args.sizes:  # a network each: a size's own count of timed calls
+                    plan = dataclasses.replace(base, loss_pct=loss, sizes=(size,),
+                                               iters=iterations_for(size, args.iters))
+                    rows_of_loss += run_sweep(plan, listener)
+                for row in rows_of_loss:
                     row.update(loss_pct=loss, repeat=repeat)
                     rows.append(row)
                     if row.get("time_s") is not None:
@@ -133,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     listener.bar.close()
     print(f"rack: {args.workers} workers, links {args.rate} with the loss below on every worker "
-          f"link each way, appliance link lossless; {args.iters} timed iterations per case; "
-          f"{args.repeat} repeats, lossless measured in every repeat")
+          f"link each way, appliance link lossless; timed iterations per case: "
+          f"{', '.join(f'{format_size(s)} {iterations_for(s, args.iters)}' for s in args.sizes)}"
+          f"; {args.repeat} repeats, lossless measured in every repeat")
     complete = all((loss, size) in times for loss in losses for size in args.sizes)
     held = complete and report(losses, list(args.sizes), times, retx)
     wrong = failed(rows)
