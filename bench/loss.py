@@ -6,18 +6,18 @@ measured side by side on the emulated rack, every result checked exact.
 
 For each repeat, for each loss rate (lossless first, so every repeat has its own baseline):
 build the rack with that loss on every worker link (each direction: a contribution and its
-result each cross one lossy port), start reductiond, run a size (one fresh job, an untimed
-warmup, then timed calls), stop; then the next size. A case's time is the median over its
-iterations of the slowest rank; a loss rate's figure is the median over repeats, with the
-spread.
+result each cross one lossy port), start reductiond, run every size (one fresh job each, an
+untimed warmup, then timed calls), stop. A case's time is the median over its iterations of the
+slowest rank; a loss rate's figure is the median over repeats, with the spread.
 
 How many timed calls: `--iters` at least, and for a small size enough that they move
-`TIMED_BYTES` (1 MiB: 16 calls). The shaped links' token bucket (a hundredth of a second of the
-link's rate: 1.25 MB at 1 Gbit/s) lends a short run its bytes at the veth's speed: three timed
-1 MiB calls after the warm-up ran lossless in 6.0-6.3 ms, faster than the 8.5 ms the link
-takes to carry them, and so set a baseline no call can keep. Sixteen calls move 13 times the
-bucket, at the link's rate. And a lossy small call's time has a long tail (one repair lost
-again doubles it): the median of three of them moved by half from one repeat to the next.
+`bench.plan.SHAPED_TIMED_BYTES`, 16 MiB (1 MiB: 16 calls). The shaped links' token bucket (a
+hundredth of a second of the link's rate: 1.25 MB at 1 Gbit/s) lends a short run its bytes at
+the veth's speed: three timed 1 MiB calls after the warm-up ran lossless in 6.0-6.3 ms, faster
+than the 8.5 ms the link takes to carry them, and so set a baseline no call can keep. Sixteen
+calls move 13 times the bucket, at the link's rate. And a lossy small call's time has a long
+tail (one repair lost again doubles it): the median of three of them moved by half from one
+repeat to the next.
 
 Targets (the loss-recovery issue): at 64 MiB, throughput >= 70% of lossless at 1% loss, >= 40%
 at 5%, >= 10% at 20%; at 5% loss a 1 MiB allreduce within 10x of lossless. Exits 1 when a
@@ -36,24 +36,26 @@ from pathlib import Path
 from reduction_appliance.dataplane.units import format_size
 from reduction_appliance.deploy.testnet.harness import HarnessError
 
-from .plan import SweepPlan, parse_sizes
+from .plan import SHAPED_TIMED_BYTES, SweepPlan, parse_sizes
 from .progress import ProgressBar
 from .sweep import Row, failed, run_sweep
 
-__all__ = ["TARGETS", "TIMED_BYTES", "iterations_for", "main"]
+__all__ = ["TARGETS", "main", "plan_of"]
 
 MIB = 1 << 20
-#: A size's timed calls move at least this much together (the module's docstring says why).
-TIMED_BYTES = 16 * MIB
 #: (loss %, size) -> the least throughput as a share of lossless (time ratio <= 1/share)
 TARGETS: dict[tuple[float, int], float] = {
     (1.0, 64 * MIB): 0.70, (5.0, 64 * MIB): 0.40, (20.0, 64 * MIB): 0.10, (5.0, MIB): 0.10,
 }
 
 
-def iterations_for(size: int, least: int) -> int:
-    """Timed calls of `size` bytes: `least`, or enough to move `TIMED_BYTES`."""
-    return max(least, -(-TIMED_BYTES // size))
+def plan_of(args: argparse.Namespace) -> SweepPlan:
+    """The lossless plan (each loss rate's is this one with its `loss_pct`)."""
+    return SweepPlan(network="rack", workers=(args.workers,), rate=args.rate,
+                     sizes=tuple(args.sizes), dtypes=("fp32",), ops=("sum",),
+                     modes=("multicast",), iters=args.iters, warmup=1, cores=args.cores,
+                     queue_target_s=args.queue_target, gloo=False,
+                     min_timed_bytes=SHAPED_TIMED_BYTES)
 
 
 class _Progress:
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--iters", type=int, default=3,
                    help="timed calls per case, at least (small sizes get enough to move "
-                        f"{TIMED_BYTES >> 20} MiB)")
+                        f"{SHAPED_TIMED_BYTES >> 20} MiB)")
     p.add_argument("--cores", type=int, default=2, help="appliance data-plane cores")
     p.add_argument("--queue-target", type=float, default=0.025, metavar="SECONDS",
                    help="jobs.queue_target_s: the congestion windows' round-trip target "
@@ -127,10 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.queue_target <= 10:
         p.error("--queue-target must be 0..10 seconds (0: fixed windows)")
     losses = sorted(set([0.0, *args.losses]))
-    base = SweepPlan(network="rack", workers=(args.workers,), rate=args.rate,
-                     sizes=tuple(args.sizes), dtypes=("fp32",), ops=("sum",),
-                     modes=("multicast",), iters=args.iters, warmup=1, cores=args.cores,
-                     queue_target_s=args.queue_target, gloo=False)
+    base = plan_of(args)
     listener = _Progress(args.repeat * len(losses) * len(args.sizes))
     rows: list[Row] = []
     times: dict[tuple[float, int], list[float]] = {}
@@ -138,12 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for repeat in range(args.repeat):
             for loss in losses:
-                rows_of_loss: list[Row] = []
-                for size in args.sizes:  # a network each: a size's own count of timed calls
-                    plan = dataclasses.replace(base, loss_pct=loss, sizes=(size,),
-                                               iters=iterations_for(size, args.iters))
-                    rows_of_loss += run_sweep(plan, listener)
-                for row in rows_of_loss:
+                plan = dataclasses.replace(base, loss_pct=loss)
+                for row in run_sweep(plan, listener):
                     row.update(loss_pct=loss, repeat=repeat)
                     rows.append(row)
                     if row.get("time_s") is not None:
@@ -158,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     listener.bar.close()
     print(f"rack: {args.workers} workers, links {args.rate} with the loss below on every worker "
           f"link each way, appliance link lossless; timed iterations per case: "
-          f"{', '.join(f'{format_size(s)} {iterations_for(s, args.iters)}' for s in args.sizes)}"
+          f"{', '.join(f'{format_size(s)} {base.iters_for(s)}' for s in args.sizes)}"
           f"; {args.repeat} repeats, lossless measured in every repeat")
     complete = all((loss, size) in times for loss in losses for size in args.sizes)
     held = complete and report(losses, list(args.sizes), times, retx)

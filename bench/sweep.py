@@ -106,7 +106,8 @@ def multicast_possible(plan: SweepPlan) -> bool:
 
 
 def _case_options(plan: SweepPlan, size: int, dtype: str, op: str) -> list[str]:
-    return ["--sizes", str(size), "--dtypes", dtype, "--ops", op, "--iters", str(plan.iters),
+    return ["--sizes", str(size), "--dtypes", dtype, "--ops", op,
+            "--iters", str(plan.iters_for(size)),
             "--warmup", str(plan.warmup), *([] if plan.check else ["--no-check"])]
 
 
@@ -172,7 +173,8 @@ def summarize(plan: SweepPlan, net: LabNet, workers: int, outputs: list[list[Row
 def _base(plan: SweepPlan, workers: int, system: str, mode: str, size: int, dtype: str,
           op: str) -> Row:
     return {"network": plan.network, "rate": plan.rate, "workers": workers, "system": system,
-            "mode": mode, "size": size, "dtype": dtype_name(dtype), "op": op, "iters": plan.iters,
+            "mode": mode, "size": size, "dtype": dtype_name(dtype), "op": op,
+            "iters": plan.iters_for(size),
             "time_s": None, "algbw_gbps": None, "busbw_gbps": None, "ok": False,
             "checked": False, "speedup": None}
 

@@ -1,25 +1,46 @@
-"""bench.loss's arithmetic and arguments, in memory (its runs need the emulated rack)."""
+"""bench.loss's plan and verdicts, and the timed-call count of the benches on shaped links, in
+memory (their runs need the emulated rack)."""
 
 from __future__ import annotations
+
+import argparse
+import dataclasses
 
 import pytest
 
 from reduction_appliance.bench import loss
+from reduction_appliance.bench.plan import MAX_TIMED_CALLS, SHAPED_TIMED_BYTES, SweepPlan
 
 MIB = 1 << 20
 
 
-@pytest.mark.parametrize("size, least, expected", [
+def _plan(iters: int, min_timed_bytes: int) -> SweepPlan:
+    return SweepPlan(network="rack", workers=(4,), rate="1gbit", sizes=(MIB,), dtypes=("fp32",),
+                     ops=("sum",), modes=("multicast",), iters=iters, warmup=1, cores=2,
+                     min_timed_bytes=min_timed_bytes)
+
+
+@pytest.mark.parametrize("size, iters, expected", [
     (MIB, 3, 16),  # 16 MiB of timed calls: 13x the 1 Gbit/s shaper's bucket
     (2 * MIB, 3, 8),
-    (3 * MIB, 3, 6),  # rounded up: at least TIMED_BYTES
-    (64 * MIB, 3, 3),  # big enough already: --iters rules
+    (3 * MIB, 3, 6),  # rounded up: at least the bytes asked for
+    (64 * MIB, 3, 3),  # big enough already: `iters` rules
     (MIB, 20, 20),
+    (1024, 3, MAX_TIMED_CALLS),  # latency-bound: the bucket lends nothing that matters
 ])
-def test_small_sizes_get_enough_timed_calls_to_move_timed_bytes(
-        size: int, least: int, expected: int) -> None:
-    assert loss.iterations_for(size, least) == expected
-    assert loss.iterations_for(size, least) * size >= min(loss.TIMED_BYTES, least * size)
+def test_small_cases_get_enough_timed_calls_to_spend_the_shapers_bucket(
+        size: int, iters: int, expected: int) -> None:
+    assert _plan(iters, SHAPED_TIMED_BYTES).iters_for(size) == expected
+    assert _plan(iters, 0).iters_for(size) == iters  # the default: `iters` whatever the size
+
+
+def test_the_loss_bench_times_its_cases_so() -> None:
+    args = argparse.Namespace(workers=4, rate="1gbit", sizes=[MIB, 64 * MIB], iters=3, cores=2,
+                              queue_target=0.025)
+    plan = loss.plan_of(args)
+    assert [plan.iters_for(size) for size in plan.sizes] == [16, 3]
+    lossy = dataclasses.replace(plan, loss_pct=5.0)  # each loss rate's plan: the same counts
+    assert [lossy.iters_for(size) for size in lossy.sizes] == [16, 3]
 
 
 def test_the_report_passes_a_target_only_when_the_median_repeat_meets_it(
@@ -33,11 +54,12 @@ def test_the_report_passes_a_target_only_when_the_median_repeat_meets_it(
     assert "FAIL >= 10%" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [["--iters", "0"], ["--repeat", "0"],
-                                  ["--queue-target", "-1"]])
+@pytest.mark.parametrize("argv, message", [(["--iters", "0"], "at least 1"),
+                                           (["--repeat", "0"], "at least 1"),
+                                           (["--queue-target", "-1"], "--queue-target")])
 def test_bad_arguments_are_refused_with_the_reason(
-        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         loss.main(argv)
     assert exc.value.code == 2
-    assert "at least 1" in capsys.readouterr().err or "--queue-target" in argv
+    assert message in capsys.readouterr().err
