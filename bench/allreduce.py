@@ -13,6 +13,9 @@ the time of an iteration is its slowest rank's, and a case's time is the median 
 algbw = bytes / time. busbw (nccl-tests' 2(n-1)/n * algbw) is printed for Gloo only, and only for
 orientation: it assumes a point-to-point algorithm, and a reduction server moves each byte once
 per direction per worker, so busbw would overstate it by up to 2x (bench/report.py's NOTE).
+On the rack a case runs `--iters` timed calls or, for a small size, enough to move 16 MiB (at
+most 64): the shaped links' token bucket lends a short run its bytes faster than the link, and
+more to the appliance, which moves fewer of them (bench.plan's `SweepPlan.min_timed_bytes`).
 
 The default run is the issue's target, "loopback allreduce, n = 4, 64 MiB, not slower than Gloo",
 and ends with a PASS/FAIL line for it. `--repeat N` runs the whole comparison N times back to
@@ -239,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", type=parse_sizes, default=[64 << 20])
     p.add_argument("--dtypes", type=lambda s: s.split(","), default=["fp32"])
     p.add_argument("--ops", type=lambda s: s.split(","), default=["sum"])
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--iters", type=int, default=5,
+                   help="timed calls per case, at least (on the rack, small sizes get enough to "
+                        "move 16 MiB)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--cores", type=int, default=2, help="appliance data-plane cores")
     p.add_argument("--slots", type=int, default=32,
