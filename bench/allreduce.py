@@ -257,8 +257,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the comparison N times; print the median and spread of the ratio")
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     args = p.parse_args(argv)
-    if args.repeat < 1:
-        p.error("--repeat must be at least 1")
+    if args.repeat < 1 or args.iters < 1:
+        p.error("--repeat and --iters must be at least 1")
+    if args.warmup < 0:
+        p.error("--warmup must be at least 0")
     if args.slots < 1 or args.cores < 1:
         p.error("--slots and --cores must be at least 1")
     if not 0 <= args.queue_target <= 10:

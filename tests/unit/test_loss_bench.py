@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from reduction_appliance.bench import loss
+from reduction_appliance.bench import allreduce, loss
 from reduction_appliance.bench.plan import MAX_TIMED_CALLS, SHAPED_TIMED_BYTES, SweepPlan
 
 MIB = 1 << 20
@@ -61,5 +61,16 @@ def test_bad_arguments_are_refused_with_the_reason(
         argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         loss.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [(["--iters", "0"], "at least 1"),
+                                           (["--repeat", "0"], "at least 1"),
+                                           (["--warmup", "-1"], "at least 0")])
+def test_the_allreduce_bench_refuses_bad_counts_with_the_reason(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        allreduce.main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
