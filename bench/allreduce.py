@@ -115,8 +115,8 @@ def _flag(row: Row | None) -> str:
 
 def report(plan: SweepPlan, pairs: list[dict[str, Any]]) -> None:
     workers = plan.workers[0]
-    counts = sorted({plan.iters_for(size) for size in plan.sizes})
-    timed = (f"{plan.iters} timed iterations per case" if counts == [plan.iters] else
+    timed = (f"{plan.iters} timed iterations per case"
+             if all(plan.iters_for(size) == plan.iters for size in plan.sizes) else
              "timed iterations per case " + ", ".join(
                  f"{format_size(size)} {plan.iters_for(size)}" for size in plan.sizes))
     print(f"\n{workers} workers, {timed} (+{plan.warmup} warmup), "

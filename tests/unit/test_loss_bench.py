@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 
@@ -54,23 +55,18 @@ def test_the_report_passes_a_target_only_when_the_median_repeat_meets_it(
     assert "FAIL >= 10%" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, message", [(["--iters", "0"], "at least 1"),
-                                           (["--repeat", "0"], "at least 1"),
-                                           (["--queue-target", "-1"], "--queue-target")])
+@pytest.mark.parametrize("program, argv, message", [
+    (loss.main, ["--iters", "0"], "at least 1"),
+    (loss.main, ["--repeat", "0"], "at least 1"),
+    (loss.main, ["--queue-target", "-1"], "--queue-target"),
+    (allreduce.main, ["--iters", "0"], "at least 1"),
+    (allreduce.main, ["--repeat", "0"], "at least 1"),
+    (allreduce.main, ["--warmup", "-1"], "at least 0"),
+])
 def test_bad_arguments_are_refused_with_the_reason(
-        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+        program: Callable[[list[str]], int], argv: list[str], message: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        loss.main(argv)
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("argv, message", [(["--iters", "0"], "at least 1"),
-                                           (["--repeat", "0"], "at least 1"),
-                                           (["--warmup", "-1"], "at least 0")])
-def test_the_allreduce_bench_refuses_bad_counts_with_the_reason(
-        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
-        allreduce.main(argv)
+        program(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
