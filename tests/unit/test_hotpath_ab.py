@@ -8,6 +8,7 @@ import pytest
 
 import reduction_appliance
 from reduction_appliance.bench import hotpath_ab
+from tests.refusals import refusal
 
 _ROOT = Path(reduction_appliance.__file__).resolve().parent.parent
 
@@ -35,10 +36,7 @@ def test_a_folder_without_the_package_is_refused(tmp_path: Path) -> None:
 ])
 def test_main_refuses_bad_arguments(argv: list[str], reason: str,
                                     capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exited:
-        hotpath_ab.main(argv)
-    assert exited.value.code == 2
-    assert reason in capsys.readouterr().err
+    assert reason in refusal(hotpath_ab.main, argv, capsys)
 
 
 def test_a_tree_against_itself_measures_every_pair(capsys: pytest.CaptureFixture[str]) -> None:
