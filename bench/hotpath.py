@@ -3,9 +3,9 @@
     python -m reduction_appliance.bench.hotpath [--repeat 5]
 
 On the emulated rack at n = 8 two cores run nine Python processes, and the interpreter is most
-of what they spend (docs/benchmarks.md, "Where the CPU goes at n = 8"), so the Python each
-segment costs is what a change to the hot path should move. Three measurements, each the best of
-`--repeat` runs (the best is the least disturbed by the machine; runs move by 30% here):
+of what they spend (docs/benchmarks-journal.md, "Where the CPU goes at n = 8"), so the Python
+each segment costs is what a change to the hot path should move. Three measurements, each the best
+of `--repeat` runs (the best is the least disturbed by the machine; runs move by 30% here):
 
 * worker: `ApplianceClient.allreduce` of 64 MiB fp32 through `UdpWorkerTransport`'s own send and
   receive code, over a stand-in socket that answers every contribution with its result, ten

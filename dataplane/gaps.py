@@ -8,7 +8,7 @@ answers with PENDING, and only then does the rank that lost it resend: its slot 
 round trips or more. On the rack (n = 4, 1 Gbit/s, 1% loss each way, four 64 MiB calls, about
 1200 contributions lost) that was 5500-6300 queries and 13000-14000 PENDINGs; told by number,
 1000-1800 queries and 4200-5700 PENDINGs, and a call took 620-760 ms instead of 740-900
-(lossless 550-570; docs/benchmarks.md).
+(lossless 550-570; docs/benchmarks-journal.md).
 
 The numbers are one byte: a jump of less than half of them is a gap, anything else a late
 datagram (the network reordered it, or the rank rejoined): the number is taken as the next

@@ -21,8 +21,8 @@ RESULT_IN_FLIGHT_S = 0.01
 # this core sent before it (wire.Flags.SERIAL). Results to a worker keep their order on its path,
 # so both are on their way (two lost in a row is far rarer than a queue), and resending would
 # only queue a copy behind the original; a queue that held results longer than 10 ms made
-# every resend a duplicate that lengthened it (docs/benchmarks.md). The limit bounds what a
-# lost last result costs when the one before it was lost too: each is asked after again.
+# every resend a duplicate that lengthened it (docs/benchmarks-journal.md). The limit bounds
+# what a lost last result costs when the one before it was lost too: each is asked after again.
 RESULT_QUEUED_S = 0.1
 
 
