@@ -108,10 +108,13 @@ def _run_process(step: Step) -> int:
     return subprocess.run(step.command(), check=False).returncode
 
 
-def run_steps(steps: Sequence[Step], runner: Runner = _run_process) -> list[Outcome]:
-    """Each step in turn, whatever the one before did."""
+def run_steps(out: Path, steps: Sequence[Step], runner: Runner = _run_process) -> list[Outcome]:
+    """Each step in turn, whatever the one before did. A step's JSON from an earlier run in
+    `out` goes first: a step that fails now must not be judged by what another run wrote."""
     outcomes: list[Outcome] = []
     started = time.monotonic()
+    for step in steps:
+        _json_of(out, step).unlink(missing_ok=True)
     for i, step in enumerate(steps, 1):
         elapsed = format_duration(time.monotonic() - started)
         print(f"\n### [{i}/{len(steps)}] {step.name} (elapsed {elapsed}): {step.shown()}",
@@ -248,7 +251,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Written first, so that --report can judge a run that was stopped half-way.
     (out / "targets.json").write_text(json.dumps(
         {"steps": [asdict(s) for s in steps]}, indent=2) + "\n")
-    return _report(out, steps, run_steps(steps))
+    try:
+        outcomes = run_steps(out, steps)
+    except KeyboardInterrupt:
+        print(f"\nstopped; what ran can be judged with --report {out}", file=sys.stderr)
+        return 130
+    return _report(out, steps, outcomes)
 
 
 def _saved_run(out: Path) -> tuple[list[Step], list[Outcome]] | None:

@@ -106,11 +106,15 @@ def _speedups(written: Written, size: int) -> tuple[float, ...]:
     return tuple(p["speedup"] for p in _pairs(written, size) if p.get("speedup") is not None)
 
 
-def _appliance(written: Written, size: int, key: str,
-               of: Callable[[dict[str, Any]], float | None] | None = None) -> tuple[float, ...]:
-    rows = [p["appliance"] for p in _pairs(written, size)]
-    values = [of(a) if of else a.get(key) for a in rows]
+def _appliance(written: Written, size: int,
+               of: Callable[[dict[str, Any]], float | None]) -> tuple[float, ...]:
+    """`of` each run's appliance row of the case."""
+    values = [of(p["appliance"]) for p in _pairs(written, size)]
     return tuple(v for v in values if v is not None)
+
+
+def _ingress(a: dict[str, Any]) -> float | None:
+    return a.get("ingress_gbps_per_core")
 
 
 def _link_busy(a: dict[str, Any]) -> float | None:
@@ -164,7 +168,7 @@ def all_verdicts(steps: Mapping[str, Written], ddp: Mapping[str, Sequence[Writte
                 Rule.EACH, _speedups(get("loopback"), 64 * MIB), why("loopback")),
         Verdict("appliance ingress per busy core, rack 10 Gbit/s, 64 MiB", "rack-10gbit",
                 Unit.GBPS, 2.5, Rule.MEDIAN,
-                _appliance(ten, 64 * MIB, "ingress_gbps_per_core"), why("rack-10gbit")),
+                _appliance(ten, 64 * MIB, _ingress), why("rack-10gbit")),
         Verdict("lossless retransmissions, every rack and loopback case above",
                 "allreduce steps", Unit.SHARE, 0.005, Rule.EVERY_BELOW,
                 _retransmissions(steps)),
@@ -177,7 +181,7 @@ def all_verdicts(steps: Mapping[str, Written], ddp: Mapping[str, Sequence[Writte
     out += [
         Verdict("rack, n = 4, 1 Gbit/s, 64 MiB: worker link busy",
                 "rack-1gbit", Unit.SHARE, 0.95, Rule.MEDIAN,
-                _appliance(one, 64 * MIB, "", _link_busy), why("rack-1gbit")),
+                _appliance(one, 64 * MIB, _link_busy), why("rack-1gbit")),
         Verdict("rack, n = 4, 1 Gbit/s, 64 MiB: appliance vs Gloo", "rack-1gbit", Unit.RATIO,
                 1.45, Rule.MEDIAN, _speedups(one, 64 * MIB), why("rack-1gbit")),
         Verdict("rack, n = 8, 500 Mbit/s, 64 MiB: appliance vs Gloo", "rack-n8-500mbit",
@@ -193,20 +197,26 @@ def all_verdicts(steps: Mapping[str, Written], ddp: Mapping[str, Sequence[Writte
     return out
 
 
+def _result_rows(written: Written) -> list[dict[str, Any]]:
+    """Every checked call's row: bench.allreduce's appliance and Gloo rows of every run, or
+    bench.loss's rows."""
+    if "runs" not in written:
+        return list(written.get("rows", []))
+    return [row for run in written["runs"] for p in run
+            for row in (p["appliance"], p["gloo"]) if row]
+
+
 def exactness(steps: Mapping[str, Written], ddp: Mapping[str, Sequence[Written]]) -> list[str]:
     """Every result that was not exact (or not checked), in words; empty when all were."""
     bad: list[str] = []
     for name, written in steps.items():
-        rows = [r for run in written.get("runs", []) for p in run
-                for r in (p["appliance"], p["gloo"]) if r] if "runs" in written else \
-            list(written.get("rows", []))
-        for r in rows:
+        for r in _result_rows(written):
             if r.get("skipped"):
                 continue
             if not r.get("ok") or not r.get("checked", True):
-                bad.append(f"{name}: {r.get('system', 'appliance')} {format_size(r['size'])} "
-                           f"{r.get('loss_pct', 0):g}% loss: "
-                           f"{r.get('error') or 'differs from the numpy reference'}")
+                loss = f" at {r['loss_pct']:g}% loss" if "loss_pct" in r else ""
+                bad.append(f"{name}: {r.get('system', 'appliance')} {format_size(r['size'])}"
+                           f"{loss}: {r.get('error') or 'differs from the numpy reference'}")
     for group, runs in ddp.items():
         for i, written in enumerate(runs, 1):
             for row in written.get("rows", []):

@@ -145,13 +145,17 @@ def test_a_failed_step_leaves_its_targets_unmeasured_and_says_why(tmp_path: Path
 
 
 def test_a_wrong_result_or_ranks_that_disagree_are_problems(tmp_path: Path) -> None:
-    steps = plan_steps(tmp_path, 1, ["loopback", "ddp-1gbit"])
+    steps = plan_steps(tmp_path, 1, ["loopback", "loss", "ddp-1gbit"])
     wrong = _allreduce({64 * MIB: [1.6]})
     wrong["runs"][0][0]["appliance"]["ok"] = False
-    _write_all(tmp_path, steps, {"loopback": wrong, "ddp-1gbit-1": _ddp(1.3, 1.3, agree=False)})
+    lossy = _loss({0.0: [1.0], 5.0: [2.0]})
+    lossy["rows"][1].update(ok=False, error="timed out")
+    _write_all(tmp_path, steps, {"loopback": wrong, "loss": lossy,
+                                 "ddp-1gbit-1": _ddp(1.3, 1.3, agree=False)})
     problems = judge(tmp_path, steps).problems
     assert problems == [
-        "loopback: appliance 64 MiB 0% loss: differs from the numpy reference",
+        "loopback: appliance 64 MiB: differs from the numpy reference",
+        "loss: appliance 64 MiB at 5% loss: timed out",
         "ddp-1gbit run 1: reduction: ranks ended with different parameters"]
 
 
@@ -192,9 +196,21 @@ def test_run_steps_goes_on_after_a_failure(tmp_path: Path) -> None:
         ran.append(step.name)
         return 3 if step.name == "loopback" else 0
 
-    outcomes = run_steps(steps, runner)
+    outcomes = run_steps(tmp_path, steps, runner)
     assert ran == ["loopback", "loss"]
     assert [(o.step, o.returncode) for o in outcomes] == [("loopback", 3), ("loss", 0)]
+
+
+def test_a_step_that_fails_now_is_not_judged_by_an_earlier_runs_json(tmp_path: Path) -> None:
+    steps = plan_steps(tmp_path, 1, ["loopback", "ddp-1gbit"])
+    _write_all(tmp_path, steps)  # an earlier run into the same directory
+
+    def runner(step: Step) -> int:
+        return 1  # writes nothing
+
+    outcomes = run_steps(tmp_path, steps, runner)
+    verdicts = judge(tmp_path, steps, outcomes).verdicts
+    assert [v.met for v in verdicts if v.step in ("loopback", "ddp-1gbit")] == [None] * 3
 
 
 def test_the_table_is_markdown_with_one_row_per_target() -> None:
