@@ -72,11 +72,19 @@ class Verdict:
         return max(self.values) if self.rule is Rule.EVERY_BELOW else min(self.values)
 
     def show(self, value: float) -> str:
+        """`value` in the goal's unit; with one more digit where it would read as the goal
+        without being it (1.647x against 1.65x is not met)."""
+        text = self._digits(value, 0)
+        if value != self.goal and text == self._digits(self.goal, 0):
+            return self._digits(value, 1)
+        return text
+
+    def _digits(self, value: float, more: int) -> str:
         if self.unit is Unit.RATIO:
-            return f"{value:.2f}x"
+            return f"{value:.{2 + more}f}x"
         if self.unit is Unit.GBPS:
-            return f"{value:.2f} GB/s"
-        return f"{value:.2%}" if value < 0.1 else f"{value:.0%}"
+            return f"{value:.{2 + more}f} GB/s"
+        return f"{value:.{2 + more}%}" if value < 0.1 else f"{value:.{more}%}"
 
     def figures(self) -> str:
         """`median (min-max)`, or why there are none."""

@@ -213,6 +213,15 @@ def test_a_step_that_fails_now_is_not_judged_by_an_earlier_runs_json(tmp_path: P
     assert [v.met for v in verdicts if v.step in ("loopback", "ddp-1gbit")] == [None] * 3
 
 
+def test_a_figure_that_would_read_as_its_goal_gets_one_more_digit() -> None:
+    v = Verdict("n = 8", "s", Unit.RATIO, 1.65, Rule.MEDIAN, (1.6472, 1.6056, 1.6710))
+    assert v.met is False
+    assert v.figures() == "1.647x (1.61x-1.67x)"
+    assert v.goal_text() == ">= 1.65x"
+    share = Verdict("loss", "s", Unit.SHARE, 0.70, Rule.MEDIAN, (0.698,))
+    assert share.figures() == "69.8% (69.8%-69.8%)"
+
+
 def test_the_table_is_markdown_with_one_row_per_target() -> None:
     v = Verdict("t", "s", Unit.RATIO, 1.3, Rule.MEDIAN, (1.0, 1.2, 1.1))
     table = markdown_table([v, Verdict("u", "s", Unit.GBPS, 2.5, Rule.MEDIAN, (), "no JSON")])
