@@ -22,7 +22,7 @@ verdicts and the steps' exit statuses and times, DIR/targets.png the plot (with 
 fails leaves its targets "not measured" and the others still run. Exits 1 when a step failed or a
 result was not exact, 0 otherwise: whether the targets are met is the table's to say, since on
 two shared cores it follows the machine's speed (each step's `bench.gauge` figures are listed).
-Takes about 30 minutes at --repeat 3 and needs root (the racks are network namespaces).
+Takes about 20 minutes at --repeat 3 here and needs root (the racks are network namespaces).
 """
 
 from __future__ import annotations
