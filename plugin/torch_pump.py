@@ -57,10 +57,11 @@ class PinnedPool:
 
     def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         free = self._free.setdefault(dtype, [])
-        fitting = [b for b in free if b.numel() >= numel]
+        # By position: list.remove would compare tensors with ==, elementwise (an error as
+        # soon as the pool holds two buffers).
+        fitting = [i for i, b in enumerate(free) if b.numel() >= numel]
         if fitting:
-            buf = min(fitting, key=torch.Tensor.numel)
-            free.remove(buf)
+            buf = free.pop(min(fitting, key=lambda i: free[i].numel()))
         else:
             buf = torch.empty(max(numel, 1), dtype=dtype, pin_memory=torch.cuda.is_available())
         return buf

@@ -28,7 +28,7 @@ from reduction_appliance.plugin.torch_backend import (
     config_from_env,
     connect,
 )
-from reduction_appliance.plugin.torch_pump import RoundPump
+from reduction_appliance.plugin.torch_pump import PinnedPool, RoundPump
 
 from .ranks import run_ranks
 
@@ -54,7 +54,8 @@ def test_backend_collectives_match_gloo(rack: tuple[LoopbackNetwork, AppliancePr
     outputs = _run(rack, "backend", 3, monkeypatch)
     expected = {("allreduce", d, o) for d in ("fp32", "fp16", "bf16")
                 for o in ("sum", "avg", "min", "max")}
-    expected |= {(c, None, None) for c in ("async", "barrier", "broadcast", "delegated-int")}
+    expected |= {(c, None, None) for c in ("async", "barrier", "broadcast", "delegated-int",
+                                           "strided", "transposed", "coalesced")}
     for rank, records in enumerate(outputs):
         seen = {(r["check"], r.get("dtype"), r.get("op")) for r in records}
         assert seen == expected, f"rank {rank}: {seen ^ expected}"
@@ -70,6 +71,24 @@ def test_ddp_hook_matches_gloo(rack: tuple[LoopbackNetwork, ApplianceProcess],
         assert all(r["ok"] for r in records), f"rank {rank}: {records}"
     first = next(r for r in outputs[0] if r["check"] == "ddp-vs-gloo")
     assert first["hooked"] < first["first"]  # it trained
+
+
+def test_pinned_pool_reuses_the_smallest_buffer_that_fits() -> None:
+    """CUDA tensors are staged through these host buffers: one taken per round, given back
+    after, so a training loop allocates (and pins) its staging once, not per all_reduce."""
+    pool = PinnedPool()
+    big, small = pool.take(torch.float32, 1000), pool.take(torch.float32, 10)
+    assert big.numel() == 1000 and small.numel() == 10 and big.dtype == torch.float32
+    pool.give_back(big)
+    pool.give_back(small)
+    assert pool.take(torch.float32, 8).data_ptr() == small.data_ptr()  # the smaller one fits
+    assert pool.take(torch.float32, 500).data_ptr() == big.data_ptr()
+    fresh = pool.take(torch.float32, 2000)  # none left: a new one
+    assert fresh.numel() == 2000 and fresh.data_ptr() not in (big.data_ptr(), small.data_ptr())
+    pool.give_back(fresh)
+    half = pool.take(torch.bfloat16, 100)  # buffers are kept per dtype
+    assert half.dtype == torch.bfloat16 and half.data_ptr() != fresh.data_ptr()
+    assert pool.take(torch.float16, 0).numel() == 1  # an empty tensor still gets a buffer
 
 
 def test_missing_appliance_names_the_variable() -> None:

@@ -103,6 +103,7 @@ def backend(rank: int, world: int, store: str) -> None:
             else:  # integer-valued: exact
                 ok = torch.equal(t, ref.to(dtype))
             emit(check="allreduce", dtype=dname, op=oname, ok=bool(ok))
+    layouts(rank, gloo)
     # three outstanding async rounds
     ts = [inputs(rank, 5000, torch.float32, salt=s) for s in range(3)]
     works = [dist.all_reduce(t, async_op=True) for t in ts]
@@ -125,6 +126,32 @@ def backend(rank: int, world: int, store: str) -> None:
     emit(check="delegated-int", ok=ints.tolist() == [int(torch.arange(1, world + 1).prod()),
                                                        2 ** world])
     dist.destroy_process_group()
+
+
+def layouts(rank: int, gloo: dist.ProcessGroup) -> None:
+    """Tensors that are not one contiguous block (staged through a contiguous copy and written
+    back: the path CUDA tensors share), and several tensors in one coalesced call: each ends
+    equal to Gloo's result, and the memory around a strided view is left alone."""
+    def gloo_sum(t: torch.Tensor) -> torch.Tensor:
+        ref = t.clone()
+        dist.all_reduce(ref, group=gloo)
+        return ref
+
+    base = inputs(rank, 2 * 3000, torch.float32, salt=7).view(3000, 2)
+    column, other = base[:, 0], base[:, 1].clone()
+    want = gloo_sum(column.contiguous())
+    dist.all_reduce(column)
+    emit(check="strided", ok=bool(not column.is_contiguous() and torch.equal(column, want)
+                                  and torch.equal(base[:, 1], other)))
+    flipped = inputs(rank, 40 * 70, torch.bfloat16, salt=8).view(40, 70).t()
+    want = gloo_sum(flipped.contiguous())
+    dist.all_reduce(flipped)
+    emit(check="transposed", ok=bool(not flipped.is_contiguous() and torch.equal(flipped, want)))
+    parts = [inputs(rank, n, dtype, salt=9) for n, dtype in
+             ((3000, torch.float32), (17, torch.float16), (5000, torch.bfloat16))]
+    wants = [gloo_sum(t) for t in parts]
+    appliance_group().allreduce_coalesced(parts).wait()
+    emit(check="coalesced", ok=all(torch.equal(t, w) for t, w in zip(parts, wants, strict=True)))
 
 
 def overlap(rank: int, world: int, store: str) -> None:
