@@ -71,13 +71,14 @@ class Plan:
     seed: int
     cores: int  # appliance data-plane cores
     lanes: int | None  # appliance rounds in flight; None = the plugin's default
+    device: str = "cpu"  # where each rank's model lives (cuda: every rank on a GPU)
 
     def options(self) -> list[str]:
         """The example's flags that every rank of every run shares."""
         return ["--steps", str(self.steps), "--warmup", str(self.warmup), "--batch",
                 str(self.batch), "--hidden", str(self.hidden), "--layers", str(self.layers),
                 "--bucket-mb", str(self.bucket_mb), "--seed", str(self.seed), "--json",
-                *(["--lanes", str(self.lanes)] if self.lanes else [])]
+                "--device", self.device, *(["--lanes", str(self.lanes)] if self.lanes else [])]
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,9 @@ def format_table(plan: Plan, runs: list[CommRun]) -> str:
     first = runs[0].ranks[0]
     buckets = ", ".join(f"{b / 2**20:.2f}" for b in first["bucket_bytes"])
     lines = [
-        f"DDP on {plan.workers} workers, worker links {plan.rate or 'unshaped'}: MLP "
+        f"DDP on {plan.workers} workers"
+        f"{'' if plan.device == 'cpu' else ' (models on ' + first.get('device', plan.device) + ')'}"
+        f", worker links {plan.rate or 'unshaped'}: MLP "
         f"{first['params']:,} params, gradient {first['grad_bytes'] / 2**20:.2f} MiB in buckets "
         f"of [{buckets}] MiB, batch {plan.batch}/rank, {plan.steps} steps "
         f"({plan.warmup} warm-up not timed); step = slowest rank's",
@@ -270,8 +273,18 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, Path | None]:
     p.add_argument("--cores", type=int, default=1, help="appliance data-plane cores")
     p.add_argument("--lanes", type=int, default=None,
                    help="appliance rounds on the wire at once (default: the plugin's)")
+    p.add_argument("--device", default="cpu",
+                   help="the ranks' device: cpu, or cuda (rank r on GPU r modulo the GPUs: "
+                        "the appliance's CUDA staging path; Gloo stages CUDA tensors too)")
     p.add_argument("--out", type=Path, default=None, help="directory for ddp_steps.json")
     args = p.parse_args(argv)
+    if args.device.split(":")[0] not in ("cpu", "cuda"):
+        p.error(f"--device {args.device!r}: cpu or cuda")
+    if args.device != "cpu":
+        import torch  # (only here: the benchmark itself runs no torch)
+
+        if not torch.cuda.is_available():
+            p.error(f"--device {args.device}: this torch sees no GPU (torch {torch.__version__})")
     rate = None if args.rate.lower() == "none" else args.rate
     if rate is not None:
         try:
@@ -284,7 +297,7 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, Path | None]:
     plan = Plan(workers=args.workers, rate=rate, steps=args.steps, warmup=args.warmup,
                 batch=args.batch, hidden=args.hidden, layers=args.layers,
                 bucket_mb=args.bucket_mb, seed=args.seed, cores=args.cores,
-                lanes=args.lanes)
+                lanes=args.lanes, device=args.device)
     return plan, args.out
 
 

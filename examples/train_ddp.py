@@ -123,7 +123,7 @@ def batches(task: Task, shard: int, batch: int, gen: torch.Generator
 def params_sha256(model: nn.Module) -> str:
     digest = hashlib.sha256()
     for p in model.parameters():
-        digest.update(p.detach().contiguous().numpy().tobytes())
+        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -163,6 +163,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shard", type=int, default=8192, help="training samples per rank")
     p.add_argument("--bucket-mb", type=float, default=1.0, help="DDP bucket_cap_mb")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--device", default="cpu",
+                   help="where the model and its gradients live: cpu, cuda (the GPU numbered "
+                        "LOCAL_RANK, else the rank, modulo the GPUs) or cuda:N; the appliance "
+                        "stages CUDA buckets through pinned host memory")
     p.add_argument("--log-every", type=int, default=10, help="loss curve: every N steps")
     p.add_argument("--rank", type=int, default=_env_int("RANK"))
     p.add_argument("--world", type=int, default=_env_int("WORLD_SIZE"))
@@ -193,7 +197,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 "(RANK, WORLD_SIZE, MASTER_ADDR/MASTER_PORT)")
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        p.error(f"--device {args.device!r}: {exc}")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device {args.device!r}: cpu or cuda[:N]")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: this torch sees no GPU (torch {torch.__version__}, "
+                "torch.cuda.is_available() is False)")
     return args
+
+
+def pick_device(name: str, rank: int) -> torch.device:
+    """The device `--device` names; bare "cuda" is this rank's GPU, as torchrun numbers them."""
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        local = _env_int("LOCAL_RANK")
+        device = torch.device("cuda", (rank if local is None else local)
+                              % torch.cuda.device_count())
+    return device
 
 
 def configure(args: argparse.Namespace) -> None:
@@ -219,22 +242,27 @@ def configure(args: argparse.Namespace) -> None:
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = build_model(args.inputs, args.hidden, args.layers)
+    device = pick_device(args.device, args.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = build_model(args.inputs, args.hidden, args.layers).to(device)
     task = Task.make(args.seed, args.inputs)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
+    ddp = DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=args.bucket_mb)
     state = None
     if args.comm == "hook":
         state = ApplianceHookState()
         ddp.register_comm_hook(state, appliance_allreduce_hook)
     try:
-        return _loop(args, model, ddp, task)
+        return _loop(args, model, ddp, task, device)
     finally:
         if state is not None:
             state.close()
 
 
 def _loop(args: argparse.Namespace, model: nn.Module, ddp: DistributedDataParallel,
-          task: Task) -> dict[str, Any]:
+          task: Task, device: torch.device) -> dict[str, Any]:
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     data = batches(task, args.shard, args.batch,
@@ -243,12 +271,15 @@ def _loop(args: argparse.Namespace, model: nn.Module, ddp: DistributedDataParall
     times: list[float] = []
     start = time.perf_counter()
     for step in range(args.steps):
-        x, y = next(data)
+        x, y = next(data)  # drawn on the CPU: the same samples whatever the device
+        x, y = x.to(device), y.to(device)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(ddp(x), y)
         loss.backward()  # returns once every bucket is averaged
         opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the step's time, not its queueing
         elapsed = time.perf_counter() - t0
         if step >= args.warmup:
             times.append(elapsed)
@@ -257,13 +288,15 @@ def _loop(args: argparse.Namespace, model: nn.Module, ddp: DistributedDataParall
     elapsed_s = time.perf_counter() - start
     eval_x, eval_y = task.sample(_EVAL_SAMPLES,
                                  torch.Generator().manual_seed(args.seed + _EVAL_STREAM))
+    eval_x, eval_y = eval_x.to(device), eval_y.to(device)
     with torch.no_grad():
         logits = model(eval_x)
         eval_loss = float(loss_fn(logits, eval_y))
         eval_acc = float((logits.argmax(dim=1) == eval_y).float().mean())
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return {
-        "comm": args.comm, "rank": args.rank, "world": args.world, "steps": args.steps,
+        "comm": args.comm, "device": str(device), "rank": args.rank, "world": args.world,
+        "steps": args.steps,
         "warmup": args.warmup, "batch": args.batch, "params": sum(
             p.numel() for p in model.parameters()), "grad_bytes": grad_bytes,
         "bucket_bytes": _bucket_bytes(ddp), "first_loss": curve[0][1], "final_loss": curve[-1][1],

@@ -11,8 +11,8 @@ name and broadcasts it over the default process group. Buckets are started on on
 thread in the order DDP hands them over, with up to REDUCTION_LANES of them on the wire at once
 (`plugin.torch_pump`); the hook returns at once with a Future that completes with the averaged
 bucket, or fails with the appliance's `ReductionError` (e.g. `AllreduceTimeout`, `JobAborted`),
-which DDP raises from backward(). CUDA buckets go through pinned host buffers (untested here:
-no GPU).
+which DDP raises from backward(). CUDA buckets go through pinned host buffers
+(`plugin.torch_pump`; `bench.ddp_steps --device cuda` is the check on a machine with a GPU).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at run time.

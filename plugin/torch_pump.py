@@ -14,7 +14,10 @@ reason: a caller never waits on a future nobody will complete.
 
 Tensors are reduced in place. CPU tensors that are contiguous go straight to the wire; others
 are staged through a contiguous copy, and CUDA tensors through pinned host buffers taken from a
-pool and given back (that path is untested here: no GPU on the development machines).
+pool and given back. A CUDA tensor is copied out once the work its caller's stream queued
+before `submit` has run (an event recorded there), and copied back synchronously before its
+future completes, so a consumer on any stream reads the result. The CUDA path runs only where
+a GPU does: `bench.ddp_steps --device cuda` (examples/README.md) is its check.
 """
 
 from __future__ import annotations
@@ -79,6 +82,9 @@ class _Collective:
     # (the caller's tensor, the contiguous host copy the round reduces, its pooled buffer)
     staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(
         default_factory=list)
+    # CUDA tensors: recorded on the submitting thread's current streams, so the pump copies
+    # them only once the work queued there before the call (the gradient itself) has run.
+    ready: list[torch.cuda.Event] = field(default_factory=list)
     error: BaseException | None = None
 
 
@@ -108,7 +114,9 @@ class RoundPump:
                 reason = (f": its thread died: {self._death!r}" if self._death else "")
                 fut.set_exception(ReductionError(f"the appliance round pump is closed{reason}"))
                 return fut
-            self._inbox.put(_Collective(list(tensors), op, fut))
+            devices = {t.device for t in tensors if t.device.type == "cuda"}
+            ready = [torch.cuda.current_stream(d).record_event() for d in devices]
+            self._inbox.put(_Collective(list(tensors), op, fut, ready=ready))
         self._poke()
         return fut
 
@@ -183,6 +191,8 @@ class RoundPump:
                 if t.dtype not in APPLIANCE_DTYPES:
                     raise ReductionError(f"the appliance reduces float32, float16 and bfloat16, "
                                          f"not {t.dtype}")
+            for event in coll.ready:
+                event.synchronize()
             for t in coll.tensors:
                 if t.device.type != "cpu":
                     buf = self._pool.take(t.dtype, t.numel())

@@ -4,6 +4,7 @@ communication hook, each rank a subprocess (see torch_worker.py), compared with 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -89,6 +90,51 @@ def test_pinned_pool_reuses_the_smallest_buffer_that_fits() -> None:
     half = pool.take(torch.bfloat16, 100)  # buffers are kept per dtype
     assert half.dtype == torch.bfloat16 and half.data_ptr() != fresh.data_ptr()
     assert pool.take(torch.float16, 0).numel() == 1  # an empty tensor still gets a buffer
+
+
+def _train_ddp() -> Any:
+    from reduction_appliance.bench.ddp_steps import EXAMPLE
+
+    if (loaded := sys.modules.get("train_ddp")) is not None:
+        return loaded
+    spec = importlib.util.spec_from_file_location("train_ddp", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_ddp"] = module  # (its dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("device", "reason"), [
+    ("tpu", "Expected one of cpu, cuda"), ("cuda:x", "Invalid device string"),
+    ("meta", "cpu or cuda"),
+])
+def test_the_example_refuses_a_device_it_cannot_train_on(
+        device: str, reason: str, capsys: pytest.CaptureFixture[str]) -> None:
+    example = _train_ddp()
+    base = ["--rank", "0", "--world", "1", "--init-method", "tcp://127.0.0.1:1"]
+    assert example.parse_args([*base, "--device", "cpu"]).device == "cpu"
+    with pytest.raises(SystemExit):
+        example.parse_args([*base, "--device", device])
+    assert reason in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: cuda is valid")
+def test_cuda_without_a_gpu_is_refused_up_front(capsys: pytest.CaptureFixture[str]) -> None:
+    from reduction_appliance.bench import ddp_steps
+
+    base = ["--rank", "0", "--world", "1", "--init-method", "tcp://127.0.0.1:1"]
+    with pytest.raises(SystemExit):
+        _train_ddp().parse_args([*base, "--device", "cuda"])
+    assert "sees no GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ddp_steps.parse_args(["--device", "cuda"])
+    assert "sees no GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ddp_steps.parse_args(["--device", "gpu"])
+    assert "cpu or cuda" in capsys.readouterr().err
+    plan, _ = ddp_steps.parse_args([])
+    assert plan.device == "cpu" and plan.options()[-2:] == ["--device", "cpu"]
 
 
 def test_missing_appliance_names_the_variable() -> None:
