@@ -246,7 +246,12 @@ class ApplianceProcessGroup(ProcessGroup):
         gloo = dist.ProcessGroupGloo(gloo_store, rank, world_size, timeout)
         self.gloo = ProcessGroup(gloo_store, rank, world_size)
         self.gloo._set_default_backend(ProcessGroup.BackendType.GLOO)
-        self.gloo._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
+        # Gloo takes CUDA tensors too (it stages them): without the second entry every
+        # delegated collective on a GPU, DDP's broadcast of the model at its start among them,
+        # fails with "No backend type associated with device type cuda".
+        for device in ("cpu", "cuda"):
+            self.gloo._register_backend(torch.device(device), ProcessGroup.BackendType.GLOO,
+                                        gloo)
         # Rank 0 names the job and makes up its secret unless configured; the others read both
         # from the store every rank of the group shares.
         if rank == 0:

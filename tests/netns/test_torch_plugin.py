@@ -14,7 +14,7 @@ if importlib.util.find_spec("torch") is None:
     pytest.skip("torch is not installed: the PyTorch plugin needs it", allow_module_level=True)
 
 from reduction_appliance.deploy.testnet.harness import ApplianceProcess, LabNetwork, start_appliance
-from tests.plugin.ranks import launch_ranks, run_ranks
+from tests.plugin.ranks import BACKEND_CHECKS, launch_ranks, run_ranks
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow  # real daemons and worker processes: seconds each
@@ -47,10 +47,7 @@ def all_ok(outputs: list[list[dict[str, Any]]], expected: set[tuple[Any, ...]]) 
 
 
 def test_every_dtype_and_op_matches_gloo(rack: Rack, env: pytest.MonkeyPatch) -> None:
-    expected = {("allreduce", d, o) for d in ("fp32", "fp16", "bf16")
-                for o in ("sum", "avg", "min", "max")}
-    expected |= {(c, None, None) for c in ("async", "barrier", "broadcast", "delegated-int")}
-    all_ok(run_ranks(rack[0], "backend", WORLD), expected)
+    all_ok(run_ranks(rack[0], "backend", WORLD), BACKEND_CHECKS)
 
 
 def test_deterministic_mode_is_bitwise_the_rank_order_reference(

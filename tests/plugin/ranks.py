@@ -11,6 +11,12 @@ from reduction_appliance.deploy.testnet.harness import Network, run_workers
 
 STORE_PORT_ON_RACK = 29500  # a fresh namespace: nothing else listens there
 
+# What a rank in torch_worker.py's "backend" mode reports, (check, dtype, op) each.
+BACKEND_CHECKS = {("allreduce", d, o) for d in ("fp32", "fp16", "bf16")
+                  for o in ("sum", "avg", "min", "max")} | {
+    (c, None, None) for c in ("async", "barrier", "broadcast", "delegated-int", "strided",
+                              "transposed", "coalesced", "cuda-delegated")}
+
 
 def store_address(net: Network) -> str:
     """Where rank 0 serves the c10d store: worker 0's address, on a port free there."""

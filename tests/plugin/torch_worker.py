@@ -104,6 +104,12 @@ def backend(rank: int, world: int, store: str) -> None:
                 ok = torch.equal(t, ref.to(dtype))
             emit(check="allreduce", dtype=dname, op=oname, ok=bool(ok))
     layouts(rank, gloo)
+    # What a GPU job needs of the delegated collectives (no GPU here to run one): Gloo
+    # behind CUDA tensors as behind CPU ones.
+    delegate = appliance_group().gloo
+    emit(check="cuda-delegated", ok=all(
+        isinstance(delegate._get_backend(torch.device(d)), dist.ProcessGroupGloo)
+        for d in ("cpu", "cuda")))
     # three outstanding async rounds
     ts = [inputs(rank, 5000, torch.float32, salt=s) for s in range(3)]
     works = [dist.all_reduce(t, async_op=True) for t in ts]
