@@ -263,8 +263,14 @@ class ApplianceClient:
     # ---- the collective ----
     def allreduce(self, array: NDArray[Any], op: str | Op = "sum") -> NDArray[Any]:
         """Reduce `array` over all ranks in place and return it. Raises `AllreduceTimeout`
-        (naming the silent appliance cores and missing ranks) instead of hanging."""
-        if not array.flags.c_contiguous or not array.flags.writeable:
+        (naming the silent appliance cores and missing ranks) instead of hanging. An array
+        that is not one contiguous block is reduced in a contiguous copy, then copied back."""
+        if not array.flags.writeable:  # (a contiguous copy of it would be read-only too)
+            raise ReductionError(
+                "allreduce() reduces in place, and this array is read-only (np.frombuffer over "
+                "bytes, a broadcast view, or writeable=False): pass a writable copy")
+        if not array.flags.c_contiguous:
+            dtype_of(array)  # a dtype the appliance cannot reduce: refused before the copy
             staged = np.ascontiguousarray(array)
             self.allreduce(staged, op)
             array[...] = staged

@@ -199,6 +199,11 @@ class RoundPipeline:
                 reason = next(iter(self._silent_appliances.values()))
                 self._finished.append(Outcome(req.ticket, ApplianceSilent(reason)))
                 continue
+            if req.nbytes == 0:  # nothing to reduce, on any rank: done, and off the wire
+                # (as a round it would wait for a last result that never comes, until its
+                # deadline)
+                self._finished.append(Outcome(req.ticket, None))
+                continue
             # An idle worker does not read its answers: give every appliance a fresh
             # liveness timeout from the start of a round.
             self._heard = [max(h, now) for h in self._heard]

@@ -158,6 +158,9 @@ def layouts(rank: int, gloo: dist.ProcessGroup) -> None:
     wants = [gloo_sum(t) for t in parts]
     appliance_group().allreduce_coalesced(parts).wait()
     emit(check="coalesced", ok=all(torch.equal(t, w) for t, w in zip(parts, wants, strict=True)))
+    nothing = torch.empty(0, 3)
+    dist.all_reduce(nothing)  # (it once waited for a result until the deadline, then raised)
+    emit(check="empty", ok=nothing.shape == (0, 3))
 
 
 def overlap(rank: int, world: int, store: str) -> None:

@@ -62,6 +62,20 @@ def test_rounds_overlap_in_their_own_slots_and_start_in_order() -> None:
     assert p.due(0.001) == [] and p.in_flight() == 1  # lane 0 is free, yet round 3 waits
 
 
+def test_an_empty_collective_ends_at_once_without_a_round() -> None:
+    """Zero bytes (an empty tensor): done at the next turn, nothing sent, no round number
+    used, so the rounds after it number alike on every rank. As a round it once waited for a
+    last result that never comes, until its deadline."""
+    p = RoundPipeline(endpoints(1, 4), 0, 2, 64, RttEstimator(), lanes=2)
+    empty = p.submit(DType.FLOAT32, Op.SUM, 0)
+    after = p.submit(DType.FLOAT32, Op.SUM, 64)
+    assert p.wakeup() == 0.0
+    sent = p.due(0.0)
+    assert {t.header.round for t in sent} == {1} and len(sent) == 1  # the next one, round 1
+    assert [(o.ticket, o.error) for o in p.finished()] == [(empty, None)]
+    assert p.in_flight() == 1 and after != empty
+
+
 @pytest.mark.parametrize(("nbytes", "rounds"), [
     (64, 1),  # one segment
     (4 * 64, 1),  # exactly one lane's window (2 cores x 2 slots): one round has it all

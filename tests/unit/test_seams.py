@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 
 from reduction_appliance.dataplane.counters import Counter, Counters
-from reduction_appliance.dataplane.errors import AdmissionError, CoreFailure, RankSilent
+from reduction_appliance.dataplane.errors import (
+    AdmissionError,
+    CoreFailure,
+    RankSilent,
+    ReductionError,
+)
 from reduction_appliance.dataplane.loop import CoreLoop
 from reduction_appliance.dataplane.registration import EndpointInfo
 from reduction_appliance.dataplane.spec import (
@@ -180,3 +185,24 @@ def test_a_client_takes_the_least_congestion_target_its_appliances_advise(
         assert (None if window is None else window.policy.target) == want
         if window is not None:
             assert window.limit == [4] * len(targets)  # whole: each core's slots
+
+
+def test_a_client_refuses_arrays_it_cannot_reduce_in_place_before_sending() -> None:
+    """Read-only arrays (once an endless recursion: a contiguous copy of one is the array
+    itself) and dtypes the appliance does not reduce are the caller's error, raised at once:
+    nothing leaves, no round starts."""
+    net = MemoryNetwork()
+    info = JobInfo("memory", 5, "refusals", 1, 1024, GROUP, False, 60.0,
+                   (EndpointInfo(0, *CORE, 4),), cookie=0xBEEF)
+    transport = MemoryWorkerTransport(net, ("198.18.0.101", 40000), [GROUP])
+    with ApplianceClient([info], 0, clock=net.clock, lease=False, transport=transport) as client:
+        frozen = np.ones(64, np.float32)
+        frozen.flags.writeable = False
+        for array in (frozen, frozen[::2], np.frombuffer(bytes(256), np.float32),
+                      np.broadcast_to(np.float32(1), (64,))):
+            with pytest.raises(ReductionError, match="read-only"):
+                client.allreduce(array)
+        with pytest.raises(ReductionError, match="not int32"):
+            client.allreduce(np.zeros((8, 8), np.int32).T)  # strided: refused before the copy
+        assert client.pipeline.wakeup() == float("inf")  # no round was started
+        assert net.next_arrival() == float("inf")  # and nothing was sent
