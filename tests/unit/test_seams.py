@@ -187,10 +187,10 @@ def test_a_client_takes_the_least_congestion_target_its_appliances_advise(
             assert window.limit == [4] * len(targets)  # whole: each core's slots
 
 
-def test_a_client_refuses_arrays_it_cannot_reduce_in_place_before_sending() -> None:
+def test_a_client_refuses_arrays_it_cannot_reduce_and_sends_nothing_for_an_empty_one() -> None:
     """Read-only arrays (once an endless recursion: a contiguous copy of one is the array
     itself) and dtypes the appliance does not reduce are the caller's error, raised at once:
-    nothing leaves, no round starts."""
+    nothing leaves, no round starts. An empty array needs no round either."""
     net = MemoryNetwork()
     info = JobInfo("memory", 5, "refusals", 1, 1024, GROUP, False, 60.0,
                    (EndpointInfo(0, *CORE, 4),), cookie=0xBEEF)
@@ -206,3 +206,7 @@ def test_a_client_refuses_arrays_it_cannot_reduce_in_place_before_sending() -> N
             client.allreduce(np.zeros((8, 8), np.int32).T)  # strided: refused before the copy
         assert client.pipeline.wakeup() == float("inf")  # no round was started
         assert net.next_arrival() == float("inf")  # and nothing was sent
+        # An empty array is reduced at once (as a round it waited out its deadline), off the
+        # wire.
+        assert client.allreduce(np.zeros((0, 4), np.float32)).shape == (0, 4)
+        assert net.next_arrival() == float("inf")
