@@ -197,7 +197,7 @@ class RoundPump:
                 if t.device.type != "cpu":
                     buf = self._pool.take(t.dtype, t.numel())
                     host = buf[:t.numel()]
-                    host.copy_(t.reshape(-1))
+                    host.copy_(t.detach().reshape(-1))
                     coll.staged.append((t, host, buf))
                 elif not t.is_contiguous():
                     host = t.detach().contiguous()
@@ -218,7 +218,9 @@ class RoundPump:
     def _complete(self, coll: _Collective) -> None:
         for t, host, buf in coll.staged:
             if coll.error is None:
-                t.copy_(host.view_as(t))
+                # Past autograd, as Gloo writes: a parameter (a leaf that requires grad) or a
+                # view of one may be all_reduced in place.
+                t.detach().copy_(host.view_as(t))
             if buf is not None:
                 self._pool.give_back(buf)
         if coll.error is not None:

@@ -158,6 +158,10 @@ def layouts(rank: int, gloo: dist.ProcessGroup) -> None:
     wants = [gloo_sum(t) for t in parts]
     appliance_group().allreduce_coalesced(parts).wait()
     emit(check="coalesced", ok=all(torch.equal(t, w) for t, w in zip(parts, wants, strict=True)))
+    weight = torch.nn.Parameter(inputs(rank, 30 * 20, torch.float32, salt=10).view(30, 20))
+    want = gloo_sum(weight.detach().t().contiguous())
+    dist.all_reduce(weight.t())  # a view of a leaf that requires grad, written as Gloo would
+    emit(check="parameter", ok=bool(torch.equal(weight.detach().t(), want)))
     nothing = torch.empty(0, 3)
     dist.all_reduce(nothing)  # (it once waited for a result until the deadline, then raised)
     emit(check="empty", ok=nothing.shape == (0, 3))
