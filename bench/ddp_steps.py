@@ -211,10 +211,9 @@ def rows(runs: list[CommRun]) -> list[dict[str, Any]]:
 def format_table(plan: Plan, runs: list[CommRun]) -> str:
     first = runs[0].ranks[0]
     buckets = ", ".join(f"{b / 2**20:.2f}" for b in first["bucket_bytes"])
+    where = "" if plan.device == "cpu" else f" (models on {first.get('device', plan.device)})"
     lines = [
-        f"DDP on {plan.workers} workers"
-        f"{'' if plan.device == 'cpu' else ' (models on ' + first.get('device', plan.device) + ')'}"
-        f", worker links {plan.rate or 'unshaped'}: MLP "
+        f"DDP on {plan.workers} workers{where}, worker links {plan.rate or 'unshaped'}: MLP "
         f"{first['params']:,} params, gradient {first['grad_bytes'] / 2**20:.2f} MiB in buckets "
         f"of [{buckets}] MiB, batch {plan.batch}/rank, {plan.steps} steps "
         f"({plan.warmup} warm-up not timed); step = slowest rank's",

@@ -296,8 +296,7 @@ def _loop(args: argparse.Namespace, model: nn.Module, ddp: DistributedDataParall
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return {
         "comm": args.comm, "device": str(device), "rank": args.rank, "world": args.world,
-        "steps": args.steps,
-        "warmup": args.warmup, "batch": args.batch, "params": sum(
+        "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "params": sum(
             p.numel() for p in model.parameters()), "grad_bytes": grad_bytes,
         "bucket_bytes": _bucket_bytes(ddp), "first_loss": curve[0][1], "final_loss": curve[-1][1],
         "eval_loss": eval_loss, "eval_accuracy": eval_acc, "loss_curve": curve,
