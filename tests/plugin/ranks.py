@@ -15,7 +15,7 @@ STORE_PORT_ON_RACK = 29500  # a fresh namespace: nothing else listens there
 BACKEND_CHECKS = {("allreduce", d, o) for d in ("fp32", "fp16", "bf16")
                   for o in ("sum", "avg", "min", "max")} | {
     (c, None, None) for c in ("async", "barrier", "broadcast", "delegated-int", "strided",
-                              "transposed", "coalesced", "parameter", "empty",
+                              "transposed", "coalesced", "parameter", "scalar", "subgroup", "empty",
                               "cuda-delegated")}
 
 

@@ -162,6 +162,19 @@ def layouts(rank: int, gloo: dist.ProcessGroup) -> None:
     want = gloo_sum(weight.detach().t().contiguous())
     dist.all_reduce(weight.t())  # a view of a leaf that requires grad, written as Gloo would
     emit(check="parameter", ok=bool(torch.equal(weight.detach().t(), want)))
+    scalar = torch.tensor(float(rank + 1), dtype=torch.float16)  # 0-d
+    dist.all_reduce(scalar)
+    world = dist.get_world_size()
+    emit(check="scalar", ok=scalar.dim() == 0 and scalar.item() == world * (world + 1) / 2)
+    # A subgroup on the backend: its own job at the appliance, the other ranks not in it.
+    members = [0, world - 1]
+    sub = dist.new_group(ranks=members, backend="reduction")
+    if rank in members:
+        part = torch.full((2000,), float(rank + 1))
+        dist.all_reduce(part, group=sub)
+        emit(check="subgroup", ok=bool(torch.equal(part, torch.full((2000,), float(world + 1)))))
+    else:
+        emit(check="subgroup", ok=sub == dist.GroupMember.NON_GROUP_MEMBER)
     nothing = torch.empty(0, 3)
     dist.all_reduce(nothing)  # (it once waited for a result until the deadline, then raised)
     emit(check="empty", ok=nothing.shape == (0, 3))
