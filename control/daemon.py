@@ -115,8 +115,9 @@ class Janitor:
                            where.name)
 
     def _evict(self) -> None:
-        for plan in self.appliance.evict_idle():
-            _log.info("evicted idle job %d (%s)", plan.spec.job_id, plan.name)
+        for gone in self.appliance.evict_idle():
+            _log.info("evicted job %d (%s): %s", gone.plan.spec.job_id, gone.plan.name,
+                      gone.reason)
 
 
 @contextlib.contextmanager

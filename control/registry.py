@@ -31,8 +31,13 @@ Job states and the events that move them (anything else raises `IllegalTransitio
     ACTIVE    leave (last) DONE       the job is removed
     CREATED   abort        ABORTED    operator or shutdown; workers are told, job removed
     ACTIVE    abort        ABORTED
-    CREATED   idle         EVICTED    no datagram for jobs.idle_timeout_s; job removed
-    ACTIVE    idle         EVICTED
+    CREATED   idle         EVICTED    no datagram for jobs.idle_timeout_s, or every joined
+    ACTIVE    idle         EVICTED    rank silent for twice jobs.liveness_timeout_s; removed
+
+Eviction is for jobs nobody is left to end: live workers heartbeat ten times per liveness
+timeout whether they reduce or not, so a job of live workers in a long pause (an evaluation
+pass, a checkpoint) stays, and one whose processes exited without leaving (a crash, Ctrl-C, a
+script that never destroyed its process group) frees its slots within seconds.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ from .config import ApplianceConfig
 
 __all__ = [
     "ConflictError",
+    "Eviction",
+    "Heard",
     "IllegalTransition",
     "JobEvent",
     "JobPlan",
@@ -114,6 +121,20 @@ _TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {
     (JobState.ACTIVE, JobEvent.IDLE): JobState.EVICTED,
 }
 GONE = frozenset({JobState.DONE, JobState.ABORTED, JobState.EVICTED})
+
+
+@dataclass(frozen=True)
+class Heard:
+    """What the cores last heard of one job, as ages at the registry's clock reading."""
+
+    quiet_s: float | None = None  # since any datagram from any rank, heartbeats included
+    silent: dict[int, float] = field(default_factory=dict)  # silent joined rank -> seconds
+
+
+@dataclass(frozen=True)
+class Eviction:
+    plan: JobPlan  # state EVICTED
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -350,18 +371,30 @@ class Registry:
         self._record(plan)
         return plan
 
-    def idle(self, last_activity: dict[int, float | None], now: float) -> list[JobPlan]:
-        """Jobs to evict: no datagram (or, never any, no registration) for idle_timeout_s.
-        `last_activity` maps job id -> the registry-clock time of its last datagram."""
+    def idle(self, heard: dict[int, Heard], now: float) -> list[Eviction]:
+        """Jobs to evict (see the module docstring): nothing heard from any rank for
+        jobs.idle_timeout_s (never a word: since admission), or every joined rank silent for
+        twice the liveness timeout. `heard` maps job id -> what its cores heard (a job the
+        cores do not report is quiet since admission)."""
         limit = self.cfg.jobs.idle_timeout_s
+        abandoned_after = 2 * self.cfg.jobs.liveness_timeout_s
         evicted = []
         for job_id, plan in list(self._by_id.items()):
-            seen = last_activity.get(job_id)
-            since = plan.created if seen is None else max(seen, plan.created)
-            if now - since >= limit:
-                gone = self._move(job_id, JobEvent.IDLE)
-                self._record(gone)
-                evicted.append(gone)
+            word = heard.get(job_id, Heard())
+            quiet = now - plan.created
+            if word.quiet_s is not None:
+                quiet = min(quiet, word.quiet_s)
+            silences = [word.silent.get(rank, 0.0) for rank in plan.joined]
+            if quiet >= limit:
+                reason = f"no datagram from any rank for {quiet:.0f} s"
+            elif silences and min(silences) >= abandoned_after:
+                reason = (f"every joined rank silent for {min(silences):.0f} s (they heartbeat "
+                          "while alive: the workers are gone)")
+            else:
+                continue
+            gone = self._move(job_id, JobEvent.IDLE)
+            self._record(gone)
+            evicted.append(Eviction(gone, reason))
         return evicted
 
     def _record(self, plan: JobPlan) -> None:

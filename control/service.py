@@ -25,7 +25,7 @@ from reduction_appliance.dataplane.roce import ROCE_PORTS
 from reduction_appliance.dataplane.verbs import QpEndpoint
 from reduction_appliance.dataplane.wire import HEADER_SIZE
 
-from .registry import JobPlan, JobRequest, JobState, Registry
+from .registry import Eviction, Heard, JobRequest, JobState, Registry
 from .snapshot import ApplianceSnapshot, CoreSnapshot, InterfaceSnapshot, JobSnapshot
 from .supervisor import Supervisor
 
@@ -190,13 +190,15 @@ class Appliance:
         with self._lock:
             return [p.describe(self.cfg).public() for p in self.registry.jobs]
 
-    def evict_idle(self) -> list[JobPlan]:
+    def evict_idle(self) -> list[Eviction]:
+        """Remove the jobs nobody is left to end (`Registry.idle`); their workers, if any
+        still listen, are told."""
         with self._lock:
-            activity = {j.job_id: j.last_activity for j in self._job_activity()}
-            evicted = self.registry.idle(activity, time.monotonic())
-            for plan in evicted:
-                self.supervisor.remove_job(plan.spec.job_id, abort=True)
-                self._release_roce(plan.spec.job_id)
+            heard = {j.job_id: Heard(j.quiet_s, j.silent) for j in self._job_activity()}
+            evicted = self.registry.idle(heard, time.monotonic())
+            for gone in evicted:
+                self.supervisor.remove_job(gone.plan.spec.job_id, abort=True)
+                self._release_roce(gone.plan.spec.job_id)
         return evicted
 
     def shutdown(self, grace_s: float) -> None:
@@ -258,6 +260,9 @@ class Appliance:
                 # Heartbeats go to one core per appliance: a rank is silent only if every
                 # core says so, for as long as the one that heard it last.
                 act.silent_votes.append(st.silent)
+                if st.quiet_s is not None:  # the core that heard the job last
+                    act.quiet_s = min(st.quiet_s, act.quiet_s if act.quiet_s is not None
+                                      else st.quiet_s)
             out.append(act)
         return out
 
@@ -321,8 +326,8 @@ class Appliance:
 
 
 class _Activity:
-    __slots__ = ("bytes_reduced", "diverged", "job_id", "lagging", "last_activity", "rounds",
-                 "segments_reduced", "silent_votes")
+    __slots__ = ("bytes_reduced", "diverged", "job_id", "lagging", "last_activity", "quiet_s",
+                 "rounds", "segments_reduced", "silent_votes")
 
     def __init__(self, job_id: int) -> None:
         self.job_id = job_id
@@ -332,6 +337,7 @@ class _Activity:
         self.bytes_reduced = 0
         self.segments_reduced = 0
         self.last_activity: float | None = None
+        self.quiet_s: float | None = None  # since any core last heard any rank
         self.lagging: dict[int, float] = {}
 
     @property

@@ -195,7 +195,8 @@ class Aggregator:
                     waiting[rank] = min(waiting.get(rank, copy.started), copy.started)
         silent = {s.rank: s.silent_s for s in self._silent(job, now)}
         return JobStats(job.rounds, job.bytes_reduced, job.segments_reduced,
-                        job.last_activity, waiting, job.diverged, silent)
+                        job.last_activity, waiting, job.diverged, silent,
+                        quiet_s=now - max(job.last_seen))
 
     def _silent(self, job: JobState, now: float) -> list[SilentRank]:
         """Joined ranks silent past the liveness timeout. A rank that has not joined yet is not

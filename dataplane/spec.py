@@ -127,6 +127,9 @@ class JobStats:
     waiting: dict[int, float]  # rank -> since when (core time) some filling segment waits for it
     diverged: str | None = None  # why the ranks disagree (until the next epoch)
     silent: dict[int, float] = field(default_factory=dict)  # rank -> seconds silent, > timeout
+    # seconds since the core last heard any rank of the job (a heartbeat counts), or since it
+    # got the job: live workers heartbeat, so only a job whose workers are gone grows quiet
+    quiet_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -483,3 +483,20 @@ def test_a_short_datagram_is_malformed_whatever_its_buffer_held_before(
     assert feed(agg, [(bytes(heartbeat[:10]), where(0)), (b"", where(0))]) == []
     assert agg.counters[Counter.DROP_MALFORMED] == 2
     assert agg.counters[Counter.HEARTBEATS] == 1
+
+
+def test_a_job_grows_quiet_only_while_no_rank_says_anything(arena: SlotArena) -> None:
+    """The age the control plane evicts by: heartbeats count as much as contributions (a job
+    of live workers between all_reduces is not quiet), and a stranger's datagram not at all."""
+    agg = make(arena, world=2)  # added at t = 0
+    assert agg.stats(5, 30.0).quiet_s == 30.0
+    heartbeat = bytearray(HEADER_SIZE)
+    pack_into(heartbeat, Header(Kind.HEARTBEAT, DType.FLOAT32, Op.SUM, 0, 5, 1, COOKIE, 1, 0,
+                                0, 0, 0, 1))  # rank 1
+    feed(agg, [(bytes(heartbeat), where(1))], now=40.0)
+    stats = agg.stats(5, 45.0)
+    assert stats.quiet_s == 5.0 and stats.last_activity is None  # no data yet, but heard
+    feed(agg, [(bytes(heartbeat), ("198.18.0.99", 9001))], now=50.0)  # not a member
+    assert agg.stats(5, 50.0).quiet_s == 10.0
+    contribute(agg, 0, np.ones(4, np.float32), now=52.0)
+    assert agg.stats(5, 53.0).quiet_s == 1.0

@@ -7,6 +7,7 @@ import pytest
 
 from reduction_appliance.control.config import parse
 from reduction_appliance.control.registry import (
+    Heard,
     JobRequest,
     JobState,
     Registry,
@@ -106,14 +107,35 @@ def test_abort_and_illegal_transitions() -> None:
         reg.join(other, 5, SECRET, at(5))
 
 
-def test_idle_jobs_are_evicted_from_their_last_activity() -> None:
-    reg = registry(idle_timeout_s=10.0, slots=4)
-    quiet = admit(reg, "quiet", now=0.0)
-    busy = admit(reg, "busy", now=0.0)
-    assert reg.idle({quiet: None, busy: 8.0}, now=9.0) == []
-    (gone,) = reg.idle({quiet: None, busy: 8.0}, now=10.0)
-    assert gone.spec.job_id == quiet and gone.state is JobState.EVICTED
-    assert [p.spec.job_id for p in reg.jobs] == [busy]
+def test_jobs_nobody_is_left_to_end_are_evicted_and_live_ones_stay() -> None:
+    """Eviction goes by what the cores last heard, heartbeats included: a job of live workers
+    that reduce nothing for longer than the idle timeout (an evaluation pass) stays; one never
+    heard from goes after the idle timeout; one whose joined ranks are all silent for twice
+    the liveness timeout (their processes exited without leaving) goes within seconds."""
+    reg = registry(idle_timeout_s=600.0, liveness_timeout_s=5.0, slots=4)
+    never = admit(reg, "never", now=0.0)          # registered, nobody heard since
+    pausing = admit(reg, "pausing", now=0.0)      # heartbeats, no data for 20 minutes
+    crashed = admit(reg, "crashed", now=0.0)      # both ranks gone
+    one_left = admit(reg, "one-left", now=0.0)    # rank 1 gone, rank 0 still heartbeats
+    for job in (pausing, crashed, one_left):
+        reg.join(job, 0, SECRET, at(0))
+        reg.join(job, 1, SECRET, at(1))
+    heard = {pausing: Heard(quiet_s=0.3), crashed: Heard(quiet_s=11.0, silent={0: 11.0, 1: 10.0}),
+             one_left: Heard(quiet_s=0.2, silent={1: 900.0})}
+    (gone,) = reg.idle(heard, now=100.0)
+    assert gone.plan.spec.job_id == crashed and gone.plan.state is JobState.EVICTED
+    assert "every joined rank silent for 10 s" in gone.reason
+    assert reg.idle({**heard, crashed: Heard()}, now=599.0) == []
+    (gone,) = reg.idle(heard, now=1200.0)  # quiet since admission: the idle timeout
+    assert gone.plan.spec.job_id == never and "no datagram from any rank for 1200 s" in gone.reason
+    assert sorted(p.spec.job_id for p in reg.jobs) == [pausing, one_left]
+    # Silence just under twice the timeout, or a rank not reported silent at all: not yet.
+    almost = admit(reg, "almost", world=1, now=1200.0)
+    reg.join(almost, 0, SECRET, at(0))
+    assert reg.idle({**heard, almost: Heard(quiet_s=9.9, silent={0: 9.9})}, now=1210.0) == []
+    assert reg.idle({**heard, almost: Heard(quiet_s=9.9)}, now=1210.0) == []
+    (gone,) = reg.idle({**heard, almost: Heard(quiet_s=10.0, silent={0: 10.0})}, now=1210.0)
+    assert gone.plan.spec.job_id == almost
 
 
 def test_admission_refuses_what_does_not_fit_the_slot_budget_and_says_so() -> None:

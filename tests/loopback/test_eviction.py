@@ -1,0 +1,66 @@
+"""A real reductiond on the host's loopback (no root) and a numpy worker: which jobs the
+daemon evicts. Workers that pause longer than the idle timeout between all_reduces keep their
+job (they heartbeat); workers gone without leaving free it within two liveness timeouts."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import numpy as np
+import pytest
+
+from reduction_appliance.client import ApplianceClient, register
+from reduction_appliance.control.apiclient import UnixApi
+from reduction_appliance.deploy.testnet.harness import local_daemon
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.slow  # a real daemon and its data-plane process: seconds
+
+IDLE_TIMEOUT_S = 3.0  # longer than the abandonment, which must come first
+LIVENESS_S = 1.0  # workers heartbeat every 0.1 s; a job of silent ranks goes after 2 s
+
+
+def _free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_pausing_job_stays_and_an_abandoned_one_is_evicted_at_once() -> None:
+    raw: dict[str, Any] = {
+        "dataplane": {"address": "127.0.0.1", "base_port": _free_udp_port(), "cores": 1,
+                      "cpus": [], "kernels": "numpy", "slot_memory_mb": 4, "mtu": 9000},
+        "multicast": {"enabled": False},
+        "jobs": {"idle_timeout_s": IDLE_TIMEOUT_S, "liveness_timeout_s": LIVENESS_S},
+        "api": {"listen": "127.0.0.1:0"},
+    }
+    with local_daemon(raw) as daemon:
+        api = UnixApi(daemon.unix_socket)
+
+        def jobs() -> list[dict[str, Any]]:
+            listed: list[dict[str, Any]] = api.get("/v1/jobs")
+            return listed
+
+        def quiet_for() -> float:
+            listed = api.get("/v1/status")["jobs"]  # none: evicted (the assert below says so)
+            return float(listed[0]["last_activity_s"] or 0.0) if listed else float("inf")
+
+        info = register(daemon.api, "pausing", world_size=1, secret="secret-of-the-test")
+        with ApplianceClient([info], 0, local_address="127.0.0.1") as client:
+            grads = np.ones(5000, np.float32)
+            client.allreduce(grads)
+            # An evaluation pass: no all_reduce for longer than the idle timeout (and the
+            # liveness timeout), the worker alive. It once evicted the job after the idle
+            # timeout, and the next all_reduce raised JobAborted.
+            wait_until(lambda: quiet_for() > IDLE_TIMEOUT_S + 1.5, 20,
+                       what="the job quiet past the idle timeout")
+            assert [j["name"] for j in jobs()] == ["pausing"]
+            client.allreduce(grads)
+            assert np.array_equal(grads, np.ones(5000, np.float32))
+        # The client closed without leaving: its process might as well have died. The job goes
+        # within two liveness timeouts (and the janitor's second), not the idle timeout's.
+        wait_until(lambda: not jobs(), 15, what="the abandoned job evicted")
+        wait_until(lambda: "evicted job" in daemon.stderr.text(), 5, what="the log line")
+        line = next(x for x in daemon.stderr.text().splitlines() if "evicted job" in x)
+        assert "(pausing): every joined rank silent for" in line, line
