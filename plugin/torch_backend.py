@@ -14,7 +14,10 @@ Configuration comes from the environment:
     the appliances' API token, if they require one.
 ``REDUCTION_JOB``
     the job name; by default rank 0 makes one up and the other ranks read it from the c10d store
-    the backend is created with, so every rank of a process group joins the same job.
+    the backend is created with, so every rank of a process group joins the same job. Each
+    process group is a job of its own: the default group takes this name as it is, every
+    later group on the backend (``dist.new_group``) the name with ``.pg<group name>`` added,
+    and the DDP hook's states names of their own (`plugin.torch_hook`).
 ``REDUCTION_JOB_SECRET``
     the job's join secret; by default rank 0 makes one up and shares it through the same store
     (only the holder of a job's secret may join it and learn its cookie).
@@ -60,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import uuid
 from collections.abc import Callable
@@ -90,6 +94,7 @@ __all__ = [
     "FutureWork",
     "config_from_env",
     "create_appliance_pg",
+    "job_name_for",
 ]
 
 BACKEND_NAME = "reduction"
@@ -101,6 +106,7 @@ BACKEND_NAME = "reduction"
 DEFAULT_LANES = 1
 _JOB_KEY = "reduction_appliance/job"
 _SECRET_KEY = "reduction_appliance/secret"
+_JOB_NAME_MAX = 128  # the appliance's limit (control.registry)
 
 
 @dataclass(frozen=True)
@@ -150,6 +156,16 @@ def _transport(raw: str) -> str:
     if value not in ("udp", "roce", "auto"):
         raise ReductionError(f"REDUCTION_TRANSPORT must be udp, roce or auto, not {raw!r}")
     return value
+
+
+def job_name_for(base: str, tag: str) -> str:
+    """The job a process group (or hook state) tagged `tag` joins when REDUCTION_JOB is `base`:
+    `base` itself for no tag, else `base.tag`, within the appliance's rule for names (1..128
+    of letters, digits and ._:@+=-): one configured name, one job per group."""
+    if not tag:
+        return base
+    suffix = "." + re.sub(r"[^A-Za-z0-9._:@+=-]", "-", tag)
+    return base[:max(1, _JOB_NAME_MAX - len(suffix))] + suffix
 
 
 def new_job_name() -> str:
@@ -238,7 +254,7 @@ class ApplianceProcessGroup(ProcessGroup):
     module docstring)."""
 
     def __init__(self, store: Store, rank: int, world_size: int, timeout: timedelta,
-                 config: ApplianceConfig) -> None:
+                 config: ApplianceConfig, job_tag: str = "") -> None:
         super().__init__(rank, world_size)  # type: ignore[call-arg]
         self._rank = rank
         self._world_size = world_size
@@ -255,7 +271,8 @@ class ApplianceProcessGroup(ProcessGroup):
         # Rank 0 names the job and makes up its secret unless configured; the others read both
         # from the store every rank of the group shares.
         if rank == 0:
-            store.set(_JOB_KEY, config.job or new_job_name())
+            store.set(_JOB_KEY, job_name_for(config.job, job_tag) if config.job
+                      else new_job_name())
             store.set(_SECRET_KEY, config.secret or new_secret())
         job = store.get(_JOB_KEY).decode()
         secret = store.get(_SECRET_KEY).decode()
@@ -343,11 +360,17 @@ for _name in DELEGATED:
     setattr(ApplianceProcessGroup, _name, _delegate(_name))
 
 
-def create_appliance_pg(store: Store, rank: int, world_size: int,
-                        timeout: timedelta) -> ApplianceProcessGroup:
-    """The backend creator `init_process_group(backend="reduction")` calls."""
-    return ApplianceProcessGroup(store, rank, world_size, timeout, config_from_env())
+def create_appliance_pg(opts: Any, backend_options: Any = None) -> ApplianceProcessGroup:
+    """The backend creator torch calls for `init_process_group(backend="reduction")` and for
+    every `new_group` on it (`opts`: torch's `_DistributedBackendOptions`). The default group
+    is created before torch records it, so a group made while none is initialised is it; every
+    later one is tagged with its group name, which torch gives alike on every rank."""
+    del backend_options
+    tag = f"pg{opts.group_id}" if dist.is_initialized() else ""
+    return ApplianceProcessGroup(opts.store, opts.group_rank, opts.group_size, opts.timeout,
+                                 config_from_env(), job_tag=tag)
 
 
 if BACKEND_NAME not in dist.Backend.backend_list:
-    dist.Backend.register_backend(BACKEND_NAME, create_appliance_pg, devices=["cpu", "cuda"])
+    dist.Backend.register_backend(BACKEND_NAME, create_appliance_pg, extended_api=True,
+                                  devices=["cpu", "cuda"])

@@ -6,26 +6,62 @@ keep Gloo (or anything else) as the default backend::
     model.register_comm_hook(ApplianceHookState(), appliance_allreduce_hook)
 
 The state's client is configured from the same REDUCTION_* environment variables as the
-"reduction" backend (see `plugin.torch_backend`); without REDUCTION_JOB, rank 0 makes up a job
-name and broadcasts it over the default process group. Buckets are started on one background
-thread in the order DDP hands them over, with up to REDUCTION_LANES of them on the wire at once
-(`plugin.torch_pump`); the hook returns at once with a Future that completes with the averaged
-bucket, or fails with the appliance's `ReductionError` (e.g. `AllreduceTimeout`, `JobAborted`),
-which DDP raises from backward(). CUDA buckets go through pinned host buffers
-(`plugin.torch_pump`; `bench.ddp_steps --device cuda` is the check on a machine with a GPU).
+"reduction" backend (see `plugin.torch_backend`); without REDUCTION_JOB, rank 0 of the state's
+group (the default group unless `group=` names another) makes up a job name and broadcasts it
+over that group. Each state is a job of its own: with REDUCTION_JOB, the first state on the
+default group takes the name as it is (unless the default group runs on the "reduction"
+backend, whose job it is), every other one the name with ``.hook<n>`` added
+(``.rank<r>.hook<n>`` on another group whose rank 0 is global rank r), n counting the states
+that process made.
+
+Buckets are started on one background thread in the order DDP hands them over, with up to
+REDUCTION_LANES of them on the wire at once (`plugin.torch_pump`); the hook returns at once
+with a Future that completes with the averaged bucket, or fails with the appliance's
+`ReductionError` (e.g. `AllreduceTimeout`, `JobAborted`), which DDP raises from backward().
+CUDA buckets go through pinned host buffers (`plugin.torch_pump`; `bench.ddp_steps --device
+cuda` is the check on a machine with a GPU).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at run time.
+from collections import Counter
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .rendezvous import leave
-from .torch_backend import ApplianceConfig, config_from_env, connect, new_job_name, new_secret
+from .torch_backend import (
+    BACKEND_NAME,
+    ApplianceConfig,
+    config_from_env,
+    connect,
+    job_name_for,
+    new_job_name,
+    new_secret,
+)
 from .torch_pump import RoundPump
 
 __all__ = ["ApplianceHookState", "appliance_allreduce_hook"]
+
+# Hook states this process made as rank 0 of their group, on the default group and on others.
+_STATES_MADE: Counter[str] = Counter()
+
+
+def _job_name(config: ApplianceConfig, group: dist.ProcessGroup) -> str:
+    """The job a new state on `group` joins, chosen by the group's rank 0 (see the module
+    docstring): unique per group and state, so two models, or a model per group, never meet.
+    Another group's name carries its rank 0's global rank, the one process that counts them."""
+    if not config.job:
+        return new_job_name()
+    if group is dist.group.WORLD:
+        n = _STATES_MADE["world"]
+        _STATES_MADE["world"] += 1
+        if n == 0 and dist.get_backend() != BACKEND_NAME:
+            return config.job
+        return job_name_for(config.job, f"hook{n}")
+    n = _STATES_MADE["other"]
+    _STATES_MADE["other"] += 1
+    return job_name_for(config.job, f"rank{dist.get_global_rank(group, 0)}.hook{n}")
 
 
 class ApplianceHookState:
@@ -34,13 +70,21 @@ class ApplianceHookState:
     def __init__(self, config: ApplianceConfig | None = None, *,
                  group: dist.ProcessGroup | None = None) -> None:
         config = config or config_from_env()
+        group = group if group is not None else dist.group.WORLD
+        if group is None:
+            raise ValueError("torch.distributed is not initialised: call init_process_group "
+                             "before making an ApplianceHookState")
         self.rank = dist.get_rank(group)
+        if self.rank < 0:
+            raise ValueError("this process is not a member of the group given to "
+                             "ApplianceHookState: make the state on the group's ranks only")
         self.world_size = dist.get_world_size(group)
-        # Rank 0 names the job and makes up its join secret unless configured; the default
-        # group carries both to the other ranks.
-        chosen: list[Any] = ([config.job or new_job_name(), config.secret or new_secret()]
+        # The group's rank 0 names the job and makes up its join secret unless configured; the
+        # group carries both to its other ranks.
+        chosen: list[Any] = ([_job_name(config, group), config.secret or new_secret()]
                              if self.rank == 0 else [None, None])
-        dist.broadcast_object_list(chosen, src=0, group=group)
+        src = 0 if group is dist.group.WORLD else dist.get_global_rank(group, 0)
+        dist.broadcast_object_list(chosen, src=src, group=group)
         self.job, secret = str(chosen[0]), str(chosen[1])
         self.client, self.jobs = connect(config, self.job, secret, self.rank, self.world_size)
         self.pump = RoundPump(self.client, f"reduction-ddp-hook-{self.rank}")

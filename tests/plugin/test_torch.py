@@ -28,6 +28,7 @@ from reduction_appliance.plugin.torch_backend import (
     FutureWork,
     config_from_env,
     connect,
+    job_name_for,
 )
 from reduction_appliance.plugin.torch_pump import PinnedPool, RoundPump
 
@@ -68,6 +69,28 @@ def test_ddp_hook_matches_gloo(rack: tuple[LoopbackNetwork, ApplianceProcess],
         assert all(r["ok"] for r in records), f"rank {rank}: {records}"
     first = next(r for r in outputs[0] if r["check"] == "ddp-vs-gloo")
     assert first["hooked"] < first["first"]  # it trained
+
+
+def test_one_configured_job_name_gives_each_group_and_hook_state_a_job(
+        rack: tuple[LoopbackNetwork, ApplianceProcess], monkeypatch: pytest.MonkeyPatch) -> None:
+    """REDUCTION_JOB names the default group's job; later groups on the backend and DDP hook
+    states get names of their own from it, alike on every rank, and each reduces (a second
+    group once failed to register: the name was taken with another world size)."""
+    net, appliance = rack
+    monkeypatch.setenv("REDUCTION_APPLIANCE", appliance.api)
+    monkeypatch.setenv("REDUCTION_JOB", "named-test")
+    outputs = run_ranks(net, "named", 3, timeout_s=60)
+    want = {"named-world": "named-test", "named-sub": "named-test.pg1",
+            "named-every": "named-test.pg2", "named-hook0": "named-test.hook0",
+            "named-hook1": "named-test.hook1", "named-hook2": "named-test.rank1.hook0"}
+    for rank, records in enumerate(outputs):
+        assert all(r["ok"] for r in records), f"rank {rank}: {records}"
+        seen = {r["check"]: r.get("job") for r in records}
+        outside = {1: "named-sub", 0: "named-hook2"}.get(rank)  # groups without this rank
+        expected = {k: v for k, v in want.items() if k != outside}
+        if rank == 0:
+            expected["named-outsider"] = None
+        assert seen == expected, f"rank {rank}"
 
 
 def test_pinned_pool_reuses_the_smallest_buffer_that_fits() -> None:
@@ -143,6 +166,14 @@ def test_missing_appliance_names_the_variable() -> None:
     assert config_from_env({"REDUCTION_APPLIANCE": "a:1", "REDUCTION_LANES": "2"}).lanes == 2
     with pytest.raises(ReductionError, match=r"REDUCTION_LANES.*'zero'"):
         config_from_env({"REDUCTION_APPLIANCE": "a:1", "REDUCTION_LANES": "zero"})
+
+
+def test_job_names_from_one_configured_name_stay_within_the_appliances_rule() -> None:
+    assert job_name_for("train", "") == "train"
+    assert job_name_for("train", "pg1") == "train.pg1"
+    assert job_name_for("train", "pg a/b") == "train.pg-a-b"  # only letters, digits, ._:@+=-
+    long = job_name_for("x" * 128, "rank3.hook12")
+    assert len(long) == 128 and long.endswith("x.rank3.hook12")  # the tag survives
 
 
 def test_appliance_errors_surface_from_wait() -> None:

@@ -7,6 +7,7 @@ MODE "overlap": eight async all_reduces at once; reports how many were on the wi
 MODE "stall": every rank but the last calls all_reduce (which cannot finish); reports the
 exception wait() raised, and after how long; then all meet at a Gloo barrier and leave.
 MODE "ddp": a tiny model in DDP with Gloo default, once with the appliance hook and once plain.
+MODE "named": with REDUCTION_JOB set, several groups on the backend and several hook states.
 Prints one JSON line per check.
 """
 
@@ -226,6 +227,45 @@ def stall(rank: int, world: int, store: str) -> None:
     dist.destroy_process_group()
 
 
+def named(rank: int, world: int, store: str) -> None:
+    """REDUCTION_JOB is set: every process group on the backend and every hook state is a job
+    of its own (they once all claimed the one name: the second group's registration failed),
+    and each reduces. Reports each one's job name and whether its sum was right."""
+    init("reduction", rank, world, store)
+
+    def reduced(group: dist.ProcessGroup | None, size: int) -> bool:
+        t = torch.ones(3000)
+        dist.all_reduce(t, group=group)
+        return bool(torch.equal(t, torch.full((3000,), float(size))))
+
+    emit(check="named-world", job=appliance_group().job, ok=reduced(None, world))
+    edge = [0, world - 1]
+    sub = dist.new_group(ranks=edge)  # on the backend too: the default group's
+    if rank in edge:
+        emit(check="named-sub", job=sub.job, ok=reduced(sub, 2))  # type: ignore[union-attr]
+    every = dist.new_group()
+    emit(check="named-every", job=every.job, ok=reduced(every, world))  # type: ignore[union-attr]
+    states = [ApplianceHookState(), ApplianceHookState()]
+    tail = [1, world - 1]
+    gloo_tail = dist.new_group(ranks=tail, backend="gloo")
+    if rank in tail:
+        states.append(ApplianceHookState(group=gloo_tail))
+    else:
+        try:
+            ApplianceHookState(group=gloo_tail)
+            emit(check="named-outsider", ok=False)
+        except ValueError as exc:
+            emit(check="named-outsider", ok="not a member" in str(exc))
+    for n, state in enumerate(states):
+        t = torch.ones(3000)
+        state.pump.submit([t], "sum").wait()
+        size = world if n < 2 else len(tail)
+        emit(check=f"named-hook{n}", job=state.job,
+             ok=bool(torch.equal(t, torch.full((3000,), float(size)))))
+        state.close()
+    dist.destroy_process_group()
+
+
 def train(hooked: bool, rank: int, world: int) -> tuple[list[float], list[torch.Tensor]]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
@@ -271,6 +311,6 @@ if __name__ == "__main__":
     mode, rank, world, store, local, ifname = sys.argv[1:7]
     os.environ["REDUCTION_LOCAL_ADDRESS"] = local
     os.environ["GLOO_SOCKET_IFNAME"] = ifname
-    modes = {"backend": backend, "overlap": overlap, "stall": stall, "ddp": ddp}
+    modes = {"backend": backend, "overlap": overlap, "stall": stall, "ddp": ddp, "named": named}
     modes[mode](int(rank), int(world), store)
     exit_without_finalizing(0)  # all printed; see plugin.torch_exit for why
