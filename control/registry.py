@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import hmac
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 
 from reduction_appliance.dataplane.errors import (
@@ -237,8 +237,13 @@ class Registry:
         existing = self.find(request.name)
         if existing is not None:
             if existing.request != request:
+                differ = ", ".join(
+                    f"{f.name} {getattr(existing.request, f.name)!r} (this request: "
+                    f"{getattr(request, f.name)!r})" for f in fields(JobRequest)
+                    if getattr(existing.request, f.name) != getattr(request, f.name))
                 raise ConflictError(
-                    f"job {request.name!r} exists with {existing.request}, not {request}")
+                    f"job {request.name!r} exists with {differ}: every rank must register it "
+                    "alike; another job needs another name")
             if secret and not _same_secret(secret, existing.secret):
                 raise Forbidden(f"job {request.name!r} exists and that is not its join secret")
             return existing

@@ -162,3 +162,13 @@ def test_held_buffers_are_reserved_per_deterministic_job_and_refused_beyond() ->
         reg.plan(JobRequest("d2", 4, deterministic=True), cookie=1, secret=SECRET, now=0)
     assert "needs 40 receive buffers" in str(refused.value)
     assert "only 24 of 64 are unreserved" in str(refused.value)
+
+
+def test_a_name_registered_again_with_another_spec_is_refused_naming_what_differs() -> None:
+    reg = registry()
+    admit(reg, "train", world=4)
+    with pytest.raises(Conflict) as refused:
+        reg.plan(JobRequest("train", 2, deterministic=True), cookie=2, secret=SECRET, now=0.0)
+    assert str(refused.value) == (
+        "job 'train' exists with world_size 4 (this request: 2), deterministic False (this "
+        "request: True): every rank must register it alike; another job needs another name")
