@@ -209,14 +209,21 @@ _SECTIONS = ("dataplane", "multicast", "jobs", "api", "metrics", "roce")
 
 
 def load(path: str | Path) -> ApplianceConfig:
+    """The file's configuration; every `ConfigError` starts with the file's path."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:  # TOML is UTF-8: a binary or mis-encoded file
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8 text ({exc.reason} at byte "
+                          f"{exc.start})") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
-    return parse(raw, source=str(path))
+    try:
+        return parse(raw, source=str(path))
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
 
 
 def _section(raw: dict[str, Any], name: str, cls: type[Any]) -> dict[str, Any]:

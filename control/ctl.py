@@ -168,15 +168,16 @@ def check_config(args: argparse.Namespace) -> int:
     from reduction_appliance.dataplane.reduce import available_backends
     from reduction_appliance.dataplane.verbs import roce_unavailable
     try:
-        cfg = load(args.file)
+        cfg = load(args.file)  # its errors name the file
         kernels = cfg.dataplane.kernels
         if kernels != "auto" and kernels not in available_backends():
-            raise ConfigError(f"dataplane.kernels: {kernels!r} is not available on this host; "
-                              f"choose one of {', '.join(available_backends())} or auto")
+            raise ConfigError(f"{args.file}: dataplane.kernels: {kernels!r} is not available "
+                              f"on this host; choose one of {', '.join(available_backends())} "
+                              "or auto")
         if cfg.roce.enabled and (why := roce_unavailable(cfg.roce.device)) is not None:
-            raise ConfigError(f"roce.device: {why}")
+            raise ConfigError(f"{args.file}: roce.device: {why}")
     except ConfigError as exc:
-        print(f"{args.file}: {exc}", file=sys.stderr)
+        print(exc, file=sys.stderr)
         return EXIT_USAGE
     dp = cfg.dataplane
     summary = {"config": cfg.source, "cores": dp.cores, "segment_bytes": dp.max_payload,

@@ -54,9 +54,16 @@ def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load(tmp_path / "missing.toml")
     bad = tmp_path / "bad.toml"
+    bad.write_text("[dataplane]\ncores = 0\n")
+    with pytest.raises(ConfigError, match=f"^{bad}: dataplane.cores: must be 1..64$"):
+        load(bad)  # the file named, as for the errors reading it
     bad.write_text("[dataplane\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load(bad)
+    binary = tmp_path / "binary.toml"  # (a UnicodeDecodeError traceback once)
+    binary.write_bytes(b"[dataplane]\ncores = 2\n\x7fELF\xd0\x01")
+    with pytest.raises(ConfigError, match=r"not valid TOML: not UTF-8 text .* at byte 26"):
+        load(binary)
 
 
 def test_registration_is_idempotent_and_refuses_disagreement() -> None:
