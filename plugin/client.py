@@ -71,12 +71,21 @@ def dtype_of(array: NDArray[Any]) -> DType:
     return found.dtype
 
 
+def _check_array(array: object) -> None:
+    """The caller's fault, said plainly: only a numpy array can be reduced in place."""
+    if not isinstance(array, np.ndarray):
+        scalar = " (a numpy scalar is immutable)" if isinstance(array, np.generic) else ""
+        raise ReductionError(f"allreduce() reduces a numpy.ndarray in place, not "
+                             f"{type(array).__name__}{scalar}: pass np.asarray(...) of a "
+                             "supported dtype and read the result from that array")
+
+
 def op_of(op: str | Op) -> Op:
     if isinstance(op, Op):
         return op
     try:
         return Op[op.upper()]
-    except KeyError:
+    except (KeyError, AttributeError):  # an unknown name, or not a name at all
         raise ReductionError(f"unknown op {op!r}; choose sum, avg, min or max") from None
 
 
@@ -265,6 +274,7 @@ class ApplianceClient:
         """Reduce `array` over all ranks in place and return it. Raises `AllreduceTimeout`
         (naming the silent appliance cores and missing ranks) instead of hanging. An array
         that is not one contiguous block is reduced in a contiguous copy, then copied back."""
+        _check_array(array)
         if not array.flags.writeable:  # (a contiguous copy of it would be read-only too)
             raise ReductionError(
                 "allreduce() reduces in place, and this array is read-only (np.frombuffer over "
@@ -282,6 +292,7 @@ class ApplianceClient:
         """Queue an in-place allreduce of `array` (contiguous, writable, left untouched by the
         caller until it finishes) and return its round number; `progress` or `wait` run it.
         With several lanes, up to `lanes` rounds are on the wire at once."""
+        _check_array(array)
         dtype = dtype_of(array)
         if not array.flags.c_contiguous or not array.flags.writeable:
             raise ReductionError("start() needs a contiguous, writable array "

@@ -204,6 +204,14 @@ def test_a_client_refuses_arrays_it_cannot_reduce_and_sends_nothing_for_an_empty
                 client.allreduce(array)
         with pytest.raises(ReductionError, match="not int32"):
             client.allreduce(np.zeros((8, 8), np.int32).T)  # strided: refused before the copy
+        # Not an array at all, or not an op (an AttributeError each once):
+        for thing, kind in (([1.0, 2.0], "not list"), (np.float32(3), "not float32 .*scalar")):
+            with pytest.raises(ReductionError, match=kind):
+                client.allreduce(thing)  # type: ignore[arg-type]
+            with pytest.raises(ReductionError, match=kind):
+                client.start(thing)  # type: ignore[arg-type]
+        with pytest.raises(ReductionError, match="unknown op None"):
+            client.allreduce(np.ones(4, np.float32), op=None)  # type: ignore[arg-type]
         assert client.pipeline.wakeup() == float("inf")  # no round was started
         assert net.next_arrival() == float("inf")  # and nothing was sent
         # An empty array is reduced at once (as a round it waited out its deadline), off the
