@@ -84,6 +84,10 @@ def render_status(s: dict[str, Any]) -> str:
             for rank, silent_s in j.get("silent", {}).items():
                 where = j.get("endpoints", {}).get(str(rank)) or j.get("endpoints", {}).get(rank)
                 lines.append(f"     ! rank {rank} ({where}) silent for {silent_s:.1f} s")
+    evicted = {cause: n for cause, n in s.get("jobs_evicted", {}).items() if n}
+    if evicted:
+        lines.append("jobs evicted since start: " + ", ".join(
+            f"{n} {cause}" for cause, n in sorted(evicted.items())) + " (the log says which)")
     lines.append("")
     for i in s["interfaces"]:
         lines.append(f"interface {i['name']}: {'up' if i['up'] else 'DOWN'}, MTU {i['mtu']}, "

@@ -257,6 +257,14 @@ def _appliance_families(snap: ApplianceSnapshot) -> Iterator[Metric]:
         "failed and were survived; each is one log line.")
     errors.add_metric([], snap.janitor_errors)
     yield errors
+    evicted = CounterMetricFamily(
+        PREFIX + "appliance_jobs_evicted",
+        "Jobs the appliance removed itself since it started: idle (nothing heard from any rank "
+        "for jobs.idle_timeout_s) or abandoned (every joined rank silent for twice the "
+        "liveness timeout: workers gone without leaving).", labels=["reason"])
+    for cause, count in sorted(snap.jobs_evicted.items()):
+        evicted.add_metric([cause], count)
+    yield evicted
     yield GaugeMetricFamily(
         PREFIX + "appliance_fallbacks",
         "Things the appliance gave up on this host (slower kernels, unicast instead of "

@@ -63,6 +63,7 @@ from reduction_appliance.dataplane.verbs import ChunkTag
 from .config import ApplianceConfig
 
 __all__ = [
+    "EVICTION_CAUSES",
     "ConflictError",
     "Eviction",
     "Heard",
@@ -134,7 +135,13 @@ class Heard:
 @dataclass(frozen=True)
 class Eviction:
     plan: JobPlan  # state EVICTED
-    reason: str
+    cause: str  # one of EVICTION_CAUSES
+    reason: str  # for the log
+
+
+#: idle: nothing heard from any rank for jobs.idle_timeout_s; abandoned: every joined rank
+#: silent for twice the liveness timeout.
+EVICTION_CAUSES = ("idle", "abandoned")
 
 
 @dataclass(frozen=True)
@@ -317,9 +324,12 @@ class Registry:
         return replace(plan, state=target)
 
     def join(self, job_id: int, rank: int, secret: str, endpoint: Address,
-             rejoin: bool = False) -> JobPlan:
-        """Bind `rank` to `endpoint`. A rank joined now is refused unless `rejoin`; a rank
-        that joined before (now or earlier) starts a new epoch."""
+             rejoin: bool = False, silent_s: float = 0.0) -> JobPlan:
+        """Bind `rank` to `endpoint`. A rank joined now is refused unless `rejoin`, or unless
+        the endpoint it joined from has been silent (`silent_s`, as the cores heard it) for the
+        liveness timeout: dead by the rule every rank goes by, so its successor (a restarted
+        worker that cannot say `rejoin`, e.g. under torchrun) takes its place. A rank that
+        joined before (now or earlier) starts a new epoch."""
         plan = self._move(job_id, JobEvent.JOIN, secret)
         spec = plan.spec
         if not 0 <= rank < spec.world_size:
@@ -327,12 +337,14 @@ class Registry:
         current = spec.endpoints[rank]
         if rank in plan.joined and current == endpoint and not rejoin:
             return plan  # the same join again (its answer was lost): nothing changes
-        if rank in plan.joined and not rejoin:
+        liveness = self.cfg.jobs.liveness_timeout_s
+        if rank in plan.joined and not rejoin and silent_s < liveness:
             where = "" if current is None else f" from {current[0]}:{current[1]}"
             raise Conflict(
                 f"rank {rank} of job {job_id} is already joined{where}; {endpoint[0]}:"
                 f"{endpoint[1]} cannot join as rank {rank} too (a restarted worker re-joins "
-                "with rejoin=true, which retires the old endpoint)")
+                "with rejoin=true, which retires the old endpoint, or joins again once the old "
+                f"endpoint has been silent for the liveness timeout, {liveness:g} s)")
         endpoints = list(spec.endpoints)
         endpoints[rank] = endpoint
         epoch = spec.epoch
@@ -391,15 +403,16 @@ class Registry:
                 quiet = min(quiet, word.quiet_s)
             silences = [word.silent.get(rank, 0.0) for rank in plan.joined]
             if quiet >= limit:
-                reason = f"no datagram from any rank for {quiet:.0f} s"
+                cause, reason = "idle", f"no datagram from any rank for {quiet:.0f} s"
             elif silences and min(silences) >= abandoned_after:
-                reason = (f"every joined rank silent for {min(silences):.0f} s (they heartbeat "
-                          "while alive: the workers are gone)")
+                cause, reason = "abandoned", (
+                    f"every joined rank silent for {min(silences):.0f} s (they heartbeat while "
+                    "alive: the workers are gone)")
             else:
                 continue
             gone = self._move(job_id, JobEvent.IDLE)
             self._record(gone)
-            evicted.append(Eviction(gone, reason))
+            evicted.append(Eviction(gone, cause, reason))
         return evicted
 
     def _record(self, plan: JobPlan) -> None:

@@ -22,10 +22,11 @@ from reduction_appliance.dataplane.errors import (
 )
 from reduction_appliance.dataplane.registration import JobDescription
 from reduction_appliance.dataplane.roce import ROCE_PORTS
+from reduction_appliance.dataplane.spec import Address
 from reduction_appliance.dataplane.verbs import QpEndpoint
 from reduction_appliance.dataplane.wire import HEADER_SIZE
 
-from .registry import Eviction, Heard, JobRequest, JobState, Registry
+from .registry import EVICTION_CAUSES, Eviction, Heard, JobRequest, JobState, Registry
 from .snapshot import ApplianceSnapshot, CoreSnapshot, InterfaceSnapshot, JobSnapshot
 from .supervisor import Supervisor
 
@@ -54,6 +55,7 @@ class Appliance:
         self.started = time.monotonic()
         self.draining = False
         self.janitor_errors = 0  # the daemon's periodic chores that failed (each logged)
+        self.evicted = dict.fromkeys(EVICTION_CAUSES, 0)  # jobs evicted since start, by cause
         self._lock = threading.Lock()
         # core index -> (monotonic time, packets in, bytes in) at the last sample, and rates
         self._samples: dict[int, tuple[float, int, int]] = {}
@@ -93,9 +95,20 @@ class Appliance:
         endpoint = (_address(body, "address"), _integer(body, "port", 1, 65535))
         rejoin = _boolean(body, "rejoin")
         with self._lock:
-            plan = self.registry.join(job_id, rank, secret, endpoint, rejoin)
+            plan = self.registry.join(job_id, rank, secret, endpoint, rejoin,
+                                      silent_s=self._silent_elsewhere(job_id, rank, endpoint))
             self.supervisor.update_job(plan.spec)
         return plan.describe(self.cfg, member=True)
+
+    def _silent_elsewhere(self, job_id: int, rank: int, endpoint: Address) -> float:
+        """How long the cores have not heard `rank` at the endpoint it joined from, when it
+        joined from another one (else 0: the cores are asked only when it decides a join)."""
+        with contextlib.suppress(ReductionError):  # no such job: join says so
+            plan = self.registry.get(job_id)
+            if rank in plan.joined and plan.spec.endpoints[rank] not in (None, endpoint):
+                (act,) = self._job_activity_of((job_id,))
+                return act.silent.get(rank, 0.0)
+        return 0.0
 
     def connect(self, job_id: int, body: dict[str, Any]) -> dict[str, object]:
         """A rank's RDMA queue pairs (one per core) for a RoCE job: the cores connect theirs
@@ -197,6 +210,7 @@ class Appliance:
             heard = {j.job_id: Heard(j.quiet_s, j.silent) for j in self._job_activity()}
             evicted = self.registry.idle(heard, time.monotonic())
             for gone in evicted:
+                self.evicted[gone.cause] += 1
                 self.supervisor.remove_job(gone.plan.spec.job_id, abort=True)
                 self._release_roce(gone.plan.spec.job_id)
         return evicted
@@ -237,12 +251,12 @@ class Appliance:
 
     # ---- views ----
     def _job_activity(self) -> list[_Activity]:
-        plans = self.registry.jobs
-        ids = tuple(p.spec.job_id for p in plans)
+        return self._job_activity_of(tuple(p.spec.job_id for p in self.registry.jobs))
+
+    def _job_activity_of(self, ids: tuple[int, ...]) -> list[_Activity]:
         per_core = self.supervisor.stats(ids) if ids else []
         out = []
-        for plan in plans:
-            job_id = plan.spec.job_id
+        for job_id in ids:
             act = _Activity(job_id)
             for core in per_core:
                 core_now = core.now
@@ -320,6 +334,7 @@ class Appliance:
             steering_notes=notes, rdma_devices=rdma,
             fallbacks=self.supervisor.fallbacks.describe(),
             janitor_errors=self.janitor_errors + self.supervisor.errors,
+            jobs_evicted=dict(self.evicted),
             segment_bytes=self.cfg.dataplane.max_payload,
             segment_origin=self.cfg.dataplane.segment_origin,
         )

@@ -216,9 +216,10 @@ class ApplianceClient:
         self._addresses = [e.address for e in self.endpoints]
         self._closed = False
         self._lease: Lease | None = None
+        self._beat_s = max(0.05, liveness / 10)
+        self._last_turn = clock()  # when `progress` last read the sockets
         if lease:
-            self._lease = Lease(self.heartbeat, max(0.05, liveness / 10),
-                                f"reduction-lease-{rank}")
+            self._lease = Lease(self.heartbeat, self._beat_s, f"reduction-lease-{rank}")
 
     @property
     def retransmissions(self) -> int:
@@ -297,7 +298,15 @@ class ApplianceClient:
         if not array.flags.c_contiguous or not array.flags.writeable:
             raise ReductionError("start() needs a contiguous, writable array "
                                  "(allreduce() stages any other)")
-        round_no = self.pipeline.submit(dtype, op_of(op), array.nbytes)
+        pipeline = self.pipeline
+        if pipeline.idle and (pipeline.holds_verdicts()
+                                or self._clock() - self._last_turn > self._beat_s):
+            # An idle worker reads nothing: what came meanwhile (its heartbeats' answers, a
+            # new epoch, an appliance back) waits in the socket, oldest first. Read it before
+            # the round starts, or a verdict the newer answers lift (a rank silent, then
+            # replaced) would fail the round. (Back-to-back calls skip this syscall.)
+            self.transport.receive(self._on_datagram, self._on_run)
+        round_no = pipeline.submit(dtype, op_of(op), array.nbytes)
         self._views[round_no] = array.reshape(-1).view(np.uint8).data
         return round_no
 
@@ -342,6 +351,7 @@ class ApplianceClient:
         self.transport.wait(None if wait == math.inf else max(0.0, wait), wake)
         self.transport.receive(self._on_datagram, self._on_run)
         self._send_due()  # results just stored released their slots' next segments
+        self._last_turn = self._clock()
         outcomes = [*self._unclaimed, *pipeline.finished()]
         self._unclaimed = []
         for outcome in outcomes:

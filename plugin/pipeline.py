@@ -179,6 +179,11 @@ class RoundPipeline:
     def idle(self) -> bool:
         return not self._active and not self._queued
 
+    def holds_verdicts(self) -> bool:
+        """Whether a verdict would fail the next round at its start (a rank or appliance
+        silent, the ranks diverged): answers that came since may lift it."""
+        return bool(self._silent_ranks or self._silent_appliances or self._diverged)
+
     def in_flight(self) -> int:
         return len(self._active)
 

@@ -8,7 +8,8 @@ job share its join secret (chosen by its creator, or made up by the appliance an
 the creator): the training framework hands it to the others (the torch backend uses its c10d
 store). `join` binds this rank to the UDP endpoint it sends from and returns the cookie and the
 job's epoch; the appliance accepts this rank's datagrams from that endpoint only. A restarted
-worker joins with `rejoin=True`, which retires its old endpoint and starts a new epoch. All
+worker joins with `rejoin=True`, which retires its old endpoint and starts a new epoch (without
+it, once the appliance has not heard the old endpoint for the liveness timeout). All
 ranks of a job must agree on the name, the world size and the mode; the appliance refuses a
 mismatch with 409, a wrong secret with 403.
 

@@ -107,6 +107,11 @@ def test_status_shows_the_janitors_failures() -> None:
     shown = render_status(snapshot | {"janitor_errors": 4})
     assert "janitor: 4 periodic chore(s) failed" in shown.split("\n\n")[0]
     assert shown.split("\n\n")[2] == "jobs: none"  # `reductionctl jobs` still finds its part
+    quiet = render_status(snapshot | {"jobs_evicted": {"idle": 0, "abandoned": 0}})
+    assert "evicted" not in quiet
+    shown = render_status(snapshot | {"jobs_evicted": {"idle": 1, "abandoned": 2}})
+    assert shown.split("\n\n")[2] == (
+        "jobs: none\njobs evicted since start: 2 abandoned, 1 idle (the log says which)")
 
 
 def test_the_open_files_limit_is_raised_to_the_hard_limit(

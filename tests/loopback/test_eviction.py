@@ -1,10 +1,12 @@
-"""A real reductiond on the host's loopback (no root) and a numpy worker: which jobs the
-daemon evicts. Workers that pause longer than the idle timeout between all_reduces keep their
-job (they heartbeat); workers gone without leaving free it within two liveness timeouts."""
+"""A real reductiond on the host's loopback (no root) and numpy workers: what the daemon does
+with ranks that are gone. Workers that pause longer than the idle timeout between all_reduces
+keep their job (they heartbeat); workers gone without leaving free it within two liveness
+timeouts; a restarted worker takes over its rank once the old one is silent for one."""
 
 from __future__ import annotations
 
 import socket
+import threading
 from typing import Any
 
 import numpy as np
@@ -12,7 +14,8 @@ import pytest
 
 from reduction_appliance.client import ApplianceClient, register
 from reduction_appliance.control.apiclient import UnixApi
-from reduction_appliance.deploy.testnet.harness import local_daemon
+from reduction_appliance.deploy.testnet.harness import LocalDaemon, local_daemon
+from reduction_appliance.plugin.rendezvous import RendezvousError
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow  # a real daemon and its data-plane process: seconds
@@ -27,15 +30,18 @@ def _free_udp_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_a_pausing_job_stays_and_an_abandoned_one_is_evicted_at_once() -> None:
-    raw: dict[str, Any] = {
+def _config() -> dict[str, Any]:
+    return {
         "dataplane": {"address": "127.0.0.1", "base_port": _free_udp_port(), "cores": 1,
                       "cpus": [], "kernels": "numpy", "slot_memory_mb": 4, "mtu": 9000},
         "multicast": {"enabled": False},
         "jobs": {"idle_timeout_s": IDLE_TIMEOUT_S, "liveness_timeout_s": LIVENESS_S},
         "api": {"listen": "127.0.0.1:0"},
     }
-    with local_daemon(raw) as daemon:
+
+
+def test_a_pausing_job_stays_and_an_abandoned_one_is_evicted_at_once() -> None:
+    with local_daemon(_config()) as daemon:
         api = UnixApi(daemon.unix_socket)
 
         def jobs() -> list[dict[str, Any]]:
@@ -64,3 +70,38 @@ def test_a_pausing_job_stays_and_an_abandoned_one_is_evicted_at_once() -> None:
         wait_until(lambda: "evicted job" in daemon.stderr.text(), 5, what="the log line")
         line = next(x for x in daemon.stderr.text().splitlines() if "evicted job" in x)
         assert "(pausing): every joined rank silent for" in line, line
+        assert api.get("/v1/status")["jobs_evicted"] == {"idle": 0, "abandoned": 1}
+
+
+def _silent_ranks(daemon: LocalDaemon) -> dict[str, float]:
+    (job,) = UnixApi(daemon.unix_socket).get("/v1/status")["jobs"]
+    silent: dict[str, float] = job["silent"]
+    return silent
+
+
+def test_a_restarted_worker_takes_its_rank_over_once_the_old_one_is_silent() -> None:
+    """A worker restarted by a launcher (torchrun) joins again without `rejoin`: refused while
+    its predecessor may be alive, admitted once the cores have not heard that one for the
+    liveness timeout, and the job goes on with the rank that stayed."""
+    with local_daemon(_config()) as daemon:
+        secret = "secret-of-the-test"
+        info = register(daemon.api, "restart", world_size=2, secret=secret)
+        with ApplianceClient([info], 1, local_address="127.0.0.1") as stays:
+            crashed = ApplianceClient([info], 0, local_address="127.0.0.1")
+            crashed.close()  # no leave: as if its process died
+            again = register(daemon.api, "restart", world_size=2, secret=secret)
+            with pytest.raises(RendezvousError, match=r"already joined .*liveness timeout"):
+                ApplianceClient([again], 0, local_address="127.0.0.1")
+            wait_until(lambda: "0" in _silent_ranks(daemon), 10, what="rank 0 silent")
+            with ApplianceClient([again], 0, local_address="127.0.0.1") as successor:
+                # The rank that stayed was idle: its socket holds answers saying rank 0 is
+                # silent, then the new epoch. It reads them before its round starts (the
+                # stale ones once failed that round with RankSilent).
+                grads = [np.full(3000, 1.0, np.float32), np.full(3000, 2.0, np.float32)]
+                other = threading.Thread(target=stays.allreduce, args=(grads[1],))
+                other.start()
+                successor.allreduce(grads[0])
+                other.join(30)
+                assert not other.is_alive()
+                for g in grads:
+                    assert np.array_equal(g, np.full(3000, 3.0, np.float32))

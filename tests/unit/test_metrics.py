@@ -106,6 +106,7 @@ SNAPSHOT = ApplianceSnapshot(
     jobs=(TRAINING, WAITING),
     interfaces=(InterfaceSnapshot(name="eth1", mtu=9000, up=True, multicast_routes=()),),
     fallbacks=("reduce kernels numpy, not torch (ImportError: no torch) (cores 0, 1)",),
+    jobs_evicted={"idle": 1, "abandoned": 3},
 )
 
 
@@ -128,6 +129,8 @@ def test_appliance_info_and_uptime() -> None:
     )
     assert value("reduction_appliance_uptime_seconds") == 3600.0
     assert value("reduction_appliance_fallbacks") == 1
+    assert value("reduction_appliance_jobs_evicted_total", reason="idle") == 1
+    assert value("reduction_appliance_jobs_evicted_total", reason="abandoned") == 3
 
 
 @pytest.mark.parametrize(

@@ -56,7 +56,14 @@ def test_a_second_process_claiming_a_joined_rank_is_refused_naming_both() -> Non
         reg.join(job, 1, SECRET, ("198.18.0.200", 41234))
     text = str(refused.value)
     assert "rank 1" in text and "198.18.0.102:40000" in text and "198.18.0.200:41234" in text
+    assert "silent for the liveness timeout, 5 s" in text
     assert reg.get(job).spec.endpoints[1] == at(1)  # nothing moved
+    with pytest.raises(Conflict):  # heard 4.9 s ago: maybe alive
+        reg.join(job, 1, SECRET, ("198.18.0.200", 41234), silent_s=4.9)
+    # Silent for the liveness timeout: dead by the rule the other ranks go by, so a successor
+    # that cannot say rejoin (a worker restarted by torchrun) takes its place, in a new epoch.
+    plan = reg.join(job, 1, SECRET, ("198.18.0.200", 41234), silent_s=5.0)
+    assert plan.spec.endpoints[1] == ("198.18.0.200", 41234) and plan.spec.epoch == 2
 
 
 def test_a_restarted_rank_rejoins_from_a_new_endpoint_in_a_new_epoch() -> None:

@@ -3,6 +3,7 @@ on `MemoryNetwork` with a simulated clock, and a core's typed answers to its con
 
 from __future__ import annotations
 
+from dataclasses import replace
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 
@@ -26,6 +27,7 @@ from reduction_appliance.dataplane.spec import (
     JobSpec,
     QueryStats,
     Request,
+    UpdateJob,
 )
 from reduction_appliance.dataplane.transport import MemoryCoreTransport, MemoryNetwork
 from reduction_appliance.plugin.client import ApplianceClient
@@ -162,6 +164,40 @@ def test_a_dead_rank_is_named_to_the_others_within_the_liveness_timeout() -> Non
             assert isinstance(error, RankSilent)
             assert "rank 2 (198.18.0.103:40000)" in str(error), error
         assert 5.0 < net.now < 6.0 + 0.5  # named within the timeout and one heartbeat
+
+        # Rank 2's successor joins from a new endpoint (the registry moves the job to epoch 2
+        # and tells the core, which tells every bound worker). Ranks 0 and 1 sit idle
+        # meanwhile, heartbeating: what the core answers waits unread in their sockets, a
+        # verdict naming rank 2 first. Their next round reads it all before it starts (it
+        # once failed at once with RankSilent, the stale verdict held).
+        where[2] = ("198.18.0.113", 40001)
+        moved = JobSpec(job, cookie, world, 4, multicast=GROUP, endpoints=tuple(where),
+                        liveness_timeout=5.0, epoch=2)
+        for r in range(2):
+            clients[r].heartbeat()
+        assert loop.serve(Request(2, UpdateJob(moved))).error is None
+        clients[2] = ApplianceClient([replace(info, epoch=2)], 2, clock=net.clock,
+                                     lease=False,
+                                     transport=MemoryWorkerTransport(net, where[2], [GROUP]))
+        for r in range(2):
+            clients[r].heartbeat()
+        while loop.receive_burst():
+            pass
+        net.advance(net.now + 1.0)  # idle ranks: nothing read
+        arrays = [np.full(1000, r + 1, np.float32) for r in range(world)]
+        tickets = [c.start(a) for c, a in zip(clients, arrays, strict=True)]
+        done: dict[int, BaseException | None] = {}
+        while len(done) < world and net.now < 40.0:
+            for r, c in enumerate(clients):
+                for outcome in c.progress(timeout=0):
+                    assert outcome.ticket == tickets[r]
+                    done[r] = outcome.error
+            while loop.receive_burst():
+                pass
+            net.advance(min(net.next_arrival(), net.now + 0.5))
+        assert done == {0: None, 1: None, 2: None}
+        for a in arrays:
+            assert np.array_equal(a, np.full(1000, 6, np.float32))
     finally:
         for c in clients:
             c.close()
