@@ -391,13 +391,15 @@ class Registry:
     def idle(self, heard: dict[int, Heard], now: float) -> list[Eviction]:
         """Jobs to evict (see the module docstring): nothing heard from any rank for
         jobs.idle_timeout_s (never a word: since admission), or every joined rank silent for
-        twice the liveness timeout. `heard` maps job id -> what its cores heard (a job the
-        cores do not report is quiet since admission)."""
+        twice the liveness timeout. `heard` maps job id -> what its cores heard; a job no core
+        reported (each restarting, or too busy to answer) is left for the next pass."""
         limit = self.cfg.jobs.idle_timeout_s
         abandoned_after = 2 * self.cfg.jobs.liveness_timeout_s
         evicted = []
         for job_id, plan in list(self._by_id.items()):
-            word = heard.get(job_id, Heard())
+            word = heard.get(job_id)
+            if word is None:
+                continue
             quiet = now - plan.created
             if word.quiet_s is not None:
                 quiet = min(quiet, word.quiet_s)

@@ -207,7 +207,10 @@ class Appliance:
         """Remove the jobs nobody is left to end (`Registry.idle`); their workers, if any
         still listen, are told."""
         with self._lock:
-            heard = {j.job_id: Heard(j.quiet_s, j.silent) for j in self._job_activity()}
+            # Only what some core answered for: a core restarting says nothing, and silence
+            # from it must not read as silence from the job's workers.
+            heard = {j.job_id: Heard(j.quiet_s, j.silent) for j in self._job_activity()
+                     if j.quiet_s is not None}
             evicted = self.registry.idle(heard, time.monotonic())
             for gone in evicted:
                 self.evicted[gone.cause] += 1

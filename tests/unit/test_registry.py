@@ -118,7 +118,8 @@ def test_jobs_nobody_is_left_to_end_are_evicted_and_live_ones_stay() -> None:
     """Eviction goes by what the cores last heard, heartbeats included: a job of live workers
     that reduce nothing for longer than the idle timeout (an evaluation pass) stays; one never
     heard from goes after the idle timeout; one whose joined ranks are all silent for twice
-    the liveness timeout (their processes exited without leaving) goes within seconds."""
+    the liveness timeout (their processes exited without leaving) goes within seconds; one
+    no core reported on (restarting) waits for a pass that has word of it."""
     reg = registry(idle_timeout_s=600.0, liveness_timeout_s=5.0, slots=4)
     never = admit(reg, "never", now=0.0)          # registered, nobody heard since
     pausing = admit(reg, "pausing", now=0.0)      # heartbeats, no data for 20 minutes
@@ -127,21 +128,27 @@ def test_jobs_nobody_is_left_to_end_are_evicted_and_live_ones_stay() -> None:
     for job in (pausing, crashed, one_left):
         reg.join(job, 0, SECRET, at(0))
         reg.join(job, 1, SECRET, at(1))
-    heard = {pausing: Heard(quiet_s=0.3), crashed: Heard(quiet_s=11.0, silent={0: 11.0, 1: 10.0}),
-             one_left: Heard(quiet_s=0.2, silent={1: 900.0})}
-    (gone,) = reg.idle(heard, now=100.0)
+
+    def heard(now: float) -> dict[int, Heard]:
+        return {never: Heard(quiet_s=now), pausing: Heard(quiet_s=0.3),
+                crashed: Heard(quiet_s=11.0, silent={0: 11.0, 1: 10.0}),
+                one_left: Heard(quiet_s=0.2, silent={1: 900.0})}
+
+    (gone,) = reg.idle(heard(100.0), now=100.0)
     assert gone.plan.spec.job_id == crashed and gone.plan.state is JobState.EVICTED
-    assert "every joined rank silent for 10 s" in gone.reason
-    assert reg.idle({**heard, crashed: Heard()}, now=599.0) == []
-    (gone,) = reg.idle(heard, now=1200.0)  # quiet since admission: the idle timeout
-    assert gone.plan.spec.job_id == never and "no datagram from any rank for 1200 s" in gone.reason
+    assert gone.cause == "abandoned" and "every joined rank silent for 10 s" in gone.reason
+    assert reg.idle({}, now=5000.0) == []  # no core answered: no word, no eviction
+    (gone,) = reg.idle(heard(1200.0), now=1200.0)  # quiet since admission: the idle timeout
+    assert gone.plan.spec.job_id == never and gone.cause == "idle"
+    assert "no datagram from any rank for 1200 s" in gone.reason
     assert sorted(p.spec.job_id for p in reg.jobs) == [pausing, one_left]
     # Silence just under twice the timeout, or a rank not reported silent at all: not yet.
     almost = admit(reg, "almost", world=1, now=1200.0)
     reg.join(almost, 0, SECRET, at(0))
-    assert reg.idle({**heard, almost: Heard(quiet_s=9.9, silent={0: 9.9})}, now=1210.0) == []
-    assert reg.idle({**heard, almost: Heard(quiet_s=9.9)}, now=1210.0) == []
-    (gone,) = reg.idle({**heard, almost: Heard(quiet_s=10.0, silent={0: 10.0})}, now=1210.0)
+    others = heard(1210.0)
+    assert reg.idle({**others, almost: Heard(quiet_s=9.9, silent={0: 9.9})}, now=1210.0) == []
+    assert reg.idle({**others, almost: Heard(quiet_s=9.9)}, now=1210.0) == []
+    (gone,) = reg.idle({**others, almost: Heard(quiet_s=10.0, silent={0: 10.0})}, now=1210.0)
     assert gone.plan.spec.job_id == almost
 
 
