@@ -391,8 +391,9 @@ class Registry:
     def idle(self, heard: dict[int, Heard], now: float) -> list[Eviction]:
         """Jobs to evict (see the module docstring): nothing heard from any rank for
         jobs.idle_timeout_s (never a word: since admission), or every joined rank silent for
-        twice the liveness timeout. `heard` maps job id -> what its cores heard; a job no core
-        reported (each restarting, or too busy to answer) is left for the next pass."""
+        twice the liveness timeout. `heard` maps job id -> what its cores heard; a job left out
+        (the daemon leaves out those a core did not answer for: restarting, or too busy) waits
+        for the next pass."""
         limit = self.cfg.jobs.idle_timeout_s
         abandoned_after = 2 * self.cfg.jobs.liveness_timeout_s
         evicted = []

@@ -102,12 +102,14 @@ class Appliance:
 
     def _silent_elsewhere(self, job_id: int, rank: int, endpoint: Address) -> float:
         """How long the cores have not heard `rank` at the endpoint it joined from, when it
-        joined from another one (else 0: the cores are asked only when it decides a join)."""
+        joined from another one (else 0: the cores are asked only when it decides a join; and
+        0 unless every core answered, as for eviction)."""
         with contextlib.suppress(ReductionError):  # no such job: join says so
             plan = self.registry.get(job_id)
             if rank in plan.joined and plan.spec.endpoints[rank] not in (None, endpoint):
                 (act,) = self._job_activity_of((job_id,))
-                return act.silent.get(rank, 0.0)
+                if act.reports == len(self.supervisor.cores):
+                    return act.silent.get(rank, 0.0)
         return 0.0
 
     def connect(self, job_id: int, body: dict[str, Any]) -> dict[str, object]:
@@ -207,10 +209,12 @@ class Appliance:
         """Remove the jobs nobody is left to end (`Registry.idle`); their workers, if any
         still listen, are told."""
         with self._lock:
-            # Only what some core answered for: a core restarting says nothing, and silence
-            # from it must not read as silence from the job's workers.
+            # Only jobs every core reported on: heartbeats go to one core per appliance, so a
+            # pass without that core's word (restarting, or too busy to answer) would read the
+            # workers as silent. Such a job waits for the next pass.
+            cores = len(self.supervisor.cores)
             heard = {j.job_id: Heard(j.quiet_s, j.silent) for j in self._job_activity()
-                     if j.quiet_s is not None}
+                     if j.reports == cores}
             evicted = self.registry.idle(heard, time.monotonic())
             for gone in evicted:
                 self.evicted[gone.cause] += 1
@@ -277,6 +281,7 @@ class Appliance:
                 # Heartbeats go to one core per appliance: a rank is silent only if every
                 # core says so, for as long as the one that heard it last.
                 act.silent_votes.append(st.silent)
+                act.reports += 1
                 if st.quiet_s is not None:  # the core that heard the job last
                     act.quiet_s = min(st.quiet_s, act.quiet_s if act.quiet_s is not None
                                       else st.quiet_s)
@@ -345,7 +350,7 @@ class Appliance:
 
 class _Activity:
     __slots__ = ("bytes_reduced", "diverged", "job_id", "lagging", "last_activity", "quiet_s",
-                 "rounds", "segments_reduced", "silent_votes")
+                 "reports", "rounds", "segments_reduced", "silent_votes")
 
     def __init__(self, job_id: int) -> None:
         self.job_id = job_id
@@ -356,6 +361,7 @@ class _Activity:
         self.segments_reduced = 0
         self.last_activity: float | None = None
         self.quiet_s: float | None = None  # since any core last heard any rank
+        self.reports = 0  # how many cores answered for the job
         self.lagging: dict[int, float] = {}
 
     @property
