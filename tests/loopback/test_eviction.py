@@ -24,15 +24,30 @@ IDLE_TIMEOUT_S = 3.0  # longer than the abandonment, which must come first
 LIVENESS_S = 1.0  # workers heartbeat every 0.1 s; a job of silent ranks goes after 2 s
 
 
-def _free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_udp_ports(count: int) -> int:
+    """The first of `count` consecutive UDP ports free on loopback just now (core i binds
+    base_port + i)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as first:
+            first.bind(("127.0.0.1", 0))
+            base = int(first.getsockname()[1])
+            if base + count > 65536:
+                continue
+            others = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(count - 1)]
+            try:
+                for i, s in enumerate(others, start=1):
+                    s.bind(("127.0.0.1", base + i))
+                return base
+            except OSError:
+                continue
+            finally:
+                for s in others:
+                    s.close()
 
 
-def _config() -> dict[str, Any]:
+def _config(cores: int = 1) -> dict[str, Any]:
     return {
-        "dataplane": {"address": "127.0.0.1", "base_port": _free_udp_port(), "cores": 1,
+        "dataplane": {"address": "127.0.0.1", "base_port": _free_udp_ports(cores), "cores": cores,
                       "cpus": [], "kernels": "numpy", "slot_memory_mb": 4, "mtu": 9000},
         "multicast": {"enabled": False},
         "jobs": {"idle_timeout_s": IDLE_TIMEOUT_S, "liveness_timeout_s": LIVENESS_S},
@@ -40,8 +55,11 @@ def _config() -> dict[str, Any]:
     }
 
 
-def test_a_pausing_job_stays_and_an_abandoned_one_is_evicted_at_once() -> None:
-    with local_daemon(_config()) as daemon:
+@pytest.mark.parametrize("cores", [1, 2])
+def test_a_pausing_job_stays_and_an_abandoned_one_is_evicted_at_once(cores: int) -> None:
+    """With two cores, heartbeats reach the first only: the second's view (every rank silent
+    while no data flows) must not evict the job."""
+    with local_daemon(_config(cores)) as daemon:
         api = UnixApi(daemon.unix_socket)
 
         def jobs() -> list[dict[str, Any]]:
