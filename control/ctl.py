@@ -40,6 +40,16 @@ def _age(seconds: float | None) -> str:
     return f"{seconds / 60:.0f}m ago"
 
 
+_NAME_MAX = 40  # the widest name column; longer names keep their start and end
+
+
+def _fit(name: str, width: int) -> str:
+    if len(name) <= width:
+        return name
+    head = (width - 1) // 2
+    return f"{name[:head]}~{name[len(name) - (width - 1 - head):]}"
+
+
 def render_status(s: dict[str, Any]) -> str:
     lines = [f"reductiond {s['version']}  up {s['uptime_s']:.0f}s  config {s['config']}"]
     if s.get("segment_bytes"):
@@ -67,13 +77,16 @@ def render_status(s: dict[str, Any]) -> str:
     if not s["jobs"]:
         lines.append("jobs: none")
     else:
-        lines.append(f"{'job':>4} {'name':<16} {'state':<8} {'world':>5} {'joined':>6} "
+        # As wide as the longest name (groups and hook states of one job differ at the end)
+        wide = max(16, min(_NAME_MAX, max(len(j["name"]) for j in s["jobs"])))
+        lines.append(f"{'job':>4} {'name':<{wide}} {'state':<8} {'world':>5} {'joined':>6} "
                      f"{'epoch':>5} {'rounds':>7} {'reduced':>10} {'last activity':>14}  "
                      "lagging ranks")
         for j in s["jobs"]:
             lagging = ", ".join(f"{r} ({w:.1f}s)" for r, w in j["lagging"].items()) or "-"
             lines.append(
-                f"{j['job_id']:>4} {j['name'][:16]:<16} {j['state']:<8} {j['world_size']:>5} "
+                f"{j['job_id']:>4} {_fit(j['name'], wide):<{wide}} {j['state']:<8} "
+                f"{j['world_size']:>5} "
                 f"{len(j['joined']):>6} {j.get('epoch', 1):>5} {j['rounds']:>7} "
                 f"{format_size(j['bytes_reduced']):>10} "
                 f"{_age(j['last_activity_s']):>14}  {lagging}"

@@ -163,3 +163,23 @@ def test_status_shows_the_segment_size_and_where_it_came_from() -> None:
     assert shown.split("\n\n")[0].splitlines()[1] == (
         "UDP segments of 8896 bytes (MTU 9000 of interface eth1, which holds 198.18.0.1)")
     assert shown.split("\n\n")[2] == "jobs: none"
+
+
+def test_status_names_jobs_whole_where_they_differ_only_at_the_end() -> None:
+    """A job's process groups and hook states share its name up to a suffix (.pg1, .hook0):
+    the column widens to the longest name (to 40), and a longer one keeps both ends."""
+    def job(job_id: int, name: str) -> dict[str, object]:
+        return {"job_id": job_id, "name": name, "state": "active", "world_size": 2,
+                "joined": [0, 1], "epoch": 1, "rounds": 0, "bytes_reduced": 0,
+                "last_activity_s": None, "lagging": {}}
+    snapshot = {"version": "0.1.0", "uptime_s": 5.0, "config": "a.toml", "cores": [],
+                "interfaces": [], "steering": [], "steering_notes": [], "rdma_devices": [],
+                "jobs": [job(1, "resnet50-run-42"), job(2, "resnet50-run-42.pg1"),
+                         job(3, "resnet50-run-42.rank1.hook0"), job(4, "x" * 60 + ".pg7")]}
+    rows = render_status(snapshot).split("\n\n")[2].splitlines()
+    assert rows[0].startswith(" job name" + " " * 37 + "state")  # 40 wide
+    assert [r.split()[1] for r in rows[1:]] == [
+        "resnet50-run-42", "resnet50-run-42.pg1", "resnet50-run-42.rank1.hook0",
+        "x" * 19 + "~" + "x" * 16 + ".pg7"]
+    narrow = render_status(snapshot | {"jobs": [job(1, "bert")]}).split("\n\n")[2]
+    assert narrow.splitlines()[1].startswith("   1 bert             active")  # 16 as before
