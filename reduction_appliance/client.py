@@ -2,9 +2,10 @@
 
     from reduction_appliance.client import ApplianceClient, register
 
-    job = register("198.18.0.1:7070", "my-job", world_size=4, rank=rank)
+    job = register("198.18.0.1:7070", "my-job", world_size=4, secret=secret)
     with ApplianceClient([job], rank, local_address="198.18.0.101") as client:
         client.allreduce(grads, op="sum")
+    leave(job, rank)  # done: the last rank's leave frees the job's slots at once
 """
 
 from reduction_appliance.dataplane.errors import (
