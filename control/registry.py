@@ -409,8 +409,8 @@ class Registry:
                 cause, reason = "idle", f"no datagram from any rank for {quiet:.0f} s"
             elif silences and min(silences) >= abandoned_after:
                 cause, reason = "abandoned", (
-                    f"every joined rank silent for {min(silences):.0f} s (they heartbeat while "
-                    "alive: the workers are gone)")
+                    f"every joined rank silent for {min(silences):.0f} s: the workers are gone "
+                    "(alive, they heartbeat)")
             else:
                 continue
             gone = self._move(job_id, JobEvent.IDLE)

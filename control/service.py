@@ -191,7 +191,8 @@ class Appliance:
         """Remove the job; its workers are told (ABORTED) and fail at once."""
         with self._lock:
             plan = self.registry.abort(job_id)
-            self.supervisor.remove_job(job_id, abort=True)
+            self.supervisor.remove_job(job_id, abort=f"an operator's abort: reductionctl abort "
+                                       f"{job_id} or DELETE /v1/jobs/{job_id}")
             self._release_roce(job_id)
         return plan.describe(self.cfg)
 
@@ -218,7 +219,8 @@ class Appliance:
             evicted = self.registry.idle(heard, time.monotonic())
             for gone in evicted:
                 self.evicted[gone.cause] += 1
-                self.supervisor.remove_job(gone.plan.spec.job_id, abort=True)
+                self.supervisor.remove_job(gone.plan.spec.job_id,
+                                           abort=f"evicted: {gone.reason}")
                 self._release_roce(gone.plan.spec.job_id)
         return evicted
 
@@ -237,7 +239,8 @@ class Appliance:
         with self._lock:
             for plan in self.registry.jobs:
                 self.registry.abort(plan.spec.job_id)
-                self.supervisor.remove_job(plan.spec.job_id, abort=True)
+                self.supervisor.remove_job(plan.spec.job_id,
+                                           abort="the appliance is shutting down")
 
     def probe_cores(self) -> None:
         """Called about once a second: a core that does not answer is killed and restarted."""

@@ -463,15 +463,17 @@ class Supervisor:
                 out.append([])
         return out
 
-    def remove_job(self, job_id: int, *, abort: bool = False) -> None:
-        """Forget the job on every core; with `abort`, its workers' next datagrams are
-        answered with ABORTED so they fail at once instead of at their deadline."""
+    def remove_job(self, job_id: int, *, abort: str | None = None) -> None:
+        """Forget the job on every core; with `abort` (why, for the workers' error), its
+        workers are told with ABORTED, at once and at their next datagrams, so they fail at
+        once instead of at their deadline."""
         with self._jobs_lock:
             self.jobs.pop(job_id, None)
             self.disruptions.pop(job_id, None)
         for core in self.cores:
             with contextlib.suppress(CoreUnavailable):  # a restarting core gets the new list
-                self.ask(core, AbortJob(job_id) if abort else RemoveJob(job_id))
+                self.ask(core, RemoveJob(job_id) if abort is None
+                         else AbortJob(job_id, abort))
 
     def probe(self) -> None:
         """Ask every running core for a reply (the janitor does, every second, jobs or not): a

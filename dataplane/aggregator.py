@@ -78,6 +78,7 @@ __all__ = ["Aggregator", "CopyState"]
 
 
 _TOMBSTONES = 1024  # aborted jobs remembered, so their workers hear why instead of timing out
+ABORT_REASON_MAX = 512  # bytes of an ABORTED notice's reason: it fits any datagram
 
 
 class Aggregator:
@@ -89,8 +90,8 @@ class Aggregator:
         self._kernels = kernels
         self.counters = counters
         self._jobs: dict[int, JobState] = {}
-        # aborted job id -> (cookie, its bound endpoints): notices go to those only
-        self._aborted: OrderedDict[int, tuple[int, frozenset[Address]]] = OrderedDict()
+        # aborted job id -> (cookie, its bound endpoints, why): notices go to those only
+        self._aborted: OrderedDict[int, tuple[int, frozenset[Address], bytes]] = OrderedDict()
         self._cells = counters.cells
         self._reserve = receive_reserve(len(self._pool))
         self._runs = RunPath(self._jobs, arena, kernels, counters, self._finish, self._one)
@@ -148,17 +149,19 @@ class Aggregator:
         forget_sequences(job)
         return self._tell(job, Kind.RESYNC, b"")
 
-    def abort_job(self, job_id: int) -> list[Send]:
-        """Remove the job: tell every bound worker (ABORTED), and answer later datagrams of the
-        job from those endpoints the same way, so workers fail at once, not at their deadline."""
+    def abort_job(self, job_id: int, reason: str = "") -> list[Send]:
+        """Remove the job: tell every bound worker (ABORTED, saying `reason`), and answer later
+        datagrams of the job from those endpoints the same way, so workers fail at once, not at
+        their deadline, and know why."""
         job = self._jobs.get(job_id)
         if job is None:
             return []
-        self._aborted[job_id] = (job.spec.cookie, frozenset(job.bound))
+        why = reason.encode()[:ABORT_REASON_MAX].decode(errors="ignore").encode()
+        self._aborted[job_id] = (job.spec.cookie, frozenset(job.bound), why)
         while len(self._aborted) > _TOMBSTONES:
             self._aborted.popitem(last=False)
         self.remove_job(job_id)
-        notices = self._tell(job, Kind.ABORTED, b"", counter=Counter.ABORT_NOTICES)
+        notices = self._tell(job, Kind.ABORTED, why, counter=Counter.ABORT_NOTICES)
         return notices
 
     def remove_job(self, job_id: int) -> None:
@@ -335,7 +338,7 @@ class Aggregator:
             tomb = self._aborted.get(h.job_id)
             if tomb is not None and tomb[0] == h.cookie and source in tomb[1]:
                 cells[Counter.ABORT_NOTICES] += 1
-                out.append(self._notice(Kind.ABORTED, h, source))
+                out.append(self._notice(Kind.ABORTED, h, source, tomb[2]))
             else:
                 cells[Counter.DROP_UNKNOWN_JOB] += 1
             return None

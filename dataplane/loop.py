@@ -101,7 +101,7 @@ class CoreLoop:
             agg.remove_job(command.job_id)
             return None
         if isinstance(command, AbortJob):
-            self._send(agg.abort_job(command.job_id))
+            self._send(agg.abort_job(command.job_id, command.reason))
             return None
         if isinstance(command, QueryStats):
             now = self.clock()

@@ -171,9 +171,11 @@ class RemoveJob(Command[None]):
 
 @dataclass(frozen=True)
 class AbortJob(Command[None]):
-    """Forget the job and tell its workers (ABORTED), now and whenever they send again."""
+    """Forget the job and tell its workers (ABORTED, with `reason`), now and whenever they
+    send again."""
 
     job_id: int
+    reason: str = ""  # what the workers' error says: who aborted the job and why
 
 
 @dataclass(frozen=True)

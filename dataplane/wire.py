@@ -125,7 +125,7 @@ class Kind(IntEnum):
     # worker that retransmitted or queried, and to each rank the segment still waits for (its
     # bit clear: "yours never came", so it resends at once instead of at its timer).
     PENDING = 3
-    ABORTED = 4  # appliance -> one worker: the job was aborted (operator, shutdown); no payload
+    ABORTED = 4  # appliance -> one worker: the job was aborted; payload: why, UTF-8 (or none)
     RESYNC = 5  # appliance -> one worker: the job is at `epoch`; yours is stale; no payload
     DIVERGED = 6  # appliance -> workers: ranks disagree on a slot's use; payload = the reason
     HEARTBEAT = 7  # worker -> appliance core: this rank is alive; no payload

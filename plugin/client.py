@@ -417,7 +417,7 @@ class ApplianceClient:
         elif h.kind is Kind.MISSING:
             pipeline.on_missing(h, bytes(payload), source)
         elif h.kind is Kind.ABORTED:
-            pipeline.on_aborted(h, source)
+            pipeline.on_aborted(h, source, bytes(payload).decode(errors="replace"))
         elif h.kind is Kind.RESYNC:
             pipeline.on_resync(h, source)
         elif h.kind is Kind.DIVERGED:

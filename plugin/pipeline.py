@@ -142,7 +142,8 @@ class RoundPipeline:
         self._requests: dict[int, _Request] = {}  # ticket -> what was asked, while active
         self._queued: deque[_Request] = deque()
         self._finished: list[Outcome] = []
-        self._abort: Header | None = None  # the appliance's ABORTED notice, once it came
+        # the appliance's ABORTED notice and its reason, once it came
+        self._abort: tuple[Header, str] | None = None
         self._diverged: str | None = None  # the appliance's DIVERGED reason, this epoch
         self._next_round = 1  # wire number of the next round to start, this epoch
         self.liveness_timeout = liveness_timeout
@@ -224,7 +225,7 @@ class RoundPipeline:
                 self._finished.append(Outcome(req.ticket, exc))
                 continue
             if self._abort is not None:
-                rnd.on_aborted(self._abort)
+                rnd.on_aborted(*self._abort)
             self._next_round += 1
             self._busy[lane] = rnd
             self._active[rnd.round] = rnd
@@ -385,14 +386,15 @@ class RoundPipeline:
             if self._active.get(rnd.round) is rnd:
                 rnd.missing(k)
 
-    def on_aborted(self, h: Header, source: Address | None = None) -> None:
-        """The job is gone: every round in flight fails at its next `due`, and so does every
-        round started later (the appliance will never answer them)."""
+    def on_aborted(self, h: Header, source: Address | None = None, reason: str = "") -> None:
+        """The job is gone (`reason`: why, as the appliance says it): every round in flight
+        fails at its next `due`, and so does every round started later (the appliance will
+        never answer them)."""
         if h.kind is not Kind.ABORTED or not self._ours(h, source):
             return
-        self._abort = h
+        self._abort = (h, reason)
         for rnd in self._active.values():
-            rnd.on_aborted(h)
+            rnd.on_aborted(h, reason)
 
     def on_diverged(self, h: Header, reason: str, source: Address | None = None) -> None:
         """The appliance saw the ranks disagree: fail every round of this epoch now, and every

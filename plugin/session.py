@@ -179,6 +179,7 @@ class AllreduceRound(RoundAnswers, Overtaking):
         )
         self._pending: dict[int, tuple[int, bytes]] = {}  # endpoint -> (arrived count, bitmap)
         self._aborted_by: str | None = None
+        self._abort_reason = ""
         self.retransmissions = 0
         # Every first transmission's header, packed now but for what is decided as it leaves
         # (plugin/firsts.py); each leaves as a view of its own 48 bytes.
@@ -437,22 +438,25 @@ class AllreduceRound(RoundAnswers, Overtaking):
             self._lacks_ours[k] = 1
             self._nudged.append(k)
 
-    def on_aborted(self, h: Header) -> None:
-        """The appliance says the job is gone (operator abort, eviction or shutdown)."""
+    def on_aborted(self, h: Header, reason: str = "") -> None:
+        """The appliance says the job is gone (operator abort, eviction or shutdown), and
+        `reason` why (an appliance of an older release says nothing)."""
         if h.kind is not Kind.ABORTED:
             return
         for ep in self.endpoints:
             if h.job_id == ep.job_id and h.cookie == ep.cookie:
                 self._aborted_by = ep.name
+                self._abort_reason = reason
                 return
 
     # ---- failure ----
     def check(self, now: float) -> None:
         if self._aborted_by is not None and not self.done:
+            why = self._abort_reason or "an operator abort, idle eviction or appliance shutdown"
             raise JobAborted(
-                f"{self._aborted_by} aborted job {self.endpoints[0].job_id} (an operator abort, "
-                f"idle eviction or appliance shutdown) during allreduce round {self.round} of "
-                f"rank {self.rank}; {self.remaining} of {self.segments} segments unfinished"
+                f"{self._aborted_by} aborted job {self.endpoints[0].job_id} ({why}) during "
+                f"allreduce round {self.round} of rank {self.rank}; {self.remaining} of "
+                f"{self.segments} segments unfinished"
             )
         if now < self._deadline or self.done:
             return

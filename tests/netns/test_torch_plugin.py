@@ -103,6 +103,7 @@ def test_an_abort_raises_jobaborted_in_the_training_process(
     for rank, records in enumerate(results[:-1]):
         (record,) = records
         assert record["raised"] == "JobAborted", (rank, record)
-        assert f"aborted job {job_id}" in record["message"]
+        assert f"aborted job {job_id} (an operator's abort: reductionctl abort {job_id} or " \
+            f"DELETE /v1/jobs/{job_id}) during" in record["message"]
         assert record["seconds"] < 30
     assert results[-1] == []

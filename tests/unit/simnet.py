@@ -254,7 +254,7 @@ class SimNet:
             elif h.kind is Kind.MISSING:
                 p.on_missing(h, payload, source)
             elif h.kind is Kind.ABORTED:
-                p.on_aborted(h, source)
+                p.on_aborted(h, source, payload.decode(errors="replace"))
             elif (wanted := p.accept(h, source)) is not None:
                 rnd, k = wanted
                 views[rank][rnd.ticket][h.offset:h.offset + h.length] = np.frombuffer(

@@ -459,11 +459,15 @@ def test_abort_tells_bound_workers_and_answers_their_later_datagrams(arena: Slot
     agg = make(arena, world=3)
     contribute(agg, 0, np.ones(4, np.float32))
     contribute(agg, 2, np.ones(4, np.float32))
-    notices = agg.abort_job(5)
+    notices = agg.abort_job(5, "the appliance is shutting down")
     assert sorted(n.dest for n in notices) == [where(0), where(1), where(2)]
     assert all(unpack(bytes(n.header)).kind is Kind.ABORTED for n in notices)
+    why = b"the appliance is shutting down"  # what each worker's JobAborted says
+    assert all(bytes(n.payload) == why and unpack(bytes(n.header)).length == len(why)
+               for n in notices)
     (late,) = contribute(agg, 1, np.ones(4, np.float32))
     assert unpack(bytes(late.header)).kind is Kind.ABORTED and late.dest == where(1)
+    assert bytes(late.payload) == why
     assert contribute(agg, 1, np.ones(4, np.float32), cookie=7) == []  # not told to strangers
     # ... nor to another host that knows the cookie: notices go to bound endpoints only
     assert contribute(agg, 1, np.ones(4, np.float32), source=("198.18.0.99", 9001)) == []
@@ -500,3 +504,10 @@ def test_a_job_grows_quiet_only_while_no_rank_says_anything(arena: SlotArena) ->
     assert agg.stats(5, 50.0).quiet_s == 10.0
     contribute(agg, 0, np.ones(4, np.float32), now=52.0)
     assert agg.stats(5, 53.0).quiet_s == 1.0
+
+
+def test_an_abort_reason_is_cut_to_fit_a_datagram_on_a_character_boundary(
+        arena: SlotArena) -> None:
+    agg = make(arena, world=1)
+    (notice,) = agg.abort_job(5, "é" * 400)  # 800 bytes of UTF-8
+    assert bytes(notice.payload) == ("é" * 256).encode() and len(notice.payload) == 512

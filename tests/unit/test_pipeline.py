@@ -139,11 +139,12 @@ def test_an_abort_fails_rounds_in_flight_and_rounds_started_later() -> None:
     sent = p.due(0.0)
     p.on_aborted(sent[0].header._replace(kind=Kind.ABORTED, cookie=1))  # not our job
     assert p.due(0.001) == [] and p.finished() == []
-    p.on_aborted(sent[0].header._replace(kind=Kind.ABORTED))
+    p.on_aborted(sent[0].header._replace(kind=Kind.ABORTED), reason="the operator aborted it")
     p.due(0.002)
     outcomes = p.finished()
     assert [o.ticket for o in outcomes] == rounds
     assert all(isinstance(o.error, JobAborted) for o in outcomes)
+    assert all("(the operator aborted it)" in str(o.error) for o in outcomes)
     assert p.idle
 
 
