@@ -134,7 +134,14 @@ class UdpWorkerTransport:
         with contextlib.ExitStack() as stack:
             sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
             enlarge_buffers(sock, _SOCKET_BUFFER)
-            sock.bind((local_address, 0))
+            try:
+                sock.bind((local_address, 0))
+            except OSError as exc:  # (socket.gaierror too: not an address at all)
+                raise ReductionError(
+                    f"cannot send from local address {local_address!r} "
+                    f"(REDUCTION_LOCAL_ADDRESS, or the client's local_address): "
+                    f"{exc.strerror or exc}; give an IPv4 address of this host on the data "
+                    "network, or 0.0.0.0") from exc
             sockets = [sock, *(stack.enter_context(self._join(group, local_address))
                                for group in dict.fromkeys(groups))]
             stack.pop_all()

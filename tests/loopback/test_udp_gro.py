@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from reduction_appliance.dataplane.errors import ReductionError
 from reduction_appliance.dataplane.slots import SlotArena
 from reduction_appliance.dataplane.spec import CoreConfig
 from reduction_appliance.dataplane.transport import RxBatch, datagram_starts
@@ -296,3 +297,15 @@ def test_after_a_wait_the_worker_asks_only_the_sockets_found_readable_and_loses_
         seen.clear()
         worker.receive(lambda h, payload, _: seen.append(h.slot))  # no wait before: all asked
         assert seen == [4]
+
+
+@pytest.mark.parametrize(("address", "why"), [("198.51.100.7", "Cannot assign requested address"),
+                                              ("not-an-address", "")])
+def test_a_worker_address_not_on_this_host_is_refused_naming_the_setting(address: str,
+                                                                         why: str) -> None:
+    """(An OSError or a socket.gaierror with no word of where the address came from before.)"""
+    with pytest.raises(ReductionError) as refused:
+        UdpWorkerTransport(address)
+    text = str(refused.value)
+    assert f"cannot send from local address {address!r} (REDUCTION_LOCAL_ADDRESS" in text
+    assert why in text and "an IPv4 address of this host" in text
