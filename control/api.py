@@ -44,6 +44,7 @@ from typing import Any
 
 from reduction_appliance.dataplane.errors import (
     BadRequest,
+    RankHeld,
     ReductionError,
     RequestError,
     Unavailable,
@@ -159,6 +160,9 @@ class ApiApp:
             return route
         try:
             return route.action(self.appliance, request)
+        except RankHeld as exc:  # the caller's, for now: say when it may pass
+            return Response.json(exc.status, {"error": str(exc),
+                                              "retry_after_s": exc.retry_after_s})
         except RequestError as exc:  # the caller's fault: say what to change
             return Response.error(exc.status, str(exc))
         except Unavailable as exc:

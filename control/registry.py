@@ -53,6 +53,7 @@ from reduction_appliance.dataplane.errors import (
     Conflict,
     Forbidden,
     NotFound,
+    RankHeld,
 )
 from reduction_appliance.dataplane.registration import EndpointInfo, JobDescription
 from reduction_appliance.dataplane.roce import ROCE_GROUP_PORT
@@ -340,11 +341,12 @@ class Registry:
         liveness = self.cfg.jobs.liveness_timeout_s
         if rank in plan.joined and not rejoin and silent_s < liveness:
             where = "" if current is None else f" from {current[0]}:{current[1]}"
-            raise Conflict(
+            raise RankHeld(
                 f"rank {rank} of job {job_id} is already joined{where}; {endpoint[0]}:"
                 f"{endpoint[1]} cannot join as rank {rank} too (a restarted worker re-joins "
                 "with rejoin=true, which retires the old endpoint, or joins again once the old "
-                f"endpoint has been silent for the liveness timeout, {liveness:g} s)")
+                f"endpoint has been silent for the liveness timeout, {liveness:g} s)",
+                retry_after_s=round(liveness - silent_s, 3))
         endpoints = list(spec.endpoints)
         endpoints[rank] = endpoint
         epoch = spec.epoch

@@ -30,6 +30,7 @@ __all__ = [
     "JobResynchronised",
     "NotFound",
     "PeerError",
+    "RankHeld",
     "RankSilent",
     "ReductionError",
     "RequestError",
@@ -73,6 +74,16 @@ class Conflict(RequestError):
     """The request conflicts with the current state of what it names (409)."""
 
     status = 409
+
+
+class RankHeld(Conflict):
+    """A join names a rank that another endpoint holds, and the appliance heard that endpoint
+    less than the liveness timeout ago (409). If it stays silent, the rank is free to take over
+    after `retry_after_s` (a worker restarted by a launcher waits that long and joins again)."""
+
+    def __init__(self, message: str, retry_after_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class AdmissionError(RequestError):

@@ -9,7 +9,8 @@ the creator): the training framework hands it to the others (the torch backend u
 store). `join` binds this rank to the UDP endpoint it sends from and returns the cookie and the
 job's epoch; the appliance accepts this rank's datagrams from that endpoint only. A restarted
 worker joins with `rejoin=True`, which retires its old endpoint and starts a new epoch (without
-it, once the appliance has not heard the old endpoint for the liveness timeout). All
+it, once the appliance has not heard the old endpoint for the liveness timeout: `join` waits
+for that as the appliance's 409 says, `retry_after_s`, within its own deadline). All
 ranks of a job must agree on the name, the world size and the mode; the appliance refuses a
 mismatch with 409, a wrong secret with 403.
 
@@ -23,6 +24,7 @@ endpoint changes nothing, a resync names the epoch it saw.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -86,6 +88,9 @@ _MOST_BETWEEN_S = 2.0
 # a call's whole time, so that every call can make a second attempt (a leave's 5 s used to be
 # one attempt's, and a timed-out leave was never repeated).
 _ATTEMPT_S = 5.0
+# Past the time a held rank frees, before asking again: the appliance counts a rank gone
+# strictly after the liveness timeout, by its own clock.
+_TAKEOVER_MARGIN_S = 0.25
 
 
 def _call(appliance: str, method: str, path: str, body: dict[str, object] | None,
@@ -140,6 +145,15 @@ class _Gone(RendezvousError):
     """The API answered 404: no such job (or path)."""
 
 
+class _RankHeld(RendezvousError):
+    """A join refused while the rank's old endpoint may be alive; free after `retry_after_s`
+    if that one stays silent (the appliance's `RankHeld`)."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class _Retryable(Exception):
     """An attempt that may pass when repeated: no answer, or the appliance is busy (5xx)."""
 
@@ -167,6 +181,9 @@ def _attempt(appliance: str, method: str, path: str, body: dict[str, object] | N
             raise _Retryable(message) from exc
         if exc.code == 404:
             raise _Gone(message) from exc
+        if exc.code == 409:
+            with contextlib.suppress(ValueError, TypeError, KeyError):  # no wait named
+                raise _RankHeld(message, float(json.loads(detail)["retry_after_s"])) from exc
         raise RendezvousError(message) from exc
     except (OSError, ValueError) as exc:
         reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
@@ -247,9 +264,23 @@ def join(info: JobInfo, rank: int, endpoint: Address, *, rejoin: bool = False,
     if not info.secret:
         raise RendezvousError(f"joining job {info.name!r} needs its join secret (from the rank "
                               "that created it)")
-    job = _call(info.appliance, "POST", f"/v1/jobs/{info.job_id}/join",
-                {"rank": rank, "secret": info.secret, "address": endpoint[0],
-                 "port": endpoint[1], "rejoin": rejoin}, info.token, timeout_s)
+    began = time.monotonic()
+    deadline = began + timeout_s
+    while True:
+        try:
+            job = _call(info.appliance, "POST", f"/v1/jobs/{info.job_id}/join",
+                        {"rank": rank, "secret": info.secret, "address": endpoint[0],
+                         "port": endpoint[1], "rejoin": rejoin}, info.token,
+                        max(deadline - time.monotonic(), 0.1))
+            break
+        except _RankHeld as exc:
+            # A worker restarted by a launcher, before the appliance counts its predecessor
+            # gone: wait for that (a live duplicate never goes silent: refused at the deadline).
+            pause = exc.retry_after_s + _TAKEOVER_MARGIN_S
+            if time.monotonic() + pause >= deadline:
+                raise RendezvousError(f"{exc} (still held after {time.monotonic() - began:.1f} s "
+                                      f"of the {timeout_s:g} s this join may take)") from None
+            time.sleep(pause)
     if job.cookie is None:
         raise RendezvousError(f"appliance {info.appliance} answered the join of job "
                               f"{info.job_id} without its cookie")

@@ -22,6 +22,7 @@ from reduction_appliance.dataplane.errors import (
     BadRequest,
     CoreFailure,
     NotFound,
+    RankHeld,
     Unavailable,
 )
 from reduction_appliance.dataplane.spec import Command, CoreStats, JobSpec, QueryStats
@@ -77,6 +78,7 @@ class _Stub:
     (BadRequest("world_size must be 1..4096, got 0"), 400, "world_size must be"),
     (NotFound("no job 9"), 404, "no job 9"),
     (AdmissionError("needs 8 slot pairs"), 409, "needs 8 slot pairs"),
+    (RankHeld("rank 0 of job 1 is already joined", 3.25), 409, "already joined"),
     (Unavailable("core 0 is restarting"), 503, "restarting"),
     (CoreFailure("core 0 failed: KeyError: 3"), 500, "internal"),
     (KeyError("a bug of ours"), 500, "internal KeyError"),
@@ -92,7 +94,10 @@ def test_the_api_answers_by_whose_fault(error: Exception, status: int, says: str
         with pytest.raises(urllib.error.HTTPError) as answer:
             opener.open(request, timeout=10)
         assert answer.value.code == status
-        assert says in json.loads(answer.value.read())["error"]
+        body = json.loads(answer.value.read())
+        assert says in body["error"]
+        # A held rank says when it may pass; nothing else names a wait.
+        assert body.get("retry_after_s") == (3.25 if isinstance(error, RankHeld) else None)
     logged = [r for r in caplog.records if r.name.startswith("reductiond")]
     if status == 500:  # ours: exactly one line, no traceback
         assert len(logged) == 1 and logged[0].exc_info is None, logged

@@ -16,7 +16,13 @@ import pytest
 from reduction_appliance.control.config import parse
 from reduction_appliance.control.registry import JobRequest, Registry
 from reduction_appliance.dataplane.wire import VERSION
-from reduction_appliance.plugin.rendezvous import JobInfo, RendezvousError, leave, register
+from reduction_appliance.plugin.rendezvous import (
+    JobInfo,
+    RendezvousError,
+    join,
+    leave,
+    register,
+)
 
 
 @contextmanager
@@ -144,3 +150,28 @@ def test_a_leave_to_an_appliance_where_nothing_listens_fails_at_once() -> None:
     with pytest.raises(RendezvousError, match="cannot reach appliance API") as raised:
         leave(_joined(where), 1, timeout_s=30)
     assert "gave up after" not in str(raised.value)
+
+
+def test_a_join_refused_while_the_rank_is_held_waits_as_told_then_joins() -> None:
+    """A worker restarted by a launcher joins before the appliance counts its predecessor
+    gone: the 409 says how long until it may (`retry_after_s`), and the join asks again then
+    instead of failing. Another conflict fails at once, and a rank held for good (a live
+    duplicate) fails at the join's deadline, saying so."""
+    held = json.dumps({"error": "rank 0 of job 1 is already joined", "retry_after_s": 0.2})
+    joined = described()
+
+    def reply(n: int) -> tuple[int, bytes]:
+        return (409, held.encode()) if n <= 2 else (200, json.dumps(joined).encode())
+
+    with _api(reply) as (where, asked):
+        info = join(replace(_joined(where), secret="s"), 0, ("127.0.0.1", 40000), timeout_s=10)
+    assert asked == ["/v1/jobs/1/join"] * 3 and info.cookie == joined["cookie"]
+    with api_replying([409]) as (where, asked), \
+            pytest.raises(RendezvousError, match="refused POST /v1/jobs/1/join: 409"):
+        join(replace(_joined(where), secret="s"), 0, ("127.0.0.1", 40000), timeout_s=10)
+    assert asked == ["/v1/jobs/1/join"]  # no retry_after_s: not a held rank
+    with _api(lambda _: (409, held.encode())) as (where, asked), \
+            pytest.raises(RendezvousError, match=r"already joined.*still held after .* of the "
+                                                 r"1\.5 s this join may take"):
+        join(replace(_joined(where), secret="s"), 0, ("127.0.0.1", 40000), timeout_s=1.5)
+    assert 2 <= len(asked) <= 4

@@ -13,7 +13,13 @@ from reduction_appliance.control.registry import (
     Registry,
     UnknownJob,
 )
-from reduction_appliance.dataplane.errors import AdmissionError, BadRequest, Conflict, Forbidden
+from reduction_appliance.dataplane.errors import (
+    AdmissionError,
+    BadRequest,
+    Conflict,
+    Forbidden,
+    RankHeld,
+)
 
 SECRET = "s3cret-of-the-job"
 
@@ -58,8 +64,10 @@ def test_a_second_process_claiming_a_joined_rank_is_refused_naming_both() -> Non
     assert "rank 1" in text and "198.18.0.102:40000" in text and "198.18.0.200:41234" in text
     assert "silent for the liveness timeout, 5 s" in text
     assert reg.get(job).spec.endpoints[1] == at(1)  # nothing moved
-    with pytest.raises(Conflict):  # heard 4.9 s ago: maybe alive
+    with pytest.raises(RankHeld) as held:  # silent 4.9 s: maybe alive; free in 0.1 s if not
         reg.join(job, 1, SECRET, ("198.18.0.200", 41234), silent_s=4.9)
+    assert held.value.retry_after_s == pytest.approx(0.1)
+    assert refused.value.retry_after_s == 5.0  # (heard just now)
     # Silent for the liveness timeout: dead by the rule the other ranks go by, so a successor
     # that cannot say rejoin (a worker restarted by torchrun) takes its place, in a new epoch.
     plan = reg.join(job, 1, SECRET, ("198.18.0.200", 41234), silent_s=5.0)
