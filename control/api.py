@@ -44,7 +44,6 @@ from typing import Any
 
 from reduction_appliance.dataplane.errors import (
     BadRequest,
-    RankHeld,
     ReductionError,
     RequestError,
     Unavailable,
@@ -160,11 +159,11 @@ class ApiApp:
             return route
         try:
             return route.action(self.appliance, request)
-        except RankHeld as exc:  # the caller's, for now: say when it may pass
+        except RequestError as exc:  # the caller's fault: say what to change (or when to ask)
+            if exc.retry_after_s is None:
+                return Response.error(exc.status, str(exc))
             return Response.json(exc.status, {"error": str(exc),
                                               "retry_after_s": exc.retry_after_s})
-        except RequestError as exc:  # the caller's fault: say what to change
-            return Response.error(exc.status, str(exc))
         except Unavailable as exc:
             return Response.error(503, str(exc))
         except Exception as exc:  # ours: never the caller's 4xx; one line, where it failed

@@ -390,6 +390,13 @@ class Registry:
         self._record(plan)
         return plan
 
+    def evict(self, job_id: int) -> JobPlan:
+        """Remove a job nobody is left to end, now (a new registration of its name found it
+        abandoned: see `Appliance.create_job`)."""
+        plan = self._move(job_id, JobEvent.IDLE)
+        self._record(plan)
+        return plan
+
     def idle(self, heard: dict[int, Heard], now: float) -> list[Eviction]:
         """Jobs to evict (see the module docstring): nothing heard from any rank for
         jobs.idle_timeout_s (never a word: since admission), or every joined rank silent for

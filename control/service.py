@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import logging
 import secrets
 import threading
 import time
@@ -17,7 +18,9 @@ from reduction_appliance.dataplane.errors import (
     AdmissionError,
     BadRequest,
     Conflict,
+    Forbidden,
     ReductionError,
+    RequestError,
     Unavailable,
 )
 from reduction_appliance.dataplane.registration import JobDescription
@@ -26,13 +29,22 @@ from reduction_appliance.dataplane.spec import Address
 from reduction_appliance.dataplane.verbs import QpEndpoint
 from reduction_appliance.dataplane.wire import HEADER_SIZE
 
-from .registry import EVICTION_CAUSES, Eviction, Heard, JobRequest, JobState, Registry
+from .registry import (
+    EVICTION_CAUSES,
+    ConflictError,
+    Eviction,
+    Heard,
+    JobRequest,
+    JobState,
+    Registry,
+)
 from .snapshot import ApplianceSnapshot, CoreSnapshot, InterfaceSnapshot, JobSnapshot
 from .supervisor import Supervisor
 
 __all__ = ["VERSION", "Appliance", "Draining"]
 
 VERSION = "0.1.0"
+_log = logging.getLogger("reductiond")
 
 
 class Draining(Unavailable):
@@ -79,8 +91,19 @@ class Appliance:
                 raise Draining("the appliance is shutting down; it takes no new jobs")
             exists = self.registry.find(request.name) is not None
             secret = given or ("" if exists else secrets.token_urlsafe(24))
-            plan = self.registry.plan(request, cookie=secrets.randbits(64), secret=secret,
-                                      now=time.monotonic())
+            try:
+                plan = self.registry.plan(request, cookie=secrets.randbits(64), secret=secret,
+                                          now=time.monotonic())
+            except (ConflictError, Forbidden) as refused:
+                # Another spec or secret under a taken name: a launcher that restarted the
+                # job's workers (a new secret, maybe a new world size) finds the old job. Its
+                # workers gone, the name is theirs to take; soon gone, they may ask again.
+                if not self._free_name_of_abandoned(request.name, refused):
+                    raise
+                exists = False
+                secret = given or secrets.token_urlsafe(24)
+                plan = self.registry.plan(request, cookie=secrets.randbits(64), secret=secret,
+                                          now=time.monotonic())
             if not exists:
                 self.supervisor.add_job(plan.spec)
                 self.registry.commit(plan)
@@ -99,6 +122,32 @@ class Appliance:
                                       silent_s=self._silent_elsewhere(job_id, rank, endpoint))
             self.supervisor.update_job(plan.spec)
         return plan.describe(self.cfg, member=True)
+
+    def _free_name_of_abandoned(self, name: str, refused: RequestError) -> bool:
+        """Whether the job called `name` was abandoned and is now evicted: ranks joined, and
+        none heard for the liveness timeout (as every core says). Where none was heard for a
+        fifth of it (every rank's heartbeats missed twice), `refused` is given the time left to
+        ask again in; a live job's refusal stands as it is."""
+        existing = self.registry.find(name)
+        if existing is None or not existing.joined:
+            return False  # never joined: perhaps registered ahead of its workers
+        (act,) = self._job_activity_of((existing.spec.job_id,))
+        if act.reports != len(self.supervisor.cores) or act.quiet_s is None:
+            return False
+        liveness = self.cfg.jobs.liveness_timeout_s
+        if act.quiet_s < liveness:
+            if act.quiet_s >= 0.2 * liveness:
+                refused.retry_after_s = round(liveness - act.quiet_s, 3)
+            return False
+        gone = self.registry.evict(existing.spec.job_id)
+        self.evicted["abandoned"] += 1
+        self.supervisor.remove_job(gone.spec.job_id, abort=(
+            f"evicted: its name was registered again, every rank silent for "
+            f"{act.quiet_s:.0f} s"))
+        self._release_roce(gone.spec.job_id)
+        _log.info("evicted job %d (%s): registered again, every rank silent for %.0f s",
+                  gone.spec.job_id, gone.name, act.quiet_s)
+        return True
 
     def _silent_elsewhere(self, job_id: int, rank: int, endpoint: Address) -> float:
         """How long the cores have not heard `rank` at the endpoint it joined from, when it

@@ -49,9 +49,11 @@ class PeerError(ReductionError):
 
 
 class RequestError(ReductionError):
-    """The caller asked for something wrong; the message says what. Answered with `status`."""
+    """The caller asked for something wrong; the message says what. Answered with `status`,
+    and with `retry_after_s` where the same request may pass that much later."""
 
     status = 400
+    retry_after_s: float | None = None
 
 
 class BadRequest(RequestError):
@@ -83,7 +85,7 @@ class RankHeld(Conflict):
 
     def __init__(self, message: str, retry_after_s: float = 0.0) -> None:
         super().__init__(message)
-        self.retry_after_s = retry_after_s
+        self.retry_after_s: float | None = retry_after_s
 
 
 class AdmissionError(RequestError):

@@ -10,7 +10,8 @@ store). `join` binds this rank to the UDP endpoint it sends from and returns the
 job's epoch; the appliance accepts this rank's datagrams from that endpoint only. A restarted
 worker joins with `rejoin=True`, which retires its old endpoint and starts a new epoch (without
 it, once the appliance has not heard the old endpoint for the liveness timeout: `join` waits
-for that as the appliance's 409 says, `retry_after_s`, within its own deadline). All
+for that as the appliance's 409 says, `retry_after_s`, within its own deadline; `register`
+likewise when a name's old job may be abandoned, which it then replaces). All
 ranks of a job must agree on the name, the world size and the mode; the appliance refuses a
 mismatch with 409, a wrong secret with 403.
 
@@ -98,6 +99,25 @@ def _call(appliance: str, method: str, path: str, body: dict[str, object] | None
     return _job_of(appliance, _call_raw(appliance, method, path, body, token, timeout_s))
 
 
+def _call_waiting(appliance: str, method: str, path: str, body: dict[str, object] | None,
+                  token: str | None, timeout_s: float) -> JobDescription:
+    """`_call`, asking again when the appliance says the request may pass later: a worker
+    restarted by a launcher, before the appliance counts its predecessors gone, waits for that
+    (live holders never go silent: refused at the deadline, saying so)."""
+    began = time.monotonic()
+    deadline = began + timeout_s
+    while True:
+        try:
+            return _call(appliance, method, path, body, token,
+                         max(deadline - time.monotonic(), 0.1))
+        except _HeldBack as exc:
+            pause = exc.retry_after_s + _TAKEOVER_MARGIN_S
+            if time.monotonic() + pause >= deadline:
+                raise RendezvousError(f"{exc} (still held after {time.monotonic() - began:.1f} s "
+                                      f"of the {timeout_s:g} s this call may take)") from None
+            time.sleep(pause)
+
+
 def _job_of(appliance: str, reply: object) -> JobDescription:
     try:
         job = JobDescription.from_json(reply)
@@ -145,9 +165,10 @@ class _Gone(RendezvousError):
     """The API answered 404: no such job (or path)."""
 
 
-class _RankHeld(RendezvousError):
-    """A join refused while the rank's old endpoint may be alive; free after `retry_after_s`
-    if that one stays silent (the appliance's `RankHeld`)."""
+class _HeldBack(RendezvousError):
+    """A request refused for now, with `retry_after_s`: a join whose rank an endpoint may still
+    hold (the appliance's `RankHeld`), or a registration whose name a job may still hold, each
+    free then if their workers stay silent."""
 
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
@@ -181,9 +202,9 @@ def _attempt(appliance: str, method: str, path: str, body: dict[str, object] | N
             raise _Retryable(message) from exc
         if exc.code == 404:
             raise _Gone(message) from exc
-        if exc.code == 409:
+        if exc.code in (403, 409):
             with contextlib.suppress(ValueError, TypeError, KeyError):  # no wait named
-                raise _RankHeld(message, float(json.loads(detail)["retry_after_s"])) from exc
+                raise _HeldBack(message, float(json.loads(detail)["retry_after_s"])) from exc
         raise RendezvousError(message) from exc
     except (OSError, ValueError) as exc:
         reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
@@ -245,7 +266,7 @@ def register(
         body["multicast"] = multicast
     if secret:
         body["secret"] = secret
-    return _info(appliance, _call(appliance, "POST", "/v1/jobs", body, token, timeout_s),
+    return _info(appliance, _call_waiting(appliance, "POST", "/v1/jobs", body, token, timeout_s),
                  secret, token)
 
 
@@ -264,23 +285,9 @@ def join(info: JobInfo, rank: int, endpoint: Address, *, rejoin: bool = False,
     if not info.secret:
         raise RendezvousError(f"joining job {info.name!r} needs its join secret (from the rank "
                               "that created it)")
-    began = time.monotonic()
-    deadline = began + timeout_s
-    while True:
-        try:
-            job = _call(info.appliance, "POST", f"/v1/jobs/{info.job_id}/join",
+    job = _call_waiting(info.appliance, "POST", f"/v1/jobs/{info.job_id}/join",
                         {"rank": rank, "secret": info.secret, "address": endpoint[0],
-                         "port": endpoint[1], "rejoin": rejoin}, info.token,
-                        max(deadline - time.monotonic(), 0.1))
-            break
-        except _RankHeld as exc:
-            # A worker restarted by a launcher, before the appliance counts its predecessor
-            # gone: wait for that (a live duplicate never goes silent: refused at the deadline).
-            pause = exc.retry_after_s + _TAKEOVER_MARGIN_S
-            if time.monotonic() + pause >= deadline:
-                raise RendezvousError(f"{exc} (still held after {time.monotonic() - began:.1f} s "
-                                      f"of the {timeout_s:g} s this join may take)") from None
-            time.sleep(pause)
+                         "port": endpoint[1], "rejoin": rejoin}, info.token, timeout_s)
     if job.cookie is None:
         raise RendezvousError(f"appliance {info.appliance} answered the join of job "
                               f"{info.job_id} without its cookie")

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from reduction_appliance.client import ApplianceClient, register
+from reduction_appliance.client import ApplianceClient, RendezvousError, register
 from reduction_appliance.control.apiclient import UnixApi
 from reduction_appliance.deploy.testnet.harness import local_daemon
 from tests.waiting import wait_until
@@ -116,3 +116,27 @@ def test_a_restarted_worker_takes_its_rank_over_once_the_old_one_is_silent() -> 
                 assert not other.is_alive()
                 for g in grads:
                     assert np.array_equal(g, np.full(3000, 3.0, np.float32))
+
+
+def test_a_name_whose_workers_are_gone_is_taken_by_a_new_registration() -> None:
+    """A launcher that restarts a job's workers registers its name again with a new secret
+    (here another world size too). While the old job's workers live, that is refused at once
+    (409, no wait offered); once none has been heard for the liveness timeout, the old job is
+    evicted and the name is the new registration's."""
+    with local_daemon(_config()) as daemon:
+        api = UnixApi(daemon.unix_socket)
+        old = register(daemon.api, "relaunched", world_size=1, secret="first-incarnation")
+        with ApplianceClient([old], 0, local_address="127.0.0.1"):
+            with pytest.raises(RendezvousError, match="exists with world_size 1") as refused:
+                register(daemon.api, "relaunched", world_size=2, secret="second-incarnation",
+                         timeout_s=5)
+            assert "still held" not in str(refused.value)  # live: no waiting
+        # The worker is gone without leaving.
+        wait_until(lambda: "0" in api.get("/v1/status")["jobs"][0]["silent"], 10,
+                   what="rank 0 silent")
+        new = register(daemon.api, "relaunched", world_size=2, secret="second-incarnation",
+                       timeout_s=5)
+        assert new.job_id != old.job_id and new.world_size == 2
+        assert [j["job_id"] for j in api.get("/v1/jobs")] == [new.job_id]
+        assert "registered again, every rank silent for" in daemon.stderr.text()
+        assert api.get("/v1/status")["jobs_evicted"]["abandoned"] == 1

@@ -172,6 +172,21 @@ def test_a_join_refused_while_the_rank_is_held_waits_as_told_then_joins() -> Non
     assert asked == ["/v1/jobs/1/join"]  # no retry_after_s: not a held rank
     with _api(lambda _: (409, held.encode())) as (where, asked), \
             pytest.raises(RendezvousError, match=r"already joined.*still held after .* of the "
-                                                 r"1\.5 s this join may take"):
+                                                 r"1\.5 s this call may take"):
         join(replace(_joined(where), secret="s"), 0, ("127.0.0.1", 40000), timeout_s=1.5)
     assert 2 <= len(asked) <= 4
+
+
+def test_a_registration_refused_while_the_name_may_be_held_waits_as_told() -> None:
+    """A launcher registering a restarted job's name with a new secret, a moment after its
+    workers died: the appliance refuses (403) saying when the old job counts as abandoned, and
+    the registration asks again then."""
+    held = json.dumps({"error": "job 'j' exists and that is not its join secret",
+                       "retry_after_s": 0.2})
+
+    def reply(n: int) -> tuple[int, bytes]:
+        return (403, held.encode()) if n == 1 else (201, json.dumps(described()).encode())
+
+    with _api(reply) as (where, asked):
+        info = register(where, "j", 2, secret="new", timeout_s=10)
+    assert asked == ["/v1/jobs"] * 2 and info.name == "j"
