@@ -104,8 +104,7 @@ BACKEND_NAME = "reduction"
 # CPU on both ends, and a lone collective has every slot anyway (`RoundPipeline.rounds_for`).
 # More lanes let several small all_reduces wait out their round trips together.
 DEFAULT_LANES = 1
-_JOB_KEY = "reduction_appliance/job"
-_SECRET_KEY = "reduction_appliance/secret"
+_KEYS = "reduction_appliance"  # this backend's keys in a group's c10d store
 _JOB_NAME_MAX = 128  # the appliance's limit (control.registry)
 
 
@@ -258,7 +257,13 @@ class ApplianceProcessGroup(ProcessGroup):
         super().__init__(rank, world_size)  # type: ignore[call-arg]
         self._rank = rank
         self._world_size = world_size
-        gloo_store = PrefixStore("gloo", store)
+        # A launcher's store may outlive the workers: torchrun's static rendezvous keeps one
+        # across restarts, and what a dead incarnation wrote there (its Gloo addresses, its job)
+        # would be read as this one's. Each rank counts its own incarnations in the store (alike
+        # on every rank, as a launcher restarts them all) and keys this one's by the count.
+        incarnation = store.add(f"{_KEYS}/incarnations/{rank}", 1)
+        keys = PrefixStore(f"{_KEYS}/{incarnation}", store)
+        gloo_store = PrefixStore("gloo", keys)
         gloo = dist.ProcessGroupGloo(gloo_store, rank, world_size, timeout)
         self.gloo = ProcessGroup(gloo_store, rank, world_size)
         self.gloo._set_default_backend(ProcessGroup.BackendType.GLOO)
@@ -271,11 +276,11 @@ class ApplianceProcessGroup(ProcessGroup):
         # Rank 0 names the job and makes up its secret unless configured; the others read both
         # from the store every rank of the group shares.
         if rank == 0:
-            store.set(_JOB_KEY, job_name_for(config.job, job_tag) if config.job
+            keys.set("job", job_name_for(config.job, job_tag) if config.job
                       else new_job_name())
-            store.set(_SECRET_KEY, config.secret or new_secret())
-        job = store.get(_JOB_KEY).decode()
-        secret = store.get(_SECRET_KEY).decode()
+            keys.set("secret", config.secret or new_secret())
+        job = keys.get("job").decode()
+        secret = keys.get("secret").decode()
         self.job = job
         self.client, self.jobs = connect(config, job, secret, rank, world_size)
         self._pump = RoundPump(self.client, f"reduction-appliance-{job}-{rank}")

@@ -4,8 +4,12 @@ communication hook, each rank a subprocess (see torch_worker.py), compared with 
 from __future__ import annotations
 
 import importlib.util
+import json
+import socket
+import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,6 +39,8 @@ from reduction_appliance.plugin.torch_pump import PinnedPool, RoundPump
 from .ranks import BACKEND_CHECKS, run_ranks
 
 pytestmark = pytest.mark.slow  # real daemons and worker processes: seconds each
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +97,37 @@ def test_one_configured_job_name_gives_each_group_and_hook_state_a_job(
         if rank == 0:
             expected["named-outsider"] = None
         assert seen == expected, f"rank {rank}"
+
+
+def test_a_torchrun_restart_rejoins_under_the_configured_name(
+        rack: tuple[LoopbackNetwork, ApplianceProcess], monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun restarts both ranks after rank 1 dies. The second attempt once failed in the
+    backend's own Gloo group (it read the first attempt's addresses from the store torchrun
+    keeps), and under REDUCTION_JOB its registration was refused (the dead job held the
+    name, with another secret). Now it joins the name afresh and reduces exactly."""
+    net, appliance = rack
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in (("REDUCTION_APPLIANCE", appliance.api), ("REDUCTION_JOB", "elastic"),
+                        ("REDUCTION_LOCAL_ADDRESS", "127.0.0.1"), ("GLOO_SOCKET_IFNAME", "lo")):
+        monkeypatch.setenv(name, value)
+    proc = net.popen_worker(0, [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--max-restarts", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+        "-m", "tests.plugin.elastic_worker"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in done.stdout.splitlines() if line[:1] == "{"]
+    assert sorted((r["rank"], r["attempt"], r["job"], r["exact"]) for r in records) == [
+        (0, 1, "elastic", 20), (1, 1, "elastic", 20)]
 
 
 def test_pinned_pool_reuses_the_smallest_buffer_that_fits() -> None:
