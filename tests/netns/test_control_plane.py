@@ -153,7 +153,10 @@ def test_status_and_metrics_show_jobs_counters_and_a_stalled_rank() -> None:
                 proc.communicate()
 
 
-def test_abort_tells_the_workers_at_once() -> None:
+@pytest.mark.parametrize("how", ["reductionctl abort", "SIGTERM"])
+def test_an_aborted_jobs_workers_are_told_at_once_and_why(how: str) -> None:
+    """Two ranks wait for a third; the operator aborts the job, or the appliance is stopped:
+    both fail with JobAborted naming the job and the reason, well inside their deadline."""
     with LabNetwork.rack(3) as net, start_appliance(net) as appliance:
         stalled = launch(net, [0, 1], worker_argv(net, appliance.api, 3, "doomed",
                                                   ["--sizes", "64KiB", "--deadline", "60"])[:2])
@@ -163,27 +166,16 @@ def test_abort_tells_the_workers_at_once() -> None:
                    and appliance.counters().get("packets_in", 0) > 0, 30,
                    what="ranks 0 and 1 joined and sending")
         (job_id,) = appliance.job_ids("doomed")
-        done = ctl("abort", str(job_id), "--socket", appliance.unix_socket)
-        assert done.returncode == 0, done.stderr
-        for code, _, stderr in finish(stalled, timeout_s=20):
-            assert code == 3 and "JobAborted" in stderr and f"aborted job {job_id}" in stderr
-            assert f"(an operator's abort: reductionctl abort {job_id} or" in stderr
-
-
-def test_a_stopping_appliance_tells_its_workers_why() -> None:
-    """SIGTERM with two ranks waiting for a third: they fail with JobAborted saying the
-    appliance is shutting down, well inside their deadline."""
-    with LabNetwork.rack(3) as net, start_appliance(net) as appliance:
-        stalled = launch(net, [0, 1], worker_argv(net, appliance.api, 3, "stopping",
-                                                  ["--sizes", "64KiB", "--deadline", "60"])[:2])
-        wait_until(lambda: [j["joined"] for j in appliance.jobs_named("stopping")] == [[0, 1]]
-                   and appliance.counters().get("packets_in", 0) > 0, 30,
-                   what="ranks 0 and 1 joined and sending")
-        (job_id,) = appliance.job_ids("stopping")
-        appliance.process.send_signal(signal.SIGTERM)
+        if how == "SIGTERM":
+            appliance.process.send_signal(signal.SIGTERM)
+            why = "the appliance is shutting down"
+        else:
+            done = ctl("abort", str(job_id), "--socket", appliance.unix_socket)
+            assert done.returncode == 0, done.stderr
+            why = f"an operator's abort: reductionctl abort {job_id} or DELETE /v1/jobs/{job_id}"
         for code, _, stderr in finish(stalled, timeout_s=30):
             assert code == 3 and "JobAborted" in stderr, stderr[-2000:]
-            assert f"aborted job {job_id} (the appliance is shutting down)" in stderr
+            assert f"aborted job {job_id} ({why}) during" in stderr, stderr[-2000:]
 
 
 def _route(net: LabNetwork, prefix: str) -> str:
