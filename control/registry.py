@@ -43,7 +43,6 @@ script that never destroyed its process group) frees its slots within seconds.
 from __future__ import annotations
 
 import hmac
-import re
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 
@@ -55,7 +54,7 @@ from reduction_appliance.dataplane.errors import (
     NotFound,
     RankHeld,
 )
-from reduction_appliance.dataplane.registration import EndpointInfo, JobDescription
+from reduction_appliance.dataplane.registration import JOB_NAME, EndpointInfo, JobDescription
 from reduction_appliance.dataplane.roce import ROCE_GROUP_PORT
 from reduction_appliance.dataplane.slots import holdable_buffers
 from reduction_appliance.dataplane.spec import Address, JobSpec
@@ -78,8 +77,6 @@ __all__ = [
 ]
 
 _EPOCHS = 1 << 16  # the header's epoch field is 16 bits: epochs wrap, compared for equality
-# What a job may be called: printable, no spaces or control characters, no quoting trouble.
-_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}")
 
 
 class ConflictError(Conflict):
@@ -236,7 +233,7 @@ class Registry:
         for the right spec with the wrong secret, `AdmissionError` naming the budget exceeded.
         `secret` empty means the caller has none (another rank): the existing job is returned
         and the caller learns nothing secret from it."""
-        if not _JOB_NAME.fullmatch(request.name):
+        if not JOB_NAME.fullmatch(request.name):
             raise BadRequest(
                 f"job name {request.name[:64]!r}: 1..128 characters of letters, digits and "
                 "._:@+=- (they appear in status, metrics and logs)")

@@ -131,22 +131,22 @@ class Appliance:
         existing = self.registry.find(name)
         if existing is None or not existing.joined:
             return False  # never joined: perhaps registered ahead of its workers
-        (act,) = self._job_activity_of((existing.spec.job_id,))
-        if act.reports != len(self.supervisor.cores) or act.quiet_s is None:
+        word = self._heard(*self._job_activity_of((existing.spec.job_id,)))
+        if word is None or word.quiet_s is None:
             return False
+        quiet = word.quiet_s
         liveness = self.cfg.jobs.liveness_timeout_s
-        if act.quiet_s < liveness:
-            if act.quiet_s >= 0.2 * liveness:
-                refused.retry_after_s = round(liveness - act.quiet_s, 3)
+        if quiet < liveness:
+            if quiet >= 0.2 * liveness:
+                refused.retry_after_s = round(liveness - quiet, 3)
             return False
         gone = self.registry.evict(existing.spec.job_id)
         self.evicted["abandoned"] += 1
         self.supervisor.remove_job(gone.spec.job_id, abort=(
-            f"evicted: its name was registered again, every rank silent for "
-            f"{act.quiet_s:.0f} s"))
+            f"evicted: its name was registered again, every rank silent for {quiet:.0f} s"))
         self._release_roce(gone.spec.job_id)
         _log.info("evicted job %d (%s): registered again, every rank silent for %.0f s",
-                  gone.spec.job_id, gone.name, act.quiet_s)
+                  gone.spec.job_id, gone.name, quiet)
         return True
 
     def _silent_elsewhere(self, job_id: int, rank: int, endpoint: Address) -> float:
@@ -156,10 +156,18 @@ class Appliance:
         with contextlib.suppress(ReductionError):  # no such job: join says so
             plan = self.registry.get(job_id)
             if rank in plan.joined and plan.spec.endpoints[rank] not in (None, endpoint):
-                (act,) = self._job_activity_of((job_id,))
-                if act.reports == len(self.supervisor.cores):
-                    return act.silent.get(rank, 0.0)
+                word = self._heard(*self._job_activity_of((job_id,)))
+                if word is not None:
+                    return word.silent.get(rank, 0.0)
         return 0.0
+
+    def _heard(self, act: _Activity) -> Heard | None:
+        """What the cores heard of one job, when every core answered for it: heartbeats go to
+        one core per appliance, so without that core's word (restarting, or too busy) another
+        core alone would read live workers as silent."""
+        if act.reports != len(self.supervisor.cores):
+            return None
+        return Heard(act.quiet_s, act.silent)
 
     def connect(self, job_id: int, body: dict[str, Any]) -> dict[str, object]:
         """A rank's RDMA queue pairs (one per core) for a RoCE job: the cores connect theirs
@@ -259,12 +267,9 @@ class Appliance:
         """Remove the jobs nobody is left to end (`Registry.idle`); their workers, if any
         still listen, are told."""
         with self._lock:
-            # Only jobs every core reported on: heartbeats go to one core per appliance, so a
-            # pass without that core's word (restarting, or too busy to answer) would read the
-            # workers as silent. Such a job waits for the next pass.
-            cores = len(self.supervisor.cores)
-            heard = {j.job_id: Heard(j.quiet_s, j.silent) for j in self._job_activity()
-                     if j.reports == cores}
+            # A job some core did not answer for waits for the next pass.
+            heard = {act.job_id: word for act in self._job_activity()
+                     if (word := self._heard(act)) is not None}
             evicted = self.registry.idle(heard, time.monotonic())
             for gone in evicted:
                 self.evicted[gone.cause] += 1

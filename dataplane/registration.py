@@ -8,13 +8,21 @@ is present only in answers to the job's own ranks (None in listings).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from .errors import PeerError
 from .wire import VERSION
 
-__all__ = ["EndpointInfo", "JobDescription", "SchemaError"]
+__all__ = ["JOB_NAME", "JOB_NAME_CHARS", "JOB_NAME_MAX", "EndpointInfo", "JobDescription",
+           "SchemaError"]
+
+# What a job may be called (the appliance refuses anything else; workers derive names within
+# it): printable, no spaces or control characters, no quoting trouble.
+JOB_NAME_CHARS = "A-Za-z0-9._:@+="  # and "-"
+JOB_NAME_MAX = 128
+JOB_NAME = re.compile(rf"[A-Za-z0-9][{JOB_NAME_CHARS}-]{{0,{JOB_NAME_MAX - 1}}}")
 
 T = TypeVar("T")
 

@@ -82,6 +82,7 @@ from torch._C._distributed_c10d import (
 )
 
 from reduction_appliance.dataplane.errors import ReductionError
+from reduction_appliance.dataplane.registration import JOB_NAME_CHARS, JOB_NAME_MAX
 
 from .client import ApplianceClient
 from .rendezvous import JobInfo, leave, register
@@ -105,7 +106,6 @@ BACKEND_NAME = "reduction"
 # More lanes let several small all_reduces wait out their round trips together.
 DEFAULT_LANES = 1
 _KEYS = "reduction_appliance"  # this backend's keys in a group's c10d store
-_JOB_NAME_MAX = 128  # the appliance's limit (control.registry)
 
 
 @dataclass(frozen=True)
@@ -163,8 +163,8 @@ def job_name_for(base: str, tag: str) -> str:
     of letters, digits and ._:@+=-): one configured name, one job per group."""
     if not tag:
         return base
-    suffix = "." + re.sub(r"[^A-Za-z0-9._:@+=-]", "-", tag)
-    return base[:max(1, _JOB_NAME_MAX - len(suffix))] + suffix
+    suffix = "." + re.sub(rf"[^{JOB_NAME_CHARS}-]", "-", tag)
+    return base[:max(1, JOB_NAME_MAX - len(suffix))] + suffix
 
 
 def new_job_name() -> str:
