@@ -26,9 +26,11 @@ Job states and the events that move them (anything else raises `IllegalTransitio
     ACTIVE    join         ACTIVE     a rank re-joins (restarted worker): new epoch
     CREATED   resync       CREATED    new epoch
     ACTIVE    resync       ACTIVE     new epoch
-    CREATED   leave        CREATED
-    ACTIVE    leave        ACTIVE     ... until the last rank leaves:
-    ACTIVE    leave (last) DONE       the job is removed
+    CREATED   leave        CREATED    ... while another rank is still joined
+    ACTIVE    leave        ACTIVE     idem
+    CREATED   leave (last) DONE       nobody is left joined: the job is removed (a registrant
+    ACTIVE    leave (last) DONE       withdrawing, ranks that left before the rest came, or
+                                      the job's normal end)
     CREATED   abort        ABORTED    operator or shutdown; workers are told, job removed
     ACTIVE    abort        ABORTED
     CREATED   idle         EVICTED    no datagram for jobs.idle_timeout_s, or every joined
@@ -112,8 +114,8 @@ _TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {
     (JobState.ACTIVE, JobEvent.JOIN): JobState.ACTIVE,
     (JobState.CREATED, JobEvent.RESYNC): JobState.CREATED,
     (JobState.ACTIVE, JobEvent.RESYNC): JobState.ACTIVE,
-    (JobState.CREATED, JobEvent.LEAVE): JobState.CREATED,
-    (JobState.ACTIVE, JobEvent.LEAVE): JobState.ACTIVE,  # DONE when the last rank leaves
+    (JobState.CREATED, JobEvent.LEAVE): JobState.CREATED,  # DONE when nobody is left joined
+    (JobState.ACTIVE, JobEvent.LEAVE): JobState.ACTIVE,  # idem
     (JobState.CREATED, JobEvent.ABORT): JobState.ABORTED,
     (JobState.ACTIVE, JobEvent.ABORT): JobState.ABORTED,
     (JobState.CREATED, JobEvent.IDLE): JobState.EVICTED,
@@ -374,10 +376,14 @@ class Registry:
         return plan
 
     def leave(self, job_id: int, rank: int, secret: str) -> JobPlan:
-        """A rank is done. Returns the plan; state DONE means remove the job now."""
+        """A rank is done (or, never joined, withdraws its registration). Returns the plan;
+        state DONE means remove the job now: nobody is left joined. A job some of whose ranks
+        never came ends too when those that did have left: no round of it can complete, and
+        kept, it held its slots and its name (a new secret refused with 403) for
+        jobs.idle_timeout_s, since eviction of an abandoned job counts joined ranks only."""
         plan = self._move(job_id, JobEvent.LEAVE, secret)
         joined = plan.joined - {rank}
-        state = JobState.DONE if plan.state is JobState.ACTIVE and not joined else plan.state
+        state = JobState.DONE if not joined else plan.state
         plan = replace(plan, joined=joined, state=state)
         self._record(plan)
         return plan

@@ -106,6 +106,8 @@ BACKEND_NAME = "reduction"
 # More lanes let several small all_reduces wait out their round trips together.
 DEFAULT_LANES = 1
 _KEYS = "reduction_appliance"  # this backend's keys in a group's c10d store
+# How long a rank that failed to connect spends withdrawing from each appliance it reached.
+_WITHDRAW_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -177,15 +179,24 @@ def new_secret() -> str:
 
 def connect(config: ApplianceConfig, job: str, secret: str, rank: int, world_size: int
             ) -> tuple[ApplianceClient, list[JobInfo]]:
-    """Register `job` at every configured appliance, join it as `rank`, and open a client."""
-    registered = [
-        register(a, job, world_size, secret=secret, deterministic=config.deterministic,
-                 token=config.token, transport=config.transport,
-                 local_address=config.local_address)
-        for a in config.appliances
-    ]
-    client = ApplianceClient(registered, rank, local_address=config.local_address,
-                             lanes=config.lanes)
+    """Register `job` at every configured appliance, join it as `rank`, and open a client.
+    Where one appliance refuses (or a join fails), this rank withdraws from the others before
+    raising: its registrations and joins there would otherwise hold their slots, and the job's
+    name against the restarted workers' new secret, until the appliance's idle timeout."""
+    registered: list[JobInfo] = []
+    try:
+        for appliance in config.appliances:
+            registered.append(register(
+                appliance, job, world_size, secret=secret, deterministic=config.deterministic,
+                token=config.token, transport=config.transport,
+                local_address=config.local_address))
+        client = ApplianceClient(registered, rank, local_address=config.local_address,
+                                 lanes=config.lanes)
+    except BaseException:
+        for info in registered:
+            with contextlib.suppress(ReductionError):  # best effort: the first error counts
+                leave(info, rank, timeout_s=_WITHDRAW_S)
+        raise
     return client, client.jobs
 
 

@@ -15,6 +15,7 @@ import pytest
 from reduction_appliance.client import ApplianceClient, RendezvousError, register
 from reduction_appliance.control.apiclient import UnixApi
 from reduction_appliance.deploy.testnet.harness import local_daemon
+from reduction_appliance.plugin.rendezvous import leave
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow  # a real daemon and its data-plane process: seconds
@@ -140,3 +141,19 @@ def test_a_name_whose_workers_are_gone_is_taken_by_a_new_registration() -> None:
         assert [j["job_id"] for j in api.get("/v1/jobs")] == [new.job_id]
         assert "registered again, every rank silent for" in daemon.stderr.text()
         assert api.get("/v1/status")["jobs_evicted"]["abandoned"] == 1
+
+
+def test_a_job_whose_ranks_left_before_the_rest_came_frees_its_name() -> None:
+    """Rank 0 joined, and left when rank 1 never came (it failed on its host). The job once
+    stayed, holding its slots and refusing the restarted workers' new secret (403) for the
+    idle timeout: eviction of an abandoned job counts joined ranks, and none was left."""
+    with local_daemon(_config()) as daemon:
+        api = UnixApi(daemon.unix_socket)
+        first = register(daemon.api, "half-started", world_size=2, secret="first-incarnation")
+        with ApplianceClient([first], 0, local_address="127.0.0.1") as client:
+            pass
+        leave(client.jobs[0], 0)
+        assert api.get("/v1/jobs") == []
+        again = register(daemon.api, "half-started", world_size=2, secret="next-incarnation",
+                         timeout_s=5)
+        assert again.job_id != first.job_id

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -23,44 +21,14 @@ from reduction_appliance.plugin.rendezvous import (
     leave,
     register,
 )
-
-
-@contextmanager
-def _api(reply: Callable[[int], tuple[int, bytes]]) -> Iterator[tuple[str, list[str]]]:
-    """An HTTP server on loopback answering the n-th POST (from 1) with `reply(n)`, a status
-    and a JSON body; its "host:port" and the paths it was asked."""
-    asked: list[str] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers["Content-Length"]))
-            asked.append(self.path)
-            status, body = reply(len(asked))
-            with contextlib.suppress(OSError):  # (a client that gave up on this one is gone)
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    with ThreadingHTTPServer(("127.0.0.1", 0), Handler) as server:
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
-        try:
-            yield f"127.0.0.1:{server.server_address[1]}", asked
-        finally:
-            server.shutdown()
-            thread.join()
+from tests.fake_api import fake_api
 
 
 @contextmanager
 def api_answering(answer: dict[str, object]) -> Iterator[str]:
     """An API on loopback that answers every POST with `answer`; its "host:port"."""
     body = json.dumps(answer).encode()
-    with _api(lambda _: (201, body)) as (where, _):
+    with fake_api(lambda _: (201, body)) as (where, _):
         yield where
 
 
@@ -97,7 +65,7 @@ def api_replying(statuses: list[int]) -> Iterator[tuple[str, list[str]]]:
         status = statuses[min(n, len(statuses)) - 1]
         return status, json.dumps({"error": f"status {status}"}).encode()
 
-    with _api(reply) as served:
+    with fake_api(reply) as served:
         yield served
 
 
@@ -137,7 +105,7 @@ def test_a_leave_whose_first_attempt_hangs_is_repeated_within_its_time() -> None
             second.set()
         return 200, body
 
-    with _api(reply) as (where, asked):
+    with fake_api(reply) as (where, asked):
         leave(_joined(where), 1, timeout_s=2)
     assert asked == ["/v1/jobs/1/leave"] * 2
 
@@ -163,14 +131,14 @@ def test_a_join_refused_while_the_rank_is_held_waits_as_told_then_joins() -> Non
     def reply(n: int) -> tuple[int, bytes]:
         return (409, held.encode()) if n <= 2 else (200, json.dumps(joined).encode())
 
-    with _api(reply) as (where, asked):
+    with fake_api(reply) as (where, asked):
         info = join(replace(_joined(where), secret="s"), 0, ("127.0.0.1", 40000), timeout_s=10)
     assert asked == ["/v1/jobs/1/join"] * 3 and info.cookie == joined["cookie"]
     with api_replying([409]) as (where, asked), \
             pytest.raises(RendezvousError, match="refused POST /v1/jobs/1/join: 409"):
         join(replace(_joined(where), secret="s"), 0, ("127.0.0.1", 40000), timeout_s=10)
     assert asked == ["/v1/jobs/1/join"]  # no retry_after_s: not a held rank
-    with _api(lambda _: (409, held.encode())) as (where, asked), \
+    with fake_api(lambda _: (409, held.encode())) as (where, asked), \
             pytest.raises(RendezvousError, match=r"already joined.*still held after .* of the "
                                                  r"1\.5 s this call may take"):
         join(replace(_joined(where), secret="s"), 0, ("127.0.0.1", 40000), timeout_s=1.5)
@@ -187,6 +155,6 @@ def test_a_registration_refused_while_the_name_may_be_held_waits_as_told() -> No
     def reply(n: int) -> tuple[int, bytes]:
         return (403, held.encode()) if n == 1 else (201, json.dumps(described()).encode())
 
-    with _api(reply) as (where, asked):
+    with fake_api(reply) as (where, asked):
         info = register(where, "j", 2, secret="new", timeout_s=10)
     assert asked == ["/v1/jobs"] * 2 and info.name == "j"

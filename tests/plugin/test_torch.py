@@ -19,6 +19,8 @@ if importlib.util.find_spec("torch") is None:
 
 import torch
 
+from reduction_appliance.control.config import parse
+from reduction_appliance.control.registry import JobRequest, Registry
 from reduction_appliance.dataplane.errors import AllreduceTimeout, ReductionError
 from reduction_appliance.deploy.testnet.harness import (
     ApplianceProcess,
@@ -35,6 +37,7 @@ from reduction_appliance.plugin.torch_backend import (
     job_name_for,
 )
 from reduction_appliance.plugin.torch_pump import PinnedPool, RoundPump
+from tests.fake_api import fake_api
 
 from .ranks import BACKEND_CHECKS, run_ranks
 
@@ -128,6 +131,32 @@ def test_a_torchrun_restart_rejoins_under_the_configured_name(
     records = [json.loads(line) for line in done.stdout.splitlines() if line[:1] == "{"]
     assert sorted((r["rank"], r["attempt"], r["job"], r["exact"]) for r in records) == [
         (0, 1, "elastic", 20), (1, 1, "elastic", 20)]
+
+
+def test_a_rank_refused_by_one_appliance_withdraws_from_the_others() -> None:
+    """The second of two appliances refuses this rank's registration, or its join. The rank
+    raises, and first withdraws from the appliance that took it: left there, the job held its
+    slots and its name (403 to the restarted workers' new secret) for the idle timeout."""
+    refusal = json.dumps({"error": "the test's appliance refuses it"}).encode()
+    with LoopbackNetwork.create(multicast=False) as net, \
+            start_appliance(net, cores=1, multicast=False) as appliance:
+        for refused in ("register", "join"):
+            name = f"withdrawn-{refused}"
+            plan = Registry(parse({})).plan(JobRequest(name, 2), cookie=3, secret="s", now=0.0)
+            taken = json.dumps(plan.describe(parse({})).to_json()).encode()
+            answers = [(409, refusal)] if refused == "register" else [(201, taken),
+                                                                       (403, refusal)]
+
+            def answer(n: int, answers: list[tuple[int, bytes]] = answers) -> tuple[int, bytes]:
+                return answers[n - 1] if n <= len(answers) else (404, b'{"error": "no job"}')
+
+            with fake_api(answer) as (other, asked):
+                config = ApplianceConfig((appliance.api, other), None, None, "127.0.0.1", False)
+                with pytest.raises(ReductionError, match="the test's appliance refuses it"):
+                    connect(config, name, "withdrawn-secret", 0, 2)
+            assert not appliance.local_api.get("/v1/jobs"), refused
+            if refused == "join":  # the other appliance was asked to let the rank go too
+                assert asked[-1].endswith("/leave"), asked
 
 
 def test_pinned_pool_reuses_the_smallest_buffer_that_fits() -> None:

@@ -54,6 +54,26 @@ def test_joining_every_rank_activates_and_the_last_leave_ends_the_job() -> None:
         reg.get(job)
 
 
+def test_a_job_ends_when_nobody_is_left_joined_though_not_every_rank_came() -> None:
+    """Rank 0 joined and left before rank 1 came (it failed elsewhere): no round of the job can
+    complete, and kept, the job held its name against the restarted workers' new secret for
+    the idle timeout (abandonment counts joined ranks, and none was left). A registrant that
+    never joined withdraws its registration the same way; a leave while another rank is still
+    joined changes nothing else."""
+    reg = registry()
+    job = admit(reg, "a", world=3)
+    reg.join(job, 0, SECRET, at(0))
+    reg.join(job, 1, SECRET, at(1))
+    assert reg.leave(job, 0, SECRET).state is JobState.CREATED  # rank 1 is still joined
+    assert reg.leave(job, 2, SECRET).state is JobState.CREATED  # (never joined: a no-op)
+    assert reg.leave(job, 1, SECRET).state is JobState.DONE
+    with pytest.raises(UnknownJob):
+        reg.get(job)
+    withdrawn = admit(reg, "b", world=2)
+    assert reg.leave(withdrawn, 1, SECRET).state is JobState.DONE
+    assert reg.find("b") is None
+
+
 def test_a_second_process_claiming_a_joined_rank_is_refused_naming_both() -> None:
     reg = registry()
     job = admit(reg, "a", world=2)
