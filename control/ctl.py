@@ -96,7 +96,10 @@ def render_status(s: dict[str, Any]) -> str:
                 lines.append(f"     ! {j['diverged']}")
             for rank, silent_s in j.get("silent", {}).items():
                 where = j.get("endpoints", {}).get(str(rank)) or j.get("endpoints", {}).get(rank)
-                lines.append(f"     ! rank {rank} ({where}) silent for {silent_s:.1f} s")
+                if int(rank) in j["joined"]:
+                    lines.append(f"     ! rank {rank} ({where}) silent for {silent_s:.1f} s")
+                else:  # it left; a round the others are in waits for it
+                    lines.append(f"     ! rank {rank} ({where}) left {silent_s:.1f} s ago")
     evicted = {cause: n for cause, n in s.get("jobs_evicted", {}).items() if n}
     if evicted:
         lines.append("jobs evicted since start: " + ", ".join(

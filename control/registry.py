@@ -353,7 +353,8 @@ class Registry:
             epoch = spec.epoch % (_EPOCHS - 1) + 1  # 1..65535, never 0
         joined = plan.joined | {rank}
         state = JobState.ACTIVE if len(joined) == spec.world_size else plan.state
-        plan = replace(plan, spec=replace(spec, endpoints=tuple(endpoints), epoch=epoch),
+        plan = replace(plan, spec=replace(spec, endpoints=tuple(endpoints), epoch=epoch,
+                                          departed=spec.departed - {rank}),
                        joined=joined, seen=plan.seen | {rank}, state=state)
         self._by_id[job_id] = plan
         return plan
@@ -384,7 +385,9 @@ class Registry:
         plan = self._move(job_id, JobEvent.LEAVE, secret)
         joined = plan.joined - {rank}
         state = JobState.DONE if not joined else plan.state
-        plan = replace(plan, joined=joined, state=state)
+        departed = plan.spec.departed | ({rank} & plan.joined)  # (its peers are told so)
+        plan = replace(plan, spec=replace(plan.spec, departed=departed), joined=joined,
+                       state=state)
         self._record(plan)
         return plan
 

@@ -229,10 +229,13 @@ class Appliance:
         rank = _integer(body, "rank")
         secret = _string(body, "secret")
         with self._lock:
+            before = self.registry.get(job_id).spec
             plan = self.registry.leave(job_id, rank, secret)
             if plan.state is JobState.DONE:
                 self.supervisor.remove_job(job_id)
                 self._release_roce(job_id)
+            elif plan.spec != before:  # the cores tell its peers it left, not went quiet
+                self.supervisor.update_job(plan.spec)
         return plan.describe(self.cfg)
 
     def core_restarted(self, core: int) -> None:

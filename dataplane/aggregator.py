@@ -122,8 +122,8 @@ class Aggregator:
         return []
 
     def update_job(self, spec: JobSpec, now: float) -> list[Send]:
-        """New endpoints (a rank joined or re-joined) or a new epoch (every slot starts empty
-        again; every bound worker is told with RESYNC)."""
+        """New endpoints (a rank joined or re-joined), ranks that left (`departed`), or a new
+        epoch (every slot starts empty again; every bound worker is told with RESYNC)."""
         job = self._jobs.get(spec.job_id)
         if job is None:
             return self.add_job(spec, now)
@@ -207,7 +207,8 @@ class Aggregator:
         deadline, and the timeout then names it as missing."""
         limit = job.spec.liveness_timeout
         endpoints = job.spec.endpoints
-        return [SilentRank(rank, endpoints[rank], now - seen)
+        departed = job.spec.departed
+        return [SilentRank(rank, endpoints[rank], now - seen, rank in departed)
                 for rank, seen in enumerate(job.last_seen)
                 if endpoints[rank] is not None and now - seen > limit]
 

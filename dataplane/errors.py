@@ -31,6 +31,7 @@ __all__ = [
     "NotFound",
     "PeerError",
     "RankHeld",
+    "RankLeft",
     "RankSilent",
     "ReductionError",
     "RequestError",
@@ -123,6 +124,13 @@ class RankSilent(ReductionError):
     """A rank of the job has been silent longer than the liveness timeout (its process died,
     its host or its network is gone): the message names it, its endpoint and for how long.
     The job cannot finish an allreduce without it; a restarted rank re-joins (`rejoin`)."""
+
+
+class RankLeft(RankSilent):
+    """A rank of the job left it (its worker closed its client or process group and said so)
+    while this rank's allreduce waits for it: the ranks made different numbers of allreduce
+    calls (uneven inputs across ranks). Reported, like a silent rank, after the liveness
+    timeout."""
 
 
 class ApplianceSilent(ReductionError):

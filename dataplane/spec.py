@@ -97,7 +97,8 @@ class JobSpec:
     its contributions are accepted from and where its results and notices go. `epoch` counts
     the job's resynchronisations: a change resets every slot. `hold_buffers` is the job's quota
     of receive buffers for out-of-turn contributions (deterministic mode), reserved at
-    admission."""
+    admission. `departed`: ranks that left the job and have not joined again (their peers,
+    told they are silent, are told they left)."""
 
     job_id: int
     cookie: int
@@ -109,6 +110,7 @@ class JobSpec:
     endpoints: tuple[Address | None, ...] = ()
     hold_buffers: int = 0
     liveness_timeout: float = 5.0  # a rank silent this long is reported to the others
+    departed: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if len(self.endpoints) < self.world_size:  # not joined yet: no endpoints
@@ -156,7 +158,8 @@ class AddJob(Command[None]):
 
 @dataclass(frozen=True)
 class UpdateJob(Command[None]):
-    """The job's endpoints or epoch changed (a rank joined, re-joined, or the ranks resynced).
+    """The job's endpoints, departed ranks or epoch changed (a rank joined, re-joined or left,
+    or the ranks resynced).
     A new epoch empties every slot and tells every bound worker (RESYNC)."""
 
     spec: JobSpec

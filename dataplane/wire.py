@@ -36,7 +36,10 @@ are in network byte order::
 
 A LIVENESS payload is a list of silent ranks, one 12-byte record each (`SILENT`)::
 
-    rank (16) | port (16) | IPv4 address (32) | silent for, milliseconds (32)
+    L | rank (15) | port (16) | IPv4 address (32) | silent for, milliseconds (32)
+
+L (`SILENT_LEFT`) says the rank left the job (its worker said so) rather than went quiet: its
+peers still waiting for it made more all_reduce calls than it did.
 
 Its `round` echoes the HEARTBEAT's, so a worker can tell a fresh answer from one that waited in
 its socket.
@@ -84,6 +87,7 @@ __all__ = [
     "SERIALS",
     "SERIAL_AT",
     "SILENT",
+    "SILENT_LEFT",
     "VERSION",
     "DType",
     "Flags",
@@ -103,7 +107,7 @@ __all__ = [
 ]
 
 MAGIC = 0x5241
-VERSION = 5  # 4: contributions numbered per core (serial), MISSING; 5: QUERY's SENT
+VERSION = 6  # 4: contributions numbered per core (serial), MISSING; 5: QUERY's SENT; 6: L
 
 # Byte 7 (`serial`) is read and written apart from HEADER, whose pad byte it is: a datagram
 # packed with HEADER alone carries serial 0.
@@ -114,6 +118,7 @@ HEADER_SIZE = HEADER.size
 IP_UDP_HEADERS = 28  # what a datagram adds to its payload on the wire: IPv4 (20) + UDP (8)
 assert HEADER_SIZE == 48
 SILENT = struct.Struct("!HH4sI")
+SILENT_LEFT = 0x8000  # in a SILENT record's rank field (ranks are below 4096)
 
 
 class Kind(IntEnum):
@@ -273,13 +278,14 @@ class SilentRank(NamedTuple):
     rank: int
     address: tuple[str, int] | None  # the endpoint it joined from
     silent_s: float
+    left: bool = False  # it left the job (and has not joined again)
 
 
 def pack_silent(ranks: list[SilentRank]) -> bytes:
     out = bytearray()
     for r in ranks:
         host, port = r.address or ("0.0.0.0", 0)
-        out += SILENT.pack(r.rank, port, socket.inet_aton(host),
+        out += SILENT.pack(r.rank | (SILENT_LEFT if r.left else 0), port, socket.inet_aton(host),
                            min(int(r.silent_s * 1000), 2**32 - 1))
     return bytes(out)
 
@@ -288,5 +294,6 @@ def unpack_silent(payload: bytes | memoryview) -> list[SilentRank]:
     """The records of a LIVENESS payload; `WireError` for one that is not whole records."""
     if len(payload) % SILENT.size:
         raise WireError(f"LIVENESS payload of {len(payload)} bytes is not whole records")
-    return [SilentRank(rank, (socket.inet_ntoa(ip), port), ms / 1000)
+    return [SilentRank(rank & ~SILENT_LEFT, (socket.inet_ntoa(ip), port), ms / 1000,
+                       bool(rank & SILENT_LEFT))
             for rank, port, ip, ms in SILENT.iter_unpack(payload)]

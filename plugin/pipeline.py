@@ -12,8 +12,9 @@ rounds starting in submission order on every rank.
 Liveness: the transport offers the LIVENESS answers to its heartbeats (`on_liveness`) and says
 when it last heard from each appliance (`heard`). A fresh answer that names a silent rank fails
 every round in flight at once with `RankSilent` (and rounds started while the rank stays
-silent); an appliance that has sent nothing for the liveness timeout while a round needs it
-fails that round with `ApplianceSilent`. Both name who, where, and for how long.
+silent; `RankLeft` where the rank left the job); an appliance that has sent nothing for the
+liveness timeout while a round needs it fails that round with `ApplianceSilent`. Both name
+who, where, and for how long.
 
 A caller knows a round by its ticket (`submit` returns it), which never changes; the round's
 number on the wire counts from the start of the job's epoch. When the appliance announces a new
@@ -38,6 +39,7 @@ from reduction_appliance.dataplane.errors import (
     ApplianceSilent,
     JobDiverged,
     JobResynchronised,
+    RankLeft,
     RankSilent,
     ReductionError,
 )
@@ -149,7 +151,7 @@ class RoundPipeline:
         self.liveness_timeout = liveness_timeout
         appliances = max(ep.appliance for ep in endpoints) + 1
         self._heard = [0.0] * appliances  # when each appliance last sent us anything
-        self._silent_ranks: dict[int, str] = {}  # appliance -> why a rank is dead
+        self._silent_ranks: dict[int, RankSilent] = {}  # appliance -> why a rank is dead
         self._silent_appliances: dict[int, str] = {}  # appliance -> why we think it is dead
         self.heartbeat_seq = 0  # the newest HEARTBEAT sent; older answers are stale
         self.submitted = 0
@@ -198,8 +200,8 @@ class RoundPipeline:
                 self._finished.append(Outcome(req.ticket, JobDiverged(self._diverged)))
                 continue
             if self._silent_ranks:
-                reason = next(iter(self._silent_ranks.values()))
-                self._finished.append(Outcome(req.ticket, RankSilent(reason)))
+                verdict = next(iter(self._silent_ranks.values()))
+                self._finished.append(Outcome(req.ticket, type(verdict)(str(verdict))))
                 continue
             if self._silent_appliances:  # until it is heard from again
                 reason = next(iter(self._silent_appliances.values()))
@@ -314,16 +316,10 @@ class RoundPipeline:
         if not dead:
             self._silent_ranks.pop(appliance, None)
             return
-        reason = "; ".join(
-            f"rank {s.rank} ({s.address[0]}:{s.address[1]})" if s.address else f"rank {s.rank}"
-            for s in dead)
-        reason += (f" silent for {max(s.silent_s for s in dead):.1f} s (liveness timeout "
-                   f"{self.liveness_timeout:g} s): its worker died, or its host or network is "
-                   f"gone; job {h.job_id} cannot finish an allreduce without it (a restarted "
-                   "rank re-joins)")
-        self._silent_ranks[appliance] = reason
+        verdict = _rank_verdict(dead, h.job_id, self.liveness_timeout)
+        self._silent_ranks[appliance] = verdict
         for rnd in list(self._active.values()):
-            self._finish(rnd, RankSilent(reason))
+            self._finish(rnd, verdict)
 
     # ---- what comes back ----
     def _ours(self, h: Header, source: Address | None) -> bool:
@@ -455,3 +451,23 @@ class RoundPipeline:
         while self._queued:
             self._finished.append(Outcome(self._queued.popleft().ticket, error))
         return self.finished()
+
+
+def _rank_verdict(dead: list[SilentRank], job_id: int, liveness_timeout: float) -> RankSilent:
+    """What a LIVENESS answer naming `dead` means for this rank's rounds. A rank that left (its
+    worker said so) is not a crash: its peers made more all_reduce calls than it did."""
+    def named(ranks: list[SilentRank]) -> str:
+        return "; ".join(f"rank {s.rank} ({s.address[0]}:{s.address[1]})" if s.address
+                         else f"rank {s.rank}" for s in ranks)
+
+    gone = [s for s in dead if not s.left]
+    if gone:
+        return RankSilent(
+            f"{named(gone)} silent for {max(s.silent_s for s in gone):.1f} s (liveness timeout "
+            f"{liveness_timeout:g} s): its worker died, or its host or network is gone; job "
+            f"{job_id} cannot finish an allreduce without it (a restarted rank re-joins)")
+    return RankLeft(
+        f"{named(dead)} left job {job_id} {max(s.silent_s for s in dead):.1f} s ago (it "
+        "closed its process group or client and left) while this rank's allreduce waits for "
+        "it: the ranks made different numbers of allreduce calls (uneven inputs across ranks? "
+        "DDP's join() context manager evens them out)")

@@ -5,12 +5,15 @@
     job = register("198.18.0.1:7070", "my-job", world_size=4, secret=secret)
     with ApplianceClient([job], rank, local_address="198.18.0.101") as client:
         client.allreduce(grads, op="sum")
-    leave(job, rank)  # done: the last rank's leave frees the job's slots at once
+    leave(job, rank)  # done: the leave that leaves no rank joined frees the job at once
 """
 
 from reduction_appliance.dataplane.errors import (
     AllreduceTimeout,
+    ApplianceSilent,
     JobAborted,
+    RankLeft,
+    RankSilent,
     ReductionError,
 )
 from reduction_appliance.plugin.client import ApplianceClient
@@ -19,8 +22,11 @@ from reduction_appliance.plugin.rendezvous import JobInfo, RendezvousError, leav
 __all__ = [
     "AllreduceTimeout",
     "ApplianceClient",
+    "ApplianceSilent",
     "JobAborted",
     "JobInfo",
+    "RankLeft",
+    "RankSilent",
     "ReductionError",
     "RendezvousError",
     "leave",

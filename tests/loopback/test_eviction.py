@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from reduction_appliance.client import ApplianceClient, RendezvousError, register
+from reduction_appliance.client import ApplianceClient, RankLeft, RendezvousError, register
 from reduction_appliance.control.apiclient import UnixApi
+from reduction_appliance.control.ctl import render_status
 from reduction_appliance.deploy.testnet.harness import local_daemon
 from reduction_appliance.plugin.rendezvous import leave
 from tests.waiting import wait_until
@@ -157,3 +158,28 @@ def test_a_job_whose_ranks_left_before_the_rest_came_frees_its_name() -> None:
         again = register(daemon.api, "half-started", world_size=2, secret="next-incarnation",
                          timeout_s=5)
         assert again.job_id != first.job_id
+
+
+def test_a_rank_that_left_is_named_so_to_the_rank_still_waiting_for_it() -> None:
+    """Uneven inputs: rank 1 makes one allreduce fewer, then leaves. Rank 0's extra allreduce
+    once failed with "silent ...: its worker died", sending its user after a crash that never
+    happened; it now says rank 1 left, and why that stalls it."""
+    with local_daemon(_config()) as daemon:
+        info = register(daemon.api, "uneven", world_size=2, secret="secret-of-the-test")
+        with ApplianceClient([info], 0, local_address="127.0.0.1") as waits, \
+                ApplianceClient([info], 1, local_address="127.0.0.1") as leaves:
+            grads = [np.ones(2000, np.float32), np.ones(2000, np.float32)]
+            other = threading.Thread(target=leaves.allreduce, args=(grads[1],))
+            other.start()
+            waits.allreduce(grads[0])
+            other.join(30)
+            assert not other.is_alive() and all(np.all(g == 2.0) for g in grads)
+            leaves.close()
+            leave(leaves.jobs[0], 1)
+            with pytest.raises(RankLeft) as stalled:
+                waits.allreduce(grads[0])
+            text = str(stalled.value)
+            assert text.startswith("rank 1 (127.0.0.1:"), text
+            assert f"left job {info.job_id}" in text and "different numbers of allreduce" in text
+            shown = render_status(UnixApi(daemon.unix_socket).get("/v1/status"))
+            assert "! rank 1 (127.0.0.1:" in shown and " left " in shown, shown

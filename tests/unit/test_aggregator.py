@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -26,8 +27,10 @@ from reduction_appliance.dataplane.wire import (
     Header,
     Kind,
     Op,
+    SilentRank,
     pack_into,
     unpack,
+    unpack_silent,
 )
 from reduction_appliance.deploy.testnet.reference import (
     integer_valued,
@@ -487,6 +490,23 @@ def test_a_short_datagram_is_malformed_whatever_its_buffer_held_before(
     assert feed(agg, [(bytes(heartbeat[:10]), where(0)), (b"", where(0))]) == []
     assert agg.counters[Counter.DROP_MALFORMED] == 2
     assert agg.counters[Counter.HEARTBEATS] == 1
+
+
+def test_a_heartbeat_is_answered_with_the_silent_ranks_and_which_of_them_left(
+        arena: SlotArena) -> None:
+    """Rank 1 went quiet (a crash), rank 2 said it left (`departed`): past the liveness
+    timeout both are named to rank 0, rank 2 as having left (its peers made more all_reduce
+    calls than it did), so the worker can say which it was."""
+    agg = make(arena, world=3)
+    agg.update_job(replace(spec(3), departed=frozenset({2})), 0.0)
+    heartbeat = bytearray(HEADER_SIZE)
+    pack_into(heartbeat, Header(Kind.HEARTBEAT, DType.FLOAT32, Op.SUM, 0, 5, 0, COOKIE, 1, 0,
+                                0, 0, 0, 1))
+    (early,) = feed(agg, [(bytes(heartbeat), where(0))], now=4.0)
+    assert unpack(bytes(early.header)).kind is Kind.LIVENESS and bytes(early.payload) == b""
+    (answer,) = feed(agg, [(bytes(heartbeat), where(0))], now=6.0)
+    assert unpack_silent(bytes(answer.payload)) == [
+        SilentRank(1, where(1), 6.0), SilentRank(2, where(2), 6.0, left=True)]
 
 
 def test_a_job_grows_quiet_only_while_no_rank_says_anything(arena: SlotArena) -> None:

@@ -64,8 +64,12 @@ def test_a_job_ends_when_nobody_is_left_joined_though_not_every_rank_came() -> N
     job = admit(reg, "a", world=3)
     reg.join(job, 0, SECRET, at(0))
     reg.join(job, 1, SECRET, at(1))
-    assert reg.leave(job, 0, SECRET).state is JobState.CREATED  # rank 1 is still joined
-    assert reg.leave(job, 2, SECRET).state is JobState.CREATED  # (never joined: a no-op)
+    left = reg.leave(job, 0, SECRET)
+    assert left.state is JobState.CREATED  # rank 1 is still joined
+    assert left.spec.departed == {0}  # the cores tell rank 1 that rank 0 left, not died
+    assert reg.join(job, 0, SECRET, at(0)).spec.departed == frozenset()  # back
+    reg.leave(job, 0, SECRET)
+    assert reg.leave(job, 2, SECRET).spec.departed == {0}  # (never joined: a no-op)
     assert reg.leave(job, 1, SECRET).state is JobState.DONE
     with pytest.raises(UnknownJob):
         reg.get(job)

@@ -44,7 +44,7 @@ TEST_PORT = 47000
 # value that differs from its neighbours' bytes, so a swapped, shifted or truncated field shows.
 
 CONTRIBUTION_HEX = """
-    5241 05 01     magic "RA", version 5, kind CONTRIBUTION
+    5241 06 01     magic "RA", version 6, kind CONTRIBUTION
     03 02 00 5a    dtype BFLOAT16, op AVG, no flags, send sequence 90 (a first transmission)
     0a0b0c0d       job id
     1234 5678      rank, epoch
@@ -65,7 +65,7 @@ CONTRIBUTION = Header(
 
 # A second golden with the top bit set in every wide field (catches signed packing).
 PENDING_HEX = """
-    5241 05 03     magic "RA", version 5, kind PENDING
+    5241 06 03     magic "RA", version 6, kind PENDING
     01 04 00 00    dtype FLOAT32, op MAX, no flags, zero
     fffffffe       job id
     ffff 8001      rank, epoch
@@ -88,7 +88,7 @@ PENDING = Header(
 # A QUERY ("the result, or say what you lack"): a contribution's header with no payload behind
 # it, so `length` is the segment's length, not the datagram's.
 QUERY_HEX = """
-    5241 05 09     magic "RA", version 5, kind QUERY
+    5241 06 09     magic "RA", version 6, kind QUERY
     02 01 00 00    dtype FLOAT16, op SUM, no flags, zero
     00000021       job id
     0003 0002      rank, epoch
@@ -165,6 +165,27 @@ def test_scapy_layer_agrees_with_golden_bytes(golden: bytes, header: Header) -> 
     dissected = ReductionHeader(golden)
     assert scapy_fields(dissected) == header_fields(header)
     assert (dissected.magic, dissected.version) == (MAGIC, VERSION)
+
+
+# A LIVENESS payload: two SILENT records, the second for a rank that left the job.
+LIVENESS_HEX = """
+    0003 9ca4      rank 3, port 40100
+    c6120065       address 198.18.0.101
+    00001f40       silent 8000 ms
+    8007 9ca5      L set: rank 7 left; port 40101
+    c6120066       address 198.18.0.102
+    0000157c       silent 5500 ms
+"""
+
+
+def test_a_liveness_payload_says_which_rank_left_and_which_went_quiet() -> None:
+    records = [wire.SilentRank(3, ("198.18.0.101", 40100), 8.0),
+               wire.SilentRank(7, ("198.18.0.102", 40101), 5.5, left=True)]
+    golden = from_annotated_hex(LIVENESS_HEX)
+    assert wire.pack_silent(records) == golden
+    assert wire.unpack_silent(golden) == records
+    with pytest.raises(WireError, match="not whole records"):
+        wire.unpack_silent(golden[:-1])
 
 
 def test_pack_into_writes_only_its_window_at_an_offset() -> None:
