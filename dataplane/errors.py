@@ -139,9 +139,10 @@ class ApplianceSilent(ReductionError):
 
 
 class JobDiverged(ReductionError):
-    """The ranks of the job disagree on what they reduce (a round was lost or skipped on some of
-    them): the message says where. Every rank is told; nothing is summed until the job is
-    resynchronised (`ApplianceClient.resync()`, or a rank re-joining)."""
+    """The ranks of the job disagree on what they reduce (they called allreduce with another
+    op, dtype or size, or a round was lost or skipped on some of them): the message says where
+    and which. Every rank is told; nothing is summed until the job is resynchronised
+    (`ApplianceClient.resync()`, or a rank re-joining)."""
 
 
 class JobResynchronised(ReductionError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -392,6 +393,24 @@ def test_bad_rank_is_dropped_and_a_mismatched_use_tells_every_rank(arena: SlotAr
     assert unpack(bytes(notices[0].header)).kind is Kind.DIVERGED
     assert "rank 1 sent round 1 offset 0 length 16 FLOAT16" in reason
     assert "rank 0 sent round 1 offset 0 length 16 FLOAT32" in reason
+
+
+@pytest.mark.parametrize(("theirs", "cause"), [
+    ({"op": Op.MAX}, "the ranks called allreduce with different ops"),
+    ({"dtype": DType.FLOAT16}, "the ranks called allreduce on arrays of different dtypes"),
+    ({"length": 12}, "the ranks called allreduce on arrays of different sizes"),
+    ({"round_no": 2}, "a round was lost or skipped on some ranks, or they made different calls"),
+])
+def test_a_divergence_says_what_the_ranks_did_differently(
+        arena: SlotArena, theirs: dict[str, Any], cause: str) -> None:
+    """A user whose ranks called allreduce with another op, dtype or size was told "a round
+    was lost or skipped on some ranks", and went looking for packet loss."""
+    agg = make(arena, world=2)
+    contribute(agg, 0, np.ones(4, np.float32))
+    length = theirs.pop("length", 16)
+    notices = contribute(agg, 1, np.ones(length // 4, np.float32), **theirs)
+    assert agg.counters[Counter.DROP_MISMATCH] == 1
+    assert f": {cause}; resynchronise the job" in bytes(notices[0].payload).decode()
 
 
 def test_next_segment_before_slot_finished_is_refused(arena: SlotArena) -> None:
