@@ -191,6 +191,11 @@ class RoundPump:
                 if t.dtype not in APPLIANCE_DTYPES:
                     raise ReductionError(f"the appliance reduces float32, float16 and bfloat16, "
                                          f"not {t.dtype}")
+                if any(step == 0 and n > 1 for step, n in zip(t.stride(), t.shape, strict=True)):
+                    raise ReductionError(
+                        f"all_reduce writes its result into the tensor, and this one's elements "
+                        f"share memory (shape {tuple(t.shape)}, stride {t.stride()}: an expand()ed "
+                        "view): pass a clone()")
             for event in coll.ready:
                 event.synchronize()
             for t in coll.tensors:
@@ -216,6 +221,15 @@ class RoundPump:
             self._complete(coll)
 
     def _complete(self, coll: _Collective) -> None:
+        try:
+            self._write_back(coll)
+        except BaseException as exc:  # the thread dies of it: this caller must not wait
+            if not coll.future.done():
+                coll.future.set_exception(ReductionError(
+                    f"the appliance round pump died: {exc!r}"))
+            raise
+
+    def _write_back(self, coll: _Collective) -> None:
         for t, host, buf in coll.staged:
             if coll.error is None:
                 # Past autograd, as Gloo writes: a parameter (a leaf that requires grad) or a

@@ -16,7 +16,7 @@ BACKEND_CHECKS = {("allreduce", d, o) for d in ("fp32", "fp16", "bf16")
                   for o in ("sum", "avg", "min", "max")} | {
     (c, None, None) for c in ("async", "barrier", "broadcast", "delegated-int", "strided",
                               "transposed", "coalesced", "parameter", "scalar", "subgroup", "empty",
-                              "cuda-delegated")}
+                              "overlapping", "cuda-delegated")}
 
 
 def store_address(net: Network) -> str:

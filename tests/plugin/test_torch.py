@@ -159,6 +159,33 @@ def test_a_rank_refused_by_one_appliance_withdraws_from_the_others() -> None:
                 assert asked[-1].endswith("/leave"), asked
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # it dies
+def test_a_collective_whose_completion_kills_the_pump_fails_instead_of_hanging() -> None:
+    """The pump thread once died while completing a collective (writing its result back) and
+    left that collective's future pending: its caller waited forever. Now it fails with the
+    reason, and so does every later submission."""
+    with LoopbackNetwork.create(multicast=False) as net, \
+            start_appliance(net, cores=1, multicast=False) as appliance:
+        config = ApplianceConfig((appliance.api,), None, None, "127.0.0.1", False)
+        client, jobs = connect(config, "pump-death", "pump-death-secret", 0, 1)
+        pump = RoundPump(client, "test")
+
+        def broken(coll: Any) -> None:
+            raise RuntimeError("the write back broke")
+
+        pump._write_back = broken  # type: ignore[method-assign]
+        try:
+            with pytest.raises(ReductionError, match=r"round pump died.*the write back broke"):
+                FutureWork(pump.submit([torch.ones(10)], "sum")).wait()
+            with pytest.raises(ReductionError, match="closed: its thread died"):
+                FutureWork(pump.submit([torch.ones(10)], "sum")).wait()
+        finally:
+            pump.close()
+            for info in jobs:
+                leave(info, 0)
+            client.close()
+
+
 def test_pinned_pool_reuses_the_smallest_buffer_that_fits() -> None:
     """CUDA tensors are staged through these host buffers: one taken per round, given back
     after, so a training loop allocates (and pins) its staging once, not per all_reduce."""

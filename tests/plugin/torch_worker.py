@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from reduction_appliance.dataplane.dtypes import DTYPES as WIRE_TABLE
 from reduction_appliance.dataplane.dtypes import by_short
+from reduction_appliance.dataplane.errors import ReductionError
 from reduction_appliance.dataplane.wire import Op
 from reduction_appliance.deploy.testnet.reference import random_values, reference, same_bits
 from reduction_appliance.plugin.torch_backend import (
@@ -179,6 +180,18 @@ def layouts(rank: int, gloo: dist.ProcessGroup) -> None:
     nothing = torch.empty(0, 3)
     dist.all_reduce(nothing)  # (it once waited for a result until the deadline, then raised)
     emit(check="empty", ok=nothing.shape == (0, 3))
+    # Elements sharing memory: the write back once killed the pump thread, and this call
+    # (its future never completed) and every later one waited forever.
+    shared = torch.ones(1).expand(10)
+    try:
+        dist.all_reduce(shared)
+        refused = ""
+    except ReductionError as exc:
+        refused = str(exc)
+    after = torch.ones(5)
+    dist.all_reduce(after)
+    emit(check="overlapping", ok="share memory" in refused and "clone()" in refused
+         and bool(torch.equal(after, torch.full((5,), float(world)))), refused=refused)
 
 
 def overlap(rank: int, world: int, store: str) -> None:
