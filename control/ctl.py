@@ -186,7 +186,10 @@ def check_config(args: argparse.Namespace) -> int:
     # Imported here, not at the top: numpy and pyverbs cost `reductionctl status` nothing then
     # (seconds on a slow host; the emulated RoCE guest starts a CLI in 17 s with them).
     from reduction_appliance.dataplane.reduce import available_backends
+    from reduction_appliance.dataplane.slots import arena_bytes
     from reduction_appliance.dataplane.verbs import roce_unavailable
+
+    from .hostmemory import host_memory_bytes, slot_memory_verdict
     try:
         cfg = load(args.file)  # its errors name the file
         kernels = cfg.dataplane.kernels
@@ -196,13 +199,18 @@ def check_config(args: argparse.Namespace) -> int:
                               "or auto")
         if cfg.roce.enabled and (why := roce_unavailable(cfg.roce.device)) is not None:
             raise ConfigError(f"{args.file}: roce.device: {why}")
+        crowded = slot_memory_verdict(cfg, host_memory_bytes())
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return EXIT_USAGE
+    if crowded:
+        print(f"warning: {crowded}", file=sys.stderr)
     dp = cfg.dataplane
     summary = {"config": cfg.source, "cores": dp.cores, "segment_bytes": dp.max_payload,
                "segments_from": dp.segment_origin,
-               "slot_pairs_per_core": cfg.slot_capacity, "jobs_at_default_slots":
+               "slot_pairs_per_core": cfg.slot_capacity, "memory_per_core_mib": arena_bytes(
+                   cfg.slot_capacity, cfg.arena_payload, dp.rx_buffers) // 2**20,
+               "jobs_at_default_slots":
                cfg.slot_capacity // cfg.jobs.slots, "multicast": cfg.multicast.enabled,
                "roce": (f"{cfg.roce.device} port {cfg.roce.port} GID {cfg.roce.gid_index}, "
                         f"segment_bytes {cfg.roce.segment_bytes}") if cfg.roce.enabled else "off"}

@@ -91,6 +91,26 @@ class RxPool:
         self._free.append(index)
 
 
+def _layout(capacity: int, max_payload: int, rx_buffers: int
+            ) -> tuple[int, int, int, int, int, int, int]:
+    """Row stride, accumulator and result row bytes, the two regions' bytes, receive buffer
+    stride and the receive region's bytes of an arena."""
+    stride = _round_up(max_payload, _ALIGN)
+    acc_row = _ALIGN + 2 * stride  # header lead, then the accumulator
+    out_row = _ALIGN + stride
+    acc_bytes = _round_up(capacity * 2 * acc_row, _PAGE)
+    out_bytes = _round_up(capacity * 2 * out_row, _PAGE)
+    rx_stride = _round_up(_RX_LEAD + HEADER_SIZE + max_payload, _ALIGN)
+    rx_bytes = _round_up(rx_buffers * rx_stride, _PAGE)
+    return stride, acc_row, out_row, acc_bytes, out_bytes, rx_stride, rx_bytes
+
+
+def arena_bytes(capacity: int, max_payload: int, rx_buffers: int) -> int:
+    """What one core's `SlotArena` maps: every page of it in use once jobs fill its slots."""
+    *_, acc_bytes, out_bytes, _, rx_bytes = _layout(capacity, max_payload, rx_buffers)
+    return acc_bytes + out_bytes + rx_bytes
+
+
 class SlotArena:
     """`capacity` slot pairs of `max_payload` bytes plus a receive pool, in one mapping."""
 
@@ -102,13 +122,8 @@ class SlotArena:
             )
         self.capacity = capacity
         self.max_payload = max_payload
-        stride = _round_up(max_payload, _ALIGN)
-        acc_row = _ALIGN + 2 * stride  # header lead, then the accumulator
-        out_row = _ALIGN + stride
-        acc_bytes = _round_up(capacity * 2 * acc_row, _PAGE)
-        out_bytes = _round_up(capacity * 2 * out_row, _PAGE)
-        rx_stride = _round_up(_RX_LEAD + HEADER_SIZE + max_payload, _ALIGN)
-        rx_bytes = _round_up(rx_buffers * rx_stride, _PAGE)
+        _, acc_row, out_row, acc_bytes, out_bytes, rx_stride, rx_bytes = _layout(
+            capacity, max_payload, rx_buffers)
         self.nbytes = acc_bytes + out_bytes + rx_bytes
         self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         whole = np.frombuffer(self._map, dtype=np.uint8)

@@ -4,6 +4,7 @@ check of a config file."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from reduction_appliance.control.cli import main as reductionctl
+from reduction_appliance.control.hostmemory import host_memory_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "deploy" / "appliance.toml"
@@ -78,3 +80,19 @@ def test_check_config_names_a_bad_kernels_value(tmp_path: Path,
     assert "dataplane.kernels" in err and "tourch" in err and "numpy+ml_dtypes" in err
     assert reductionctl(["check-config", str(REFERENCE)]) == 0
     assert "config OK" in capsys.readouterr().out
+
+
+def test_check_config_refuses_slot_memory_the_host_does_not_have(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A core once failed at its start with a bare "OSError: [Errno 12] Cannot allocate
+    memory" after check-config said OK."""
+    host = host_memory_bytes()
+    if host is None:
+        pytest.skip("this host has no /proc/meminfo to size the cores' memory against")
+    too_much = host // 2**20 + 1024  # MiB per core: more than the whole host
+    bad = tmp_path / "appliance.toml"
+    bad.write_text(re.sub(r"slot_memory_mb = \d+", f"slot_memory_mb = {too_much}",
+                          REFERENCE.read_text()))
+    assert reductionctl(["check-config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"dataplane.slot_memory_mb = {too_much} maps" in err and "more than this host" in err
