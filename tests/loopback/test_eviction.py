@@ -140,7 +140,10 @@ def test_a_name_whose_workers_are_gone_is_taken_by_a_new_registration() -> None:
                        timeout_s=5)
         assert new.job_id != old.job_id and new.world_size == 2
         assert [j["job_id"] for j in api.get("/v1/jobs")] == [new.job_id]
-        assert "registered again, every rank silent for" in daemon.stderr.text()
+        # (the daemon's stderr is read by a thread of the harness: the line may still be on
+        # its way)
+        wait_until(lambda: "registered again, every rank silent for" in daemon.stderr.text(),
+                   5, what="the log line of the eviction by registration")
         assert api.get("/v1/status")["jobs_evicted"]["abandoned"] == 1
 
 
