@@ -268,14 +268,19 @@ class ApplianceProcessGroup(ProcessGroup):
         super().__init__(rank, world_size)  # type: ignore[call-arg]
         self._rank = rank
         self._world_size = world_size
-        # A launcher's store may outlive the workers: torchrun's static rendezvous keeps one
-        # across restarts, and what a dead incarnation wrote there (its Gloo addresses, its job)
-        # would be read as this one's. Each rank counts its own incarnations in the store (alike
-        # on every rank, as a launcher restarts them all) and keys this one's by the count.
-        incarnation = store.add(f"{_KEYS}/incarnations/{rank}", 1)
+        # A launcher's store may outlive the workers: torchrun's rendezvous keeps one across
+        # restarts, and what a dead incarnation wrote there (its Gloo addresses, its job) would
+        # be read as this one's. Each rank counts, in the store, its incarnations whose Gloo
+        # group came up (they came up together, on every rank), and keys this one's by the
+        # count: alike on every rank, also where a rank died before it got here (counting
+        # incarnations as they began, the others had counted one more, and the next attempt's
+        # ranks waited for each other under different keys until Gloo's timeout).
+        counted = f"{_KEYS}/incarnations/{rank}"
+        incarnation = store.add(counted, 0)
         keys = PrefixStore(f"{_KEYS}/{incarnation}", store)
         gloo_store = PrefixStore("gloo", keys)
         gloo = dist.ProcessGroupGloo(gloo_store, rank, world_size, timeout)
+        store.add(counted, 1)
         self.gloo = ProcessGroup(gloo_store, rank, world_size)
         self.gloo._set_default_backend(ProcessGroup.BackendType.GLOO)
         # Gloo takes CUDA tensors too (it stages them): without the second entry every
