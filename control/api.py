@@ -5,8 +5,8 @@
                                      its creator gets the made-up secret when it gave none)
     GET    /v1/jobs                 -> every job (never a cookie or a secret)
     GET    /v1/jobs/ID              -> one job
-    POST   /v1/jobs/ID/join         {"rank", "secret", "address", "port", "rejoin"?}
-                                                                    -> the job, with its cookie
+    POST   /v1/jobs/ID/join         {"rank", "secret", "address", "port", "rejoin"?,
+                                     "lanes"?}                      -> the job, with its cookie
     POST   /v1/jobs/ID/resync       {"secret", "epoch"}             -> the job in a new epoch
     POST   /v1/jobs/ID/leave        {"rank", "secret"}              -> the job
     POST   /v1/jobs/ID/connect      {"rank", "secret", "address", "queue_pairs"}

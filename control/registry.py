@@ -168,6 +168,7 @@ class JobPlan:
     state: JobState = JobState.CREATED
     joined: frozenset[int] = field(default_factory=frozenset)  # ranks joined now
     seen: frozenset[int] = field(default_factory=frozenset)  # ranks that ever joined
+    lanes: int = 0  # the lanes the joined ranks split the slots into (0: none joined yet)
 
     def describe(self, cfg: ApplianceConfig, *, member: bool = False) -> JobDescription:
         """The registration answer: with the cookie only for a member (one that joined with
@@ -324,16 +325,25 @@ class Registry:
         return replace(plan, state=target)
 
     def join(self, job_id: int, rank: int, secret: str, endpoint: Address,
-             rejoin: bool = False, silent_s: float = 0.0) -> JobPlan:
+             rejoin: bool = False, silent_s: float = 0.0, lanes: int = 1) -> JobPlan:
         """Bind `rank` to `endpoint`. A rank joined now is refused unless `rejoin`, or unless
         the endpoint it joined from has been silent (`silent_s`, as the cores heard it) for the
         liveness timeout: dead by the rule every rank goes by, so its successor (a restarted
         worker that cannot say `rejoin`, e.g. under torchrun) takes its place. A rank that
-        joined before (now or earlier) starts a new epoch."""
+        joined before (now or earlier) starts a new epoch. `lanes`: how the rank splits the
+        job's slots (plugin/pipeline.py); every rank must split them alike, or each round
+        waits in other slots for its peers until the deadline, so another number than the
+        other joined ranks' is refused."""
         plan = self._move(job_id, JobEvent.JOIN, secret)
         spec = plan.spec
         if not 0 <= rank < spec.world_size:
             raise BadRequest(f"rank {rank} outside world size {spec.world_size}")
+        others = sorted(plan.joined - {rank})
+        if others and lanes != plan.lanes:
+            raise Conflict(
+                f"rank {rank} of job {job_id} splits its slots into {lanes} lane(s), the "
+                f"joined rank(s) {others} into {plan.lanes}: every rank of a job must use the "
+                "same number (REDUCTION_LANES, or ApplianceClient's lanes=)")
         current = spec.endpoints[rank]
         if rank in plan.joined and current == endpoint and not rejoin:
             return plan  # the same join again (its answer was lost): nothing changes
@@ -355,7 +365,7 @@ class Registry:
         state = JobState.ACTIVE if len(joined) == spec.world_size else plan.state
         plan = replace(plan, spec=replace(spec, endpoints=tuple(endpoints), epoch=epoch,
                                           departed=spec.departed - {rank}),
-                       joined=joined, seen=plan.seen | {rank}, state=state)
+                       joined=joined, seen=plan.seen | {rank}, state=state, lanes=lanes)
         self._by_id[job_id] = plan
         return plan
 

@@ -117,9 +117,11 @@ class Appliance:
         secret = _string(body, "secret")
         endpoint = (_address(body, "address"), _integer(body, "port", 1, 65535))
         rejoin = _boolean(body, "rejoin")
+        lanes = _integer({"lanes": body.get("lanes", 1)}, "lanes", 1, 1 << 16)
         with self._lock:
             plan = self.registry.join(job_id, rank, secret, endpoint, rejoin,
-                                      silent_s=self._silent_elsewhere(job_id, rank, endpoint))
+                                      silent_s=self._silent_elsewhere(job_id, rank, endpoint),
+                                      lanes=lanes)
             self.supervisor.update_job(plan.spec)
         return plan.describe(self.cfg, member=True)
 

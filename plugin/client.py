@@ -159,7 +159,7 @@ class ApplianceClient:
             self.jobs = [
                 j if j.cookie is not None else join(
                     j, rank, self.transport.source_for((j.cores[0].host, j.cores[0].port)),
-                    rejoin=rejoin)
+                    rejoin=rejoin, lanes=lanes)
                 for j in jobs
             ]
         except BaseException:

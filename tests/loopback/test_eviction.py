@@ -1,7 +1,8 @@
 """A real reductiond on the host's loopback (no root) and numpy workers: what the daemon does
-with ranks that are gone. Workers that pause longer than the idle timeout between all_reduces
-keep their job (they heartbeat); workers gone without leaving free it within two liveness
-timeouts; a restarted worker takes over its rank once the old one is silent for one."""
+with ranks that are gone (or never agree). Workers that pause longer than the idle timeout
+between all_reduces keep their job (they heartbeat); workers gone without leaving free it
+within two liveness timeouts; a restarted worker takes over its rank once the old one is
+silent for one."""
 
 from __future__ import annotations
 
@@ -186,3 +187,15 @@ def test_a_rank_that_left_is_named_so_to_the_rank_still_waiting_for_it() -> None
             assert f"left job {info.job_id}" in text and "different numbers of allreduce" in text
             shown = render_status(UnixApi(daemon.unix_socket).get("/v1/status"))
             assert "! rank 1 (127.0.0.1:" in shown and " left " in shown, shown
+
+
+def test_a_rank_that_splits_the_slots_otherwise_is_refused_at_its_join() -> None:
+    """REDUCTION_LANES differing between hosts: each round once waited in other slots for its
+    peer until the deadline, and the timeout named a live rank as missing."""
+    with local_daemon(_config()) as daemon:
+        info = register(daemon.api, "lanes", world_size=2, secret="secret-of-the-test")
+        refusal = (r"409 .*rank 1 of job \d+ splits its slots into 1 lane\(s\), the joined "
+                   r"rank\(s\) \[0\] into 2")
+        with ApplianceClient([info], 0, local_address="127.0.0.1", lanes=2), \
+                pytest.raises(RendezvousError, match=refusal):
+            ApplianceClient([info], 1, local_address="127.0.0.1", lanes=1)

@@ -98,6 +98,23 @@ def test_a_second_process_claiming_a_joined_rank_is_refused_naming_both() -> Non
     assert plan.spec.endpoints[1] == ("198.18.0.200", 41234) and plan.spec.epoch == 2
 
 
+def test_ranks_that_split_the_slots_into_other_lanes_are_refused_at_the_join() -> None:
+    """Rank 1 with REDUCTION_LANES=1 beside rank 0 with 2: each round waited in other slots
+    for its peer until the deadline (60 s), and the timeout named a live rank as missing."""
+    reg = registry()
+    job = admit(reg, "a", world=2)
+    reg.join(job, 0, SECRET, at(0), lanes=2)
+    with pytest.raises(Conflict, match=r"rank 1 of job \d+ splits its slots into 1 lane\(s\), "
+                                       r"the joined rank\(s\) \[0\] into 2"):
+        reg.join(job, 1, SECRET, at(1), lanes=1)
+    assert reg.join(job, 1, SECRET, at(1), lanes=2).state is JobState.ACTIVE
+    # With nobody else joined, a rank sets the number afresh (its worker restarted with
+    # another).
+    other = admit(reg, "b", world=2)
+    reg.join(other, 0, SECRET, at(0), lanes=4)
+    assert reg.join(other, 0, SECRET, at(0, 40001), rejoin=True, lanes=1).lanes == 1
+
+
 def test_a_restarted_rank_rejoins_from_a_new_endpoint_in_a_new_epoch() -> None:
     reg = registry()
     job = admit(reg, "a", world=2)
