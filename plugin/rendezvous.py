@@ -198,6 +198,11 @@ def _attempt(appliance: str, method: str, path: str, body: dict[str, object] | N
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")
         message = f"appliance {appliance} refused {method} {path}: {exc.code} {detail}"
+        if exc.code == 401:  # say which end to fix
+            message += (" (this worker sent the token it was given, which the appliance's "
+                        "api.token_file does not hold)" if token else
+                        " (this worker sent none: give it the appliance's API token, "
+                        "REDUCTION_TOKEN for the torch plugin or register(token=...))")
         if exc.code >= 500:
             raise _Retryable(message) from exc
         if exc.code == 404:

@@ -158,3 +158,16 @@ def test_a_registration_refused_while_the_name_may_be_held_waits_as_told() -> No
     with fake_api(reply) as (where, asked):
         info = register(where, "j", 2, secret="new", timeout_s=10)
     assert asked == ["/v1/jobs"] * 2 and info.name == "j"
+
+
+@pytest.mark.parametrize(("token", "hint"), [
+    (None, "this worker sent none: give it the appliance's API token, REDUCTION_TOKEN"),
+    ("stale", "this worker sent the token it was given, which the appliance's api.token_file "
+              "does not hold"),
+])
+def test_a_refused_token_says_which_end_to_fix(token: str | None, hint: str) -> None:
+    refusal = json.dumps({"error": "missing or wrong bearer token"}).encode()
+    with fake_api(lambda _: (401, refusal)) as (where, _), \
+            pytest.raises(RendezvousError) as refused:
+        register(where, "j", 2, token=token, timeout_s=5)
+    assert "401" in str(refused.value) and hint in str(refused.value)
