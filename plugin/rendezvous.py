@@ -26,6 +26,7 @@ endpoint changes nothing, a resync names the epoch it saw.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import logging
 import time
@@ -193,10 +194,13 @@ def _attempt(appliance: str, method: str, path: str, body: dict[str, object] | N
     )
     try:
         with _DIRECT.open(request, timeout=timeout_s) as response:
-            reply: object = json.loads(response.read())
-            return reply
+            raw = response.read()
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")
+        if not _is_json(detail):  # an error page: a proxy, or another server on that port
+            if exc.code in (501, 505):  # it does not serve this API at all
+                raise _not_the_api(appliance, method, path, f"{exc.code} {detail}") from exc
+            detail = f"{detail[:_SHOWN]!r} (not the appliance's JSON)"
         message = f"appliance {appliance} refused {method} {path}: {exc.code} {detail}"
         if exc.code == 401:  # say which end to fix
             message += (" (this worker sent the token it was given, which the appliance's "
@@ -211,11 +215,37 @@ def _attempt(appliance: str, method: str, path: str, body: dict[str, object] | N
             with contextlib.suppress(ValueError, TypeError, KeyError):  # no wait named
                 raise _HeldBack(message, float(json.loads(detail)["retry_after_s"])) from exc
         raise RendezvousError(message) from exc
-    except (OSError, ValueError) as exc:
+    except OSError as exc:  # (an HTTP connection closed early too: a busy appliance)
         reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
         # Refused: nothing listens there (the daemon is gone). A timeout may be a busy one.
         raise _Retryable(f"cannot reach appliance API at {appliance}: {exc}",
                          unreachable=isinstance(reason, ConnectionRefusedError)) from exc
+    except http.client.HTTPException as exc:  # something listens there, and speaks no HTTP
+        raise _not_the_api(appliance, method, path, f"not HTTP: {exc}") from exc
+    try:
+        reply: object = json.loads(raw)
+    except ValueError:
+        raise _not_the_api(appliance, method, path, raw.decode(errors="replace")) from None
+    return reply
+
+
+_SHOWN = 120  # characters of a foreign answer worth quoting
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _not_the_api(appliance: str, method: str, path: str, answer: str) -> RendezvousError:
+    """What answered at `appliance` is not an appliance's API: final, and says so."""
+    return RendezvousError(
+        f"{appliance} is not an appliance's API: it answered {method} {path} with "
+        f"{answer[:_SHOWN]!r}. Give the worker the address of the appliance's api.listen "
+        "(REDUCTION_APPLIANCE for the torch plugin)")
 
 
 def _info(appliance: str, job: JobDescription, secret: str | None,

@@ -171,3 +171,32 @@ def test_a_refused_token_says_which_end_to_fix(token: str | None, hint: str) -> 
             pytest.raises(RendezvousError) as refused:
         register(where, "j", 2, token=token, timeout_s=5)
     assert "401" in str(refused.value) and hint in str(refused.value)
+
+
+def test_a_server_that_is_not_the_appliance_is_named_so_at_once() -> None:
+    """REDUCTION_APPLIANCE pointing at another service: an SSH server's banner escaped as a
+    bare BadStatusLine traceback; a web server's 501 was retried for the whole 30 s, then
+    quoted as a page of HTML; its 200 page was retried as "cannot reach"."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+
+        def banner() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"SSH-2.0-OpenSSH_9.2\r\n")
+
+        thread = threading.Thread(target=banner, daemon=True)
+        thread.start()
+        with pytest.raises(RendezvousError, match=r"is not an appliance's API: it answered "
+                                                  r"POST /v1/jobs with 'not HTTP: SSH-2\.0"):
+            register(f"127.0.0.1:{listener.getsockname()[1]}", "j", 2, timeout_s=30)
+        thread.join(5)
+    page = b"<!DOCTYPE HTML><html><body>" + b"x" * 2000 + b"</body></html>"
+    for status in (501, 200):
+        with fake_api(lambda _, status=status: (status, page)) as (where, asked), \
+                pytest.raises(RendezvousError, match="is not an appliance's API") as refused:
+            register(where, "j", 2, timeout_s=30)
+        assert len(asked) == 1  # at once, not retried for 30 s
+        assert "REDUCTION_APPLIANCE" in str(refused.value) and len(str(refused.value)) < 400
