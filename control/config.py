@@ -129,7 +129,7 @@ class MulticastConfig:
 class JobDefaults:
     slots: int = 32  # slot pairs per core per job: the worker's window on that core
     idle_timeout_s: float = 600.0
-    deadline_s: float = 60.0  # advised to workers: an allreduce unfinished by then fails
+    deadline_s: float = 60.0  # advised to workers: an allreduce without a result that long fails
     # a rank (or the appliance) silent this long is declared dead; workers heartbeat well
     # within it, so a slow but live rank never is
     liveness_timeout_s: float = 5.0

@@ -110,9 +110,10 @@ class CoreFailure(ReductionError):
 
 
 class AllreduceTimeout(ReductionError):
-    """An allreduce missed its deadline. The message names the appliance endpoints that did not
-    answer and, when the appliance told us, the ranks it was still waiting for. The job's other
-    workers are usually the cause (crashed, stalled, or partitioned); retrying is safe."""
+    """An allreduce got no result for its deadline (one still getting results goes on). The
+    message names the appliance endpoints that did not answer and, when the appliance told us,
+    the ranks it was still waiting for. The job's other workers are usually the cause (crashed,
+    stalled, or partitioned); retrying is safe."""
 
 
 class JobAborted(ReductionError):

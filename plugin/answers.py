@@ -55,6 +55,7 @@ class RoundAnswers:
     segment_bytes: int
     segments: int
     remaining: int
+    _result_at: float  # when the latest result was taken (the round's deadline counts from it)
     _rtt: RttEstimator
     _signs: CoreSigns
     _serials: ResultSerials
@@ -109,6 +110,7 @@ class RoundAnswers:
             return
         done[k] = 1
         self.remaining -= 1
+        self._result_at = now
         n_ep = len(self.endpoints)
         e = k % n_ep
         self._signs.heard_at[e] = now
@@ -240,6 +242,7 @@ class RoundAnswers:
         finally:
             if taken:
                 self.remaining -= taken
+                self._result_at = now
                 self._signs.heard_at[e] = now
                 if progressed:
                     self._signs.progress_at[e] = now

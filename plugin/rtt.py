@@ -14,7 +14,7 @@ class Timing:
     rto_initial: float = 0.05  # before the first sample of a core
     rto_min: float = 0.01  # the floor: a rack's round trips are well under it
     rto_max: float = 1.0  # one segment's backed-off timer never waits longer
-    deadline: float = 60.0
+    deadline: float = 60.0  # a round that gets no result for this long fails (plugin.session)
     # ... nor longer than this per segment in flight to its core: a silent core's last few
     # segments are asked after this often, since over datagrams a lost answer is likelier than
     # a dead core (plugin.session's `due`)

@@ -120,7 +120,10 @@ class AllreduceRound(RoundAnswers, Overtaking):
         self.segment_bytes = segment_bytes
         self.segments = -(-nbytes // segment_bytes)
         self._rtt = rtt
+        # No result for this long fails the round (`check`): a round still making progress
+        # goes on however long it takes (a 28 GB tensor over a 1 Gbit/s link: minutes).
         self._deadline = now + rtt.timing.deadline
+        self._result_at = now  # the latest result taken (the start until one is)
         self._started = now
         n = self.segments
         self._sent_at = [0.0] * n  # first transmission (RTT samples)
@@ -459,6 +462,9 @@ class AllreduceRound(RoundAnswers, Overtaking):
                 f"{self.segments} segments unfinished"
             )
         if now < self._deadline or self.done:
+            return
+        self._deadline = self._result_at + self._rtt.timing.deadline  # moved on by results
+        if now < self._deadline:
             return
         raise AllreduceTimeout(self.describe_stall(now))
 

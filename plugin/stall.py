@@ -1,7 +1,7 @@
-"""What a round that missed its deadline says: which cores left how many segments unanswered,
-and, where a core's last PENDING told, which ranks it still waits for. An operator reads this
-first when training hangs, so it names the ranks to look at. Sans-I/O: plain values in, text
-out (the round gathers them, `AllreduceTimeout` carries the text)."""
+"""What a round that had no result for its deadline says: which cores left how many segments
+unanswered, and, where a core's last PENDING told, which ranks it still waits for. An operator
+reads this first when training hangs, so it names the ranks to look at. Sans-I/O: plain values
+in, text out (the round gathers them, `AllreduceTimeout` carries the text)."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ def stall_report(what: str, deadline_s: float, elapsed_s: float, remaining: int,
             text += f"; it still waits for ranks {_ranks(core.waits_for)}"
         parts.append(text + ")")
     return (
-        f"{what} missed its {deadline_s:g} s deadline after {elapsed_s:.1f} s: {remaining} of "
-        f"{segments} segments unanswered; no answer from " + ", ".join(parts)
+        f"{what} had no result for its deadline, {deadline_s:g} s ({elapsed_s:.1f} s in all): "
+        f"{remaining} of {segments} segments unanswered; no answer from " + ", ".join(parts)
     )
 
 

@@ -11,8 +11,9 @@ def test_names_each_core_and_the_ranks_it_waits_for() -> None:
                         3, 4, [CoreStall("appliance core 0", 2, [0, 3]),
                                CoreStall("appliance core 1", 1, None)])
     assert text == (
-        "allreduce round 3 of 256 bytes (FLOAT16, AVG) by rank 1 missed its 2 s deadline after "
-        "2.0 s: 3 of 4 segments unanswered; no answer from appliance core 0 (2 segments "
+        "allreduce round 3 of 256 bytes (FLOAT16, AVG) by rank 1 had no result for its "
+        "deadline, 2 s (2.0 s in all): 3 of 4 segments unanswered; no answer from appliance "
+        "core 0 (2 segments "
         "unanswered; it still waits for ranks [0, 3]), appliance core 1 (1 segment unanswered)"
     )
 
