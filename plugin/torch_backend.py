@@ -86,6 +86,7 @@ from reduction_appliance.dataplane.registration import JOB_NAME_CHARS, JOB_NAME_
 
 from .client import ApplianceClient
 from .rendezvous import JobInfo, leave, register
+from .rtt import Timing
 from .torch_pump import APPLIANCE_DTYPES, RoundPump
 
 __all__ = [
@@ -169,6 +170,17 @@ def job_name_for(base: str, tag: str) -> str:
     return base[:max(1, JOB_NAME_MAX - len(suffix))] + suffix
 
 
+def group_timeout(group: Any) -> timedelta | None:
+    """The timeout `group` was made with (`init_process_group`/`new_group`'s `timeout`), as its
+    backend keeps it; None where none says."""
+    for device in ("cuda", "cpu"):
+        with contextlib.suppress(Exception):  # (no backend for that device, no options)
+            found = group._get_backend(torch.device(device)).options._timeout
+            if isinstance(found, timedelta):
+                return found
+    return None
+
+
 def new_job_name() -> str:
     return f"torch-{uuid.uuid4().hex[:16]}"
 
@@ -177,12 +189,18 @@ def new_secret() -> str:
     return secrets.token_urlsafe(24)
 
 
-def connect(config: ApplianceConfig, job: str, secret: str, rank: int, world_size: int
-            ) -> tuple[ApplianceClient, list[JobInfo]]:
+def connect(config: ApplianceConfig, job: str, secret: str, rank: int, world_size: int,
+            timeout: timedelta | None = None) -> tuple[ApplianceClient, list[JobInfo]]:
     """Register `job` at every configured appliance, join it as `rank`, and open a client.
     Where one appliance refuses (or a join fails), this rank withdraws from the others before
     raising: its registrations and joins there would otherwise hold their slots, and the job's
-    name against the restarted workers' new secret, until the appliance's idle timeout."""
+    name against the restarted workers' new secret, until the appliance's idle timeout.
+
+    `timeout` is the process group's (torch's contract: a collective may wait that long for
+    its peers, 30 minutes by default): a round fails once it has had no result for that
+    long, not for the appliance's advised deadline (60 s), which a rank 0 writing a
+    checkpoint while the others wait at the next collective outlasts. Dead peers are named
+    within the liveness timeout either way."""
     registered: list[JobInfo] = []
     try:
         for appliance in config.appliances:
@@ -190,8 +208,9 @@ def connect(config: ApplianceConfig, job: str, secret: str, rank: int, world_siz
                 appliance, job, world_size, secret=secret, deterministic=config.deterministic,
                 token=config.token, transport=config.transport,
                 local_address=config.local_address))
+        timing = None if timeout is None else Timing(deadline=timeout.total_seconds())
         client = ApplianceClient(registered, rank, local_address=config.local_address,
-                                 lanes=config.lanes)
+                                 lanes=config.lanes, timing=timing)
     except BaseException:
         for info in registered:
             with contextlib.suppress(ReductionError):  # best effort: the first error counts
@@ -298,7 +317,7 @@ class ApplianceProcessGroup(ProcessGroup):
         job = keys.get("job").decode()
         secret = keys.get("secret").decode()
         self.job = job
-        self.client, self.jobs = connect(config, job, secret, rank, world_size)
+        self.client, self.jobs = connect(config, job, secret, rank, world_size, timeout)
         self._pump = RoundPump(self.client, f"reduction-appliance-{job}-{rank}")
         self._shut = False
 

@@ -35,6 +35,7 @@ from .torch_backend import (
     ApplianceConfig,
     config_from_env,
     connect,
+    group_timeout,
     job_name_for,
     new_job_name,
     new_secret,
@@ -86,7 +87,12 @@ class ApplianceHookState:
         src = 0 if group is dist.group.WORLD else dist.get_global_rank(group, 0)
         dist.broadcast_object_list(chosen, src=src, group=group)
         self.job, secret = str(chosen[0]), str(chosen[1])
-        self.client, self.jobs = connect(config, self.job, secret, self.rank, self.world_size)
+        # A bucket may wait for its peers as long as the group's collectives may (a rank 0
+        # writing a checkpoint while the others go on into the next backward), not just the
+        # appliance's advised deadline.
+        timeout = group_timeout(group) or dist.default_pg_timeout
+        self.client, self.jobs = connect(config, self.job, secret, self.rank, self.world_size,
+                                         timeout)
         self.pump = RoundPump(self.client, f"reduction-ddp-hook-{self.rank}")
 
     def close(self) -> None:

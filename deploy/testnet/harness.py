@@ -344,7 +344,8 @@ def appliance_config(address: str, *, cores: int, mtu: int, slots: int = 32,
                      kernels: str = "auto", unix_socket: str = "", token_file: str = "",
                      interface: str = "", groups: str = "239.255.0.0/16",
                      liveness_s: float = 5.0,
-                     queue_target_s: float = JobDefaults.queue_target_s) -> ApplianceConfig:
+                     queue_target_s: float = JobDefaults.queue_target_s,
+                     deadline_s: float = JobDefaults.deadline_s) -> ApplianceConfig:
     """The lab appliance's configuration, as the typed tree reductiond will load."""
     # Pin data-plane core i to CPU i when the machine has that many: the appliance's layout.
     cpus = tuple(range(cores)) if cores <= (os.cpu_count() or 1) else ()
@@ -355,7 +356,7 @@ def appliance_config(address: str, *, cores: int, mtu: int, slots: int = 32,
                                   interface=interface),
         multicast=MulticastConfig(enabled=multicast, groups=ipaddress.IPv4Network(groups)),
         jobs=JobDefaults(slots=slots, liveness_timeout_s=liveness_s,
-                         queue_target_s=queue_target_s),
+                         queue_target_s=queue_target_s, deadline_s=deadline_s),
         api=ApiConfig(listen=HostPort(address, _API_PORT), unix_socket=unix_socket,
                       token_file=token_file),
     )
@@ -368,11 +369,13 @@ def start_appliance(net: Network, index: int = 0, *, cores: int = 2, slots: int 
                     interface: str = "", groups: str = "239.255.0.0/16",
                     liveness_s: float = 5.0,
                     queue_target_s: float = JobDefaults.queue_target_s,
+                    deadline_s: float = JobDefaults.deadline_s,
                     ) -> Iterator[ApplianceProcess]:
     """Run `reductiond` on appliance `index` until the block ends (then SIGTERM, then kill).
     `multicast` overrides the network's default (False: results by unicast fan-out only);
     `token` makes the TCP API require it; `liveness_s` is the jobs' liveness timeout;
-    `queue_target_s` the workers' advised congestion target (0: fixed windows)."""
+    `queue_target_s` the workers' advised congestion target (0: fixed windows); `deadline_s`
+    the workers' advised deadline."""
     address = net.appliance_address(index)
     with tempfile.TemporaryDirectory(prefix="reductiond-") as tmp:
         path = Path(tmp) / "appliance.toml"
@@ -386,7 +389,7 @@ def start_appliance(net: Network, index: int = 0, *, cores: int = 2, slots: int 
                                poll=poll, spin_us=spin_us, kernels=kernels,
                                unix_socket=unix_socket, token_file=token_file,
                                interface=interface, groups=groups, liveness_s=liveness_s,
-                               queue_target_s=queue_target_s)
+                               queue_target_s=queue_target_s, deadline_s=deadline_s)
         path.write_text(to_toml(cfg))
         proc = net.popen_appliance(
             index, [sys.executable, *DAEMON, "--config", str(path)],

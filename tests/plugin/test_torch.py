@@ -159,6 +159,21 @@ def test_a_rank_refused_by_one_appliance_withdraws_from_the_others() -> None:
                 assert asked[-1].endswith("/leave"), asked
 
 
+def test_ranks_wait_for_a_checkpointing_peer_as_long_as_the_group_allows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 writes a checkpoint while the others wait at the next collective (a barrier, the
+    next DDP step's bucket), longer than the appliance's advised deadline: they once failed
+    with AllreduceTimeout at that deadline (60 s by default), though the group's timeout,
+    torch's contract for how long a collective may wait, was 30 minutes."""
+    with LoopbackNetwork.create(multicast=False) as net, \
+            start_appliance(net, cores=1, multicast=False, deadline_s=2.0) as appliance:
+        monkeypatch.setenv("REDUCTION_APPLIANCE", appliance.api)
+        outputs = run_ranks(net, "patience", 2, timeout_s=90)
+    for rank, records in enumerate(outputs):
+        assert {r["check"]: r["ok"] for r in records} == {"backend-waits": True,
+                                                          "hook-waits": True}, rank
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # it dies
 def test_a_collective_whose_completion_kills_the_pump_fails_instead_of_hanging() -> None:
     """The pump thread once died while completing a collective (writing its result back) and

@@ -8,6 +8,9 @@ MODE "stall": every rank but the last calls all_reduce (which cannot finish); re
 exception wait() raised, and after how long; then all meet at a Gloo barrier and leave.
 MODE "ddp": a tiny model in DDP with Gloo default, once with the appliance hook and once plain.
 MODE "named": with REDUCTION_JOB set, several groups on the backend and several hook states.
+MODE "patience": rank 0 writes a "checkpoint" (sleeps) while the others wait at the next
+collective, on the backend and in a DDP step through the hook: longer than the appliance's
+advised deadline, within the process group's timeout.
 Prints one JSON line per check.
 """
 
@@ -320,10 +323,35 @@ def ddp(rank: int, world: int, store: str) -> None:
     dist.destroy_process_group()
 
 
+CHECKPOINT_S = 4.0  # longer than the advised deadline of the appliance the test starts (2 s)
+
+
+def patience(rank: int, world: int, store: str) -> None:
+    init("reduction", rank, world, store)  # the group's timeout: 60 s
+    if rank == 0:
+        time.sleep(CHECKPOINT_S)
+    t = torch.ones(10)
+    dist.all_reduce(t)  # the others waited here, CHECKPOINT_S
+    emit(check="backend-waits", ok=bool(torch.equal(t, torch.full((10,), float(world)))))
+    gloo = dist.new_group(backend="gloo")
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2), process_group=gloo)
+    state = ApplianceHookState(group=gloo)
+    model.register_comm_hook(state, appliance_allreduce_hook)
+    for step in range(3):  # buckets are rebuilt (a Gloo broadcast) in the second step
+        if rank == 0 and step == 2:
+            time.sleep(CHECKPOINT_S)
+        model(torch.ones(4, 8)).sum().backward()  # the others' bucket waits in the hook
+    emit(check="hook-waits", ok=bool(torch.isfinite(model.module.weight.grad).all()))
+    state.close()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     mode, rank, world, store, local, ifname = sys.argv[1:7]
     os.environ["REDUCTION_LOCAL_ADDRESS"] = local
     os.environ["GLOO_SOCKET_IFNAME"] = ifname
-    modes = {"backend": backend, "overlap": overlap, "stall": stall, "ddp": ddp, "named": named}
+    modes = {"backend": backend, "overlap": overlap, "stall": stall, "ddp": ddp, "named": named,
+             "patience": patience}
     modes[mode](int(rank), int(world), store)
     exit_without_finalizing(0)  # all printed; see plugin.torch_exit for why
