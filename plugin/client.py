@@ -9,12 +9,14 @@ the worker's own socket.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import operator
 import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -96,7 +98,9 @@ class ApplianceClient:
     and the multicast group is joined on it. `lanes` > 1 splits the job's slots so that up to
     that many rounds (`start`) are on the wire at once (see plugin/pipeline.py); every rank of
     the job must use the same number. One thread drives a client (`allreduce`, `wait`,
-    `progress`); it is not thread-safe.
+    `progress`); it is not thread-safe: a second thread calling `start` or `wait` while one is
+    inside is refused, saying so, and `close` belongs to the driving thread (or to any once
+    none is inside).
 
     The client joins every registered job as `rank` from the endpoint its transport sends from
     (`rejoin=True` for a restarted worker: see plugin/rendezvous.py); a job given already joined
@@ -215,6 +219,10 @@ class ApplianceClient:
         self._clock = clock
         self._addresses = [e.address for e in self.endpoints]
         self._closed = False
+        # Held by the thread inside `start` or `wait`: a second thread calling either at the
+        # same time is refused, saying so (two threads' rounds once hung each other).
+        self._driving = threading.RLock()
+        self._driver = ""
         self._lease: Lease | None = None
         self._beat_s = max(0.05, liveness / 10)
         self._last_turn = clock()  # when `progress` last read the sockets
@@ -293,6 +301,28 @@ class ApplianceClient:
         """Queue an in-place allreduce of `array` (contiguous, writable, left untouched by the
         caller until it finishes) and return its round number; `progress` or `wait` run it.
         With several lanes, up to `lanes` rounds are on the wire at once."""
+        with self._driven("start"):
+            return self._start(array, op)
+
+    @contextlib.contextmanager
+    def _driven(self, call: str) -> Iterator[None]:
+        if not self._driving.acquire(blocking=False):
+            raise ReductionError(
+                f"ApplianceClient.{call}() called from thread "
+                f"{threading.current_thread().name!r} while thread {self._driver!r} drives "
+                "this client: one thread drives a client (give each thread a client of its "
+                "own, or hold a lock around its calls)")
+        outer = not self._driver
+        if outer:
+            self._driver = threading.current_thread().name
+        try:
+            yield
+        finally:
+            if outer:
+                self._driver = ""
+            self._driving.release()
+
+    def _start(self, array: NDArray[Any], op: str | Op) -> int:
         _check_array(array)
         dtype = dtype_of(array)
         if not array.flags.c_contiguous or not array.flags.writeable:
@@ -313,6 +343,10 @@ class ApplianceClient:
     def wait(self, round_no: int) -> None:
         """Drive the rounds until `round_no` is done; raise its error if it failed. Outcomes
         of other rounds that end meanwhile are kept for the next `progress`."""
+        with self._driven("wait"):
+            self._wait(round_no)
+
+    def _wait(self, round_no: int) -> None:
         while True:
             for outcome in self._unclaimed:
                 if outcome.ticket == round_no:
@@ -428,3 +462,4 @@ class ApplianceClient:
             except PeerError:
                 return
             pipeline.on_liveness(h, silent, source)
+

@@ -13,11 +13,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from reduction_appliance.client import ApplianceClient, RankLeft, RendezvousError, register
+from reduction_appliance.client import (
+    AllreduceTimeout,
+    ApplianceClient,
+    RankLeft,
+    ReductionError,
+    RendezvousError,
+    register,
+)
 from reduction_appliance.control.apiclient import UnixApi
 from reduction_appliance.control.ctl import render_status
 from reduction_appliance.deploy.testnet.harness import local_daemon
 from reduction_appliance.plugin.rendezvous import leave
+from reduction_appliance.plugin.rtt import Timing
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow  # a real daemon and its data-plane process: seconds
@@ -199,3 +207,31 @@ def test_a_rank_that_splits_the_slots_otherwise_is_refused_at_its_join() -> None
         with ApplianceClient([info], 0, local_address="127.0.0.1", lanes=2), \
                 pytest.raises(RendezvousError, match=refusal):
             ApplianceClient([info], 1, local_address="127.0.0.1", lanes=1)
+
+
+def test_a_second_thread_driving_a_client_is_refused_naming_both() -> None:
+    """Two threads calling allreduce on one client once hung each other's rounds (40 of 400
+    calls never returned); the second is now refused at once, naming the thread that drives
+    the client."""
+    with local_daemon(_config()) as daemon:
+        info = register(daemon.api, "threads", world_size=2, secret="secret-of-the-test")
+        client = ApplianceClient([info], 0, local_address="127.0.0.1",
+                                 timing=Timing(deadline=3.0))
+        outcome: list[BaseException] = []
+
+        def drive() -> None:  # rank 1 never comes: this call waits out its deadline
+            try:
+                client.allreduce(np.ones(100, np.float32))
+            except ReductionError as exc:
+                outcome.append(exc)
+
+        driver = threading.Thread(target=drive, name="the-driver")
+        driver.start()
+        wait_until(lambda: client._driver == "the-driver", 10, what="the driver inside wait")
+        with pytest.raises(ReductionError, match=r"ApplianceClient\.start\(\) called from thread "
+                                                 r"'MainThread' while thread 'the-driver' "
+                                                 r"drives this client"):
+            client.start(np.ones(100, np.float32))
+        driver.join(30)
+        assert not driver.is_alive() and isinstance(outcome[0], AllreduceTimeout)
+        client.close()
