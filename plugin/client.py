@@ -91,6 +91,11 @@ def op_of(op: str | Op) -> Op:
         raise ReductionError(f"unknown op {op!r}; choose sum, avg, min or max") from None
 
 
+def _closed_error(call: str) -> ReductionError:
+    return ReductionError(f"ApplianceClient.{call}() on a closed client: open another "
+                          "(ApplianceClient(jobs, rank, ...)) to reduce again")
+
+
 class ApplianceClient:
     """One rank of one job, on one or more appliances (segments are spread over all of them).
 
@@ -323,6 +328,8 @@ class ApplianceClient:
             self._driving.release()
 
     def _start(self, array: NDArray[Any], op: str | Op) -> int:
+        if self._closed:
+            raise _closed_error("start")
         _check_array(array)
         dtype = dtype_of(array)
         if not array.flags.c_contiguous or not array.flags.writeable:
@@ -356,6 +363,8 @@ class ApplianceClient:
                     return
             if round_no not in self._views:
                 raise ReductionError(f"round {round_no} was never started on this client")
+            if self._closed:  # (its sockets are: a bare EBADF otherwise)
+                raise _closed_error("wait")
             ended = self.progress()  # (it takes the unclaimed list over: extend after)
             self._unclaimed.extend(ended)
 

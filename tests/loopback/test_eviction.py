@@ -210,9 +210,9 @@ def test_a_rank_that_splits_the_slots_otherwise_is_refused_at_its_join() -> None
 
 
 def test_a_second_thread_driving_a_client_is_refused_naming_both() -> None:
-    """Two threads calling allreduce on one client once hung each other's rounds (40 of 400
-    calls never returned); the second is now refused at once, naming the thread that drives
-    the client."""
+    """Two threads calling allreduce on one client once hung each other's rounds (54 of 400
+    calls had not returned after 60 s); the second is now refused at once, naming the thread
+    that drives the client. A closed client says it is closed."""
     with local_daemon(_config()) as daemon:
         info = register(daemon.api, "threads", world_size=2, secret="secret-of-the-test")
         client = ApplianceClient([info], 0, local_address="127.0.0.1",
@@ -235,3 +235,7 @@ def test_a_second_thread_driving_a_client_is_refused_naming_both() -> None:
         driver.join(30)
         assert not driver.is_alive() and isinstance(outcome[0], AllreduceTimeout)
         client.close()
+        # Used once closed: it once raised a bare "OSError: [Errno 9] Bad file descriptor".
+        with pytest.raises(ReductionError, match=r"ApplianceClient\.start\(\) on a closed "
+                                                 r"client: open another"):
+            client.allreduce(np.ones(100, np.float32))
