@@ -471,4 +471,3 @@ class ApplianceClient:
             except PeerError:
                 return
             pipeline.on_liveness(h, silent, source)
-
