@@ -4,7 +4,6 @@ snapshots for status and metrics. The HTTP layer (api.py) only parses and answer
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import secrets
 import threading
@@ -26,15 +25,14 @@ from reduction_appliance.dataplane.errors import (
 from reduction_appliance.dataplane.registration import JobDescription
 from reduction_appliance.dataplane.roce import ROCE_PORTS
 from reduction_appliance.dataplane.spec import Address
-from reduction_appliance.dataplane.verbs import QpEndpoint
 from reduction_appliance.dataplane.wire import HEADER_SIZE
 
+from . import bodies
 from .registry import (
     EVICTION_CAUSES,
     ConflictError,
     Eviction,
     Heard,
-    JobRequest,
     JobState,
     Registry,
 )
@@ -84,8 +82,8 @@ class Appliance:
     def create_job(self, body: dict[str, Any]) -> JobDescription:
         """Register a job (idempotent). Its creator gets the join secret in the answer when it
         did not choose one; nobody gets the cookie here (see `join`)."""
-        request = parse_request(body)
-        given = _string(body, "secret", required=False)
+        request = bodies.parse_request(body)
+        given = bodies.string(body, "secret", required=False)
         with self._lock:
             if self.draining:
                 raise Draining("the appliance is shutting down; it takes no new jobs")
@@ -113,11 +111,11 @@ class Appliance:
 
     def join(self, job_id: int, body: dict[str, Any]) -> JobDescription:
         """Bind a rank to the endpoint it will send from; the answer carries the cookie."""
-        rank = _integer(body, "rank")
-        secret = _string(body, "secret")
-        endpoint = (_address(body, "address"), _integer(body, "port", 1, 65535))
-        rejoin = _boolean(body, "rejoin")
-        lanes = _integer({"lanes": body.get("lanes", 1)}, "lanes", 1, 1 << 16)
+        rank = bodies.integer(body, "rank")
+        secret = bodies.string(body, "secret")
+        endpoint = (bodies.address(body, "address"), bodies.integer(body, "port", 1, 65535))
+        rejoin = bodies.boolean(body, "rejoin")
+        lanes = bodies.integer(body, "lanes", 1, 1 << 16, default=1)
         with self._lock:
             plan = self.registry.join(job_id, rank, secret, endpoint, rejoin,
                                       silent_s=self._silent_elsewhere(job_id, rank, endpoint),
@@ -175,9 +173,9 @@ class Appliance:
         """A rank's RDMA queue pairs (one per core) for a RoCE job: the cores connect theirs
         and answer with their ends, and the address the rank then joins with (its IP and a
         port from `ROCE_PORTS` that names its queue pairs on every core)."""
-        rank = _integer(body, "rank")
-        secret = _string(body, "secret")
-        ip = _address(body, "address")
+        rank = bodies.integer(body, "rank")
+        secret = bodies.string(body, "secret")
+        ip = bodies.address(body, "address")
         remotes = body.get("queue_pairs")
         if not isinstance(remotes, list) or not all(isinstance(r, dict) for r in remotes):
             raise BadRequest("queue_pairs must be a list of queue-pair endpoints, one per core")
@@ -188,7 +186,8 @@ class Appliance:
             self.registry.check_secret(job_id, secret)
             if not 0 <= rank < plan.spec.world_size:
                 raise BadRequest(f"rank {rank} is outside world size {plan.spec.world_size}")
-            _check_landings(remotes, plan.spec.slots, HEADER_SIZE + self.cfg.roce.segment_bytes)
+            bodies.check_landings(remotes, plan.spec.slots,
+                                  HEADER_SIZE + self.cfg.roce.segment_bytes)
             address = self._roce_address(job_id, rank, ip)
             try:
                 cores = self.supervisor.accept_queue_pairs(remotes, address)
@@ -220,16 +219,16 @@ class Appliance:
 
     def resync(self, job_id: int, body: dict[str, Any]) -> JobDescription:
         """A new epoch for ranks that diverged (once, however many ask from `epoch`)."""
-        secret = _string(body, "secret")
-        seen = _integer(body, "epoch", 0, 65535)
+        secret = bodies.string(body, "secret")
+        seen = bodies.integer(body, "epoch", 0, 65535)
         with self._lock:
             plan = self.registry.resync(job_id, secret, seen)
             self.supervisor.update_job(plan.spec)
         return plan.describe(self.cfg, member=True)
 
     def leave(self, job_id: int, body: dict[str, Any]) -> JobDescription:
-        rank = _integer(body, "rank")
-        secret = _string(body, "secret")
+        rank = bodies.integer(body, "rank")
+        secret = bodies.string(body, "secret")
         with self._lock:
             before = self.registry.get(job_id).spec
             plan = self.registry.leave(job_id, rank, secret)
@@ -434,76 +433,3 @@ class _Activity:
         ranks = set.intersection(*(set(v) for v in self.silent_votes))
         return {r: min(v[r] for v in self.silent_votes) for r in sorted(ranks)}
 
-
-def _integer(body: dict[str, Any], key: str, low: int = 0, high: int = 2**31) -> int:
-    value = body.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise BadRequest(f"{key} must be an integer in {low}..{high}, got {value!r}")
-    return value
-
-
-def _string(body: dict[str, Any], key: str, *, required: bool = True) -> str:
-    value = body.get(key, None if required else "")
-    if not isinstance(value, str) or (required and not value) or len(value) > 256:
-        raise BadRequest(f"{key} must be a string of 1..256 characters")
-    return value
-
-
-def _boolean(body: dict[str, Any], key: str) -> bool:
-    value = body.get(key, False)
-    if not isinstance(value, bool):
-        raise BadRequest(f"{key} must be true or false")
-    return value
-
-
-def _address(body: dict[str, Any], key: str) -> str:
-    value = _string(body, key)
-    try:
-        ipaddress.IPv4Address(value)
-    except ValueError:
-        raise BadRequest(f"{key} must be an IPv4 address, got {value!r}") from None
-    return value
-
-
-def parse_request(body: dict[str, Any]) -> JobRequest:
-    """A job request from its JSON body; `BadRequest` says what is wrong."""
-    known = {"name", "world_size", "deterministic", "multicast", "slots", "secret",
-             "transport"}
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise BadRequest(f"unknown fields {unknown}; known: {sorted(known)}")
-    if "name" not in body or "world_size" not in body:
-        raise BadRequest("a job needs name and world_size")
-    name, world, slots = body["name"], body["world_size"], body.get("slots", 0)
-    if not isinstance(name, str):
-        raise BadRequest("name must be a string")
-    for key, value in (("world_size", world), ("slots", slots)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise BadRequest(f"{key} must be an integer, got {value!r}")
-    for key in ("deterministic", "multicast"):
-        if not isinstance(body.get(key, False), bool):
-            raise BadRequest(f"{key} must be true or false")
-    transport = body.get("transport", "udp")
-    if transport not in ("udp", "roce"):
-        raise BadRequest(f"transport must be \"udp\" or \"roce\", got {transport!r}")
-    # Absent: the transport's default (UDP: multicast; RoCE: results RDMA-written to each
-    # rank), settled here so that ranks that say it and ranks that do not ask the same.
-    multicast = bool(body.get("multicast", transport == "udp"))
-    return JobRequest(name, world, bool(body.get("deterministic", False)), multicast, slots,
-                      transport)
-
-
-def _check_landings(remotes: list[dict[str, Any]], slots: int, message: int) -> None:
-    """A worker's landing buffers must take a result for every slot of the job (the caller's
-    fault when not: a core would have to drop them)."""
-    for i, remote in enumerate(remotes):
-        try:
-            landing = QpEndpoint.from_json(remote).landing
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from exc
-        if landing is None:
-            raise BadRequest(f"queue_pairs[{i}] names no landing: results are RDMA-written "
-                             "into the worker's landing buffers, one per slot")
-        if landing.slots < slots or landing.stride < message:
-            raise BadRequest(f"queue_pairs[{i}]: the landing holds {landing.slots} entries of "
-                             f"{landing.stride} bytes; the job needs {slots} of {message}")

@@ -376,7 +376,7 @@ class Aggregator:
         job.diverged = (
             f"ranks diverged at slot {h.slot} use {h.use} (epoch {job.spec.epoch}): rank "
             f"{h.rank} sent round {h.round} offset {h.offset} length {h.length} {h.dtype.name} "
-            f"{h.op.name}, {theirs} sent {copy.describe()}: {_divergence_cause(h, copy)}; "
+            f"{h.op.name}, {theirs} sent {copy.describe()}: {copy.disagreement(h)}; "
             "resynchronise the job (re-join, or resync) to continue")
         out.extend(self._tell(job, Kind.DIVERGED, job.diverged.encode()))
 
@@ -497,15 +497,3 @@ class Aggregator:
         job.held -= len(copy.held)
         copy.held.clear()
 
-
-def _divergence_cause(h: Header, copy: SlotCopy) -> str:
-    """Why two ranks' segments of one slot use disagree, as far as their headers tell: the
-    same round and offset with another op, dtype or length is the callers' doing (their
-    allreduce calls differ); another round is one lost or skipped on some ranks."""
-    if (h.round, h.offset) != (copy.round, copy.offset):
-        return "a round was lost or skipped on some ranks, or they made different calls"
-    if h.op is not copy.op:
-        return "the ranks called allreduce with different ops"
-    if h.dtype is not copy.dtype:
-        return "the ranks called allreduce on arrays of different dtypes"
-    return "the ranks called allreduce on arrays of different sizes"

@@ -19,7 +19,7 @@ from numpy.typing import NDArray
 
 from .reduce import SegmentKernel
 from .spec import Address, JobSpec
-from .wire import HEADER_SIZE, DType, Op
+from .wire import HEADER_SIZE, DType, Header, Op
 
 __all__ = ["COPY_TRANSITIONS", "CopyState", "Event", "JobState", "Slot", "SlotCopy", "move"]
 
@@ -118,6 +118,18 @@ class SlotCopy:
     def describe(self) -> str:
         return (f"round {self.round} offset {self.offset} length {self.length} "
                 f"{self.dtype.name} {self.op.name}")
+
+    def disagreement(self, h: Header) -> str:
+        """Why a contribution `h` to this use does not fit it, as far as the headers tell: the
+        same round and offset with another op, dtype or length is the callers' doing (their
+        allreduce calls differ); another round is one lost or skipped on some ranks."""
+        if (h.round, h.offset) != (self.round, self.offset):
+            return "a round was lost or skipped on some ranks, or they made different calls"
+        if h.op is not self.op:
+            return "the ranks called allreduce with different ops"
+        if h.dtype is not self.dtype:
+            return "the ranks called allreduce on arrays of different dtypes"
+        return "the ranks called allreduce on arrays of different sizes"
 
 
 class Slot:

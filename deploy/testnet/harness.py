@@ -17,9 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +38,7 @@ from reduction_appliance.control.config import (
 )
 
 from .lab import Lab, remove_namespaces
+from .output import OutputTail
 from .topology import Topology
 
 __all__ = [
@@ -64,7 +63,6 @@ DAEMON = ("-m", "reduction_appliance.control.daemon")
 WORKER = ("-m", "reduction_appliance.deploy.testnet.worker")
 _API_PORT = 7070
 _READY_TIMEOUT_S = 60.0
-_TAIL_CHARS = 64 * 1024
 
 
 class HarnessError(RuntimeError):
@@ -247,56 +245,6 @@ def _stop_all(procs: list[subprocess.Popen[Any]]) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-class OutputTail:
-    """Drains one pipe of a child in a background thread, keeping only its last `limit`
-    characters (for error messages). An undrained pipe fills at about 64 KiB, and then the
-    child blocks in its next write: a daemon that logs would freeze mid-test.
-
-    `marker`: `seen` is set at the first line starting with it (or when the pipe ends), and
-    `line` is that line."""
-
-    def __init__(self, stream: Any, limit: int = _TAIL_CHARS, marker: str = "") -> None:
-        self.limit = limit
-        self.marker = marker
-        self.seen = threading.Event()
-        self.line = ""
-        self._lines: deque[str] = deque()
-        self._size = 0
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._drain, args=(stream,), daemon=True,
-                                        name="output-tail")
-        self._thread.start()
-
-    def _drain(self, stream: Any) -> None:
-        try:
-            for line in iter(stream.readline, ""):
-                if self.marker and not self.line and line.startswith(self.marker):
-                    self.line = line
-                    self.seen.set()
-                with self._lock:
-                    self._lines.append(line)
-                    self._size += len(line)
-                    while self._size > self.limit and len(self._lines) > 1:
-                        self._size -= len(self._lines.popleft())
-        except (OSError, ValueError):
-            pass  # the pipe was closed under us
-        finally:
-            self.seen.set()
-
-    @property
-    def done(self) -> bool:
-        """The pipe ended (the child exited or closed it) and everything was read."""
-        return not self._thread.is_alive()
-
-    def join(self, timeout_s: float = 5.0) -> None:
-        self._thread.join(timeout_s)
-
-    def text(self) -> str:
-        """The last `limit` characters or so (whole lines)."""
-        with self._lock:
-            return "".join(self._lines)[-self.limit:]
 
 
 @dataclass

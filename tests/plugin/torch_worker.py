@@ -329,7 +329,7 @@ CHECKPOINT_S = 4.0  # longer than the advised deadline of the appliance the test
 def patience(rank: int, world: int, store: str) -> None:
     init("reduction", rank, world, store)  # the group's timeout: 60 s
     if rank == 0:
-        time.sleep(CHECKPOINT_S)
+        time.sleep(CHECKPOINT_S)  # the workload under test: rank 0 busy, the client not called
     t = torch.ones(10)
     dist.all_reduce(t)  # the others waited here, CHECKPOINT_S
     emit(check="backend-waits", ok=bool(torch.equal(t, torch.full((10,), float(world)))))
@@ -340,7 +340,7 @@ def patience(rank: int, world: int, store: str) -> None:
     model.register_comm_hook(state, appliance_allreduce_hook)
     for step in range(3):  # buckets are rebuilt (a Gloo broadcast) in the second step
         if rank == 0 and step == 2:
-            time.sleep(CHECKPOINT_S)
+            time.sleep(CHECKPOINT_S)  # the workload under test, as above
         model(torch.ones(4, 8)).sum().backward()  # the others' bucket waits in the hook
     emit(check="hook-waits", ok=bool(torch.isfinite(model.module.weight.grad).all()))
     state.close()

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from reduction_appliance.control.bodies import check_landings, parse_request
 from reduction_appliance.control.config import parse, to_toml
 from reduction_appliance.control.registry import JobRequest, Registry
-from reduction_appliance.control.service import _check_landings, parse_request
 from reduction_appliance.dataplane.dual import DualCoreTransport
 from reduction_appliance.dataplane.errors import BadRequest, ConfigError
 from reduction_appliance.dataplane.registration import JobDescription
@@ -106,15 +106,15 @@ def test_the_control_plane_refuses_a_landing_that_cannot_take_every_slot() -> No
     def end(slots: int, stride: int) -> dict[str, Any]:
         return QpEndpoint("rxe2", gid, 18, 7, 4096, Landing(4096, 1, slots, stride)).as_json()
 
-    _check_landings([end(32, need), end(40, need + 64)], 32, need)
+    check_landings([end(32, need), end(40, need + 64)], 32, need)
     with pytest.raises(BadRequest, match=r"queue_pairs\[0\] names no landing"):
-        _check_landings([QpEndpoint("rxe2", gid, 19, 7, 4096).as_json()], 32, need)
+        check_landings([QpEndpoint("rxe2", gid, 19, 7, 4096).as_json()], 32, need)
     with pytest.raises(BadRequest, match=r"queue_pairs\[1\]: the landing holds 16 entries"):
-        _check_landings([end(32, need), end(16, need)], 32, need)
+        check_landings([end(32, need), end(16, need)], 32, need)
     with pytest.raises(BadRequest, match="the job needs 32 of 262192"):
-        _check_landings([end(32, need - 64)], 32, need)
+        check_landings([end(32, need - 64)], 32, need)
     with pytest.raises(BadRequest, match="not a queue-pair endpoint"):
-        _check_landings([{"device": "rxe2"}], 32, need)
+        check_landings([{"device": "rxe2"}], 32, need)
 
 
 def _header(kind: Kind, slot: int, length: int) -> bytearray:
