@@ -31,6 +31,7 @@ import json
 import logging
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, replace
 
@@ -40,7 +41,8 @@ from reduction_appliance.dataplane.wire import VERSION
 
 from .session import Address, Endpoint
 
-__all__ = ["JobInfo", "RendezvousError", "connect", "join", "leave", "register", "resync"]
+__all__ = ["JobInfo", "RendezvousError", "api_address", "connect", "join", "leave", "register",
+           "resync"]
 
 _log = logging.getLogger(__name__)
 
@@ -248,6 +250,32 @@ def _not_the_api(appliance: str, method: str, path: str, answer: str) -> Rendezv
         "(REDUCTION_APPLIANCE for the torch plugin)")
 
 
+def api_address(given: str) -> str:
+    """`given`, an appliance API's address as a user writes it, as "host:port": surrounding
+    blanks, an "http://" and a trailing "/" are dropped (the forms a URL or a list after a
+    comma takes). What names no port, a path or another scheme is refused at once: it would
+    otherwise be asked for the whole of a call's time and fail as "cannot reach"."""
+    text = given.strip()
+    if text[:7].lower() == "http://":
+        text = text[7:]
+    text = text.rstrip("/")
+    hint = ("give the host:port of the appliance's api.listen, e.g. 198.18.0.1:7070 "
+            "(REDUCTION_APPLIANCE for the torch plugin)")
+    if "://" in text:
+        raise RendezvousError(f"{given!r} is not an appliance API address: the API speaks "
+                              f"plain HTTP; {hint}")
+    try:
+        parts = urllib.parse.urlsplit(f"//{text}")
+        port = parts.port
+    except ValueError as exc:
+        raise RendezvousError(f"{given!r} is not an appliance API address ({exc}): "
+                              f"{hint}") from None
+    if not parts.hostname or port is None or parts.path or parts.query or parts.fragment \
+            or parts.username is not None or any(c.isspace() for c in text):
+        raise RendezvousError(f"{given!r} is not an appliance API address: {hint}")
+    return text
+
+
 def _info(appliance: str, job: JobDescription, secret: str | None,
           token: str | None) -> JobInfo:
     return JobInfo(appliance, job.job_id, job.name, job.world_size, job.segment_bytes,
@@ -270,7 +298,8 @@ def register(
     transport: str = "udp",
     local_address: str = "0.0.0.0",
 ) -> JobInfo:
-    """Register (or look up) job `name` at `appliance` ("host:port" of its API). `secret` is
+    """Register (or look up) job `name` at `appliance` ("host:port" of its API, or
+    "http://host:port": `api_address`; the job's `appliance` is the former). `secret` is
     the job's join secret; without one, the creator gets a fresh one (`JobInfo.secret`) to hand
     to the other ranks. `token` is the appliance's API token, if it requires one. `transport`
     "roce" asks for RDMA queue pairs (every rank then needs an RDMA device: `connect`); "auto"
@@ -280,6 +309,7 @@ def register(
     landing buffer, or (True) sends it once as UD multicast chunks."""
     if transport not in ("udp", "roce", "auto"):
         raise RendezvousError(f"transport must be udp, roce or auto, not {transport!r}")
+    appliance = api_address(appliance)
     if transport == "auto":
         from .roce import local_roce_unavailable  # pyverbs is imported only to ask
 

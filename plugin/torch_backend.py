@@ -85,7 +85,7 @@ from reduction_appliance.dataplane.errors import ReductionError
 from reduction_appliance.dataplane.registration import JOB_NAME_CHARS, JOB_NAME_MAX
 
 from .client import ApplianceClient
-from .rendezvous import JobInfo, leave, register
+from .rendezvous import JobInfo, api_address, leave, register
 from .rtt import Timing
 from .torch_pump import APPLIANCE_DTYPES, RoundPump
 
@@ -127,12 +127,15 @@ def config_from_env(environ: dict[str, str] | None = None) -> ApplianceConfig:
     """Read the REDUCTION_* variables (see the module docstring)."""
     env = os.environ if environ is None else environ
     raw = env.get("REDUCTION_APPLIANCE", "")
-    appliances = tuple(a.strip() for a in raw.split(",") if a.strip())
-    if not appliances:
+    given = [a for a in raw.split(",") if a.strip()]
+    if not given:
         raise ReductionError(
             "REDUCTION_APPLIANCE is not set: give the appliance API address(es) as "
             "host:port[,host:port...]"
         )
+    # Each checked before any is asked: one bad address found after the first appliance
+    # registered this rank would leave that registration to withdraw.
+    appliances = tuple(api_address(a) for a in given)
     raw_lanes = env.get("REDUCTION_LANES", "").strip() or str(DEFAULT_LANES)
     try:
         lanes = int(raw_lanes)

@@ -17,6 +17,7 @@ from reduction_appliance.dataplane.wire import VERSION
 from reduction_appliance.plugin.rendezvous import (
     JobInfo,
     RendezvousError,
+    api_address,
     join,
     leave,
     register,
@@ -200,3 +201,37 @@ def test_a_server_that_is_not_the_appliance_is_named_so_at_once() -> None:
             register(where, "j", 2, timeout_s=30)
         assert len(asked) == 1  # at once, not retried for 30 s
         assert "REDUCTION_APPLIANCE" in str(refused.value) and len(str(refused.value)) < 400
+
+
+@pytest.mark.parametrize(("given", "taken"), [
+    ("198.18.0.1:7070", "198.18.0.1:7070"),
+    (" appliance-a:7070 ", "appliance-a:7070"),  # after a comma in a list
+    ("http://198.18.0.1:7070/", "198.18.0.1:7070"),
+    ("HTTP://[fd00::1]:7070", "[fd00::1]:7070"),
+])
+def test_an_api_address_is_taken_as_users_write_it(given: str, taken: str) -> None:
+    assert api_address(given) == taken
+
+
+@pytest.mark.parametrize(("given", "why"), [
+    ("198.18.0.1", "not an appliance API address: give the host:port"),
+    ("https://198.18.0.1:7070", "the API speaks plain HTTP"),
+    ("198.18.0.1:7070/v1", "not an appliance API address"),
+    ("198.18.0.1:http", "Port could not be cast"),
+    ("198.18.0.1:99999", "out of range"),
+    ("a b:7070", "not an appliance API address"),
+    ("", "not an appliance API address"),
+])
+def test_a_malformed_api_address_is_refused_before_anything_is_asked(given: str,
+                                                                      why: str) -> None:
+    """Each of these was asked for a registration's whole 30 s, then failed as "cannot reach"
+    (an "http://" prefix, a missing port) or as "not an appliance's API" (a leading blank)."""
+    with pytest.raises(RendezvousError, match=why) as refused:
+        register(given, "j", 2, timeout_s=30)
+    assert repr(given) in str(refused.value) and "api.listen" in str(refused.value)
+
+
+def test_a_registration_at_an_address_written_as_a_url_reaches_the_api() -> None:
+    with api_answering(described()) as where:
+        info = register(f"http://{where}/", "j", 2, secret="s", timeout_s=5)
+    assert info.appliance == where and info.name == "j"

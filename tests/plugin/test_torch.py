@@ -274,6 +274,12 @@ def test_missing_appliance_names_the_variable() -> None:
     assert config_from_env({"REDUCTION_APPLIANCE": "a:1", "REDUCTION_LANES": "2"}).lanes == 2
     with pytest.raises(ReductionError, match=r"REDUCTION_LANES.*'zero'"):
         config_from_env({"REDUCTION_APPLIANCE": "a:1", "REDUCTION_LANES": "zero"})
+    both = config_from_env({"REDUCTION_APPLIANCE": "http://a:1/, [fd00::1]:2"}).appliances
+    assert both == ("a:1", "[fd00::1]:2")
+    # A bad second address is refused before the first appliance is asked.
+    with pytest.raises(ReductionError, match=r"'b' is not an appliance API address.*"
+                                             r"REDUCTION_APPLIANCE"):
+        config_from_env({"REDUCTION_APPLIANCE": "a:1,b"})
 
 
 def test_job_names_from_one_configured_name_stay_within_the_appliances_rule() -> None:
