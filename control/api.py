@@ -31,6 +31,7 @@ line.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import json
 import logging
@@ -199,13 +200,16 @@ def build_server(cfg: ApplianceConfig, appliance: Appliance,
     use fails the start), and a description of each for the ready line."""
     server = HttpServer(Limits.from_config(cfg.api))
     where: list[str] = []
+    binding = ""  # the listener being bound, in the config's terms, for the error
     try:
         if cfg.api.listen is not None:
             listen = cfg.api.listen
+            binding = f"api.listen = {listen.host}:{listen.port}"
             host, port = server.listen_tcp((listen.host, listen.port), ApiApp(appliance, token))
             where.append(f"api {host}:{port}{' (token)' if token else ''}")
         if cfg.api.unix_socket:
             path = cfg.api.unix_socket
+            binding = f"api.unix_socket = {path}"
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             if Path(path).is_socket():
                 _remove_stale_socket(path)
@@ -213,11 +217,14 @@ def build_server(cfg: ApplianceConfig, appliance: Appliance,
             where.append(f"unix {path}")
         if cfg.metrics.listen is not None:
             metrics = cfg.metrics.listen
+            binding = f"metrics.listen = {metrics.host}:{metrics.port}"
             host, port = server.listen_tcp((metrics.host, metrics.port), MetricsApp(appliance))
             where.append(f"metrics {host}:{port}")
     except OSError as exc:
         server.stop()
-        raise ReductionError(f"cannot listen: {exc}") from exc
+        taken = (" (another reductiond, or another service, has it: stop that or choose "
+                 "another port)" if exc.errno == errno.EADDRINUSE else "")
+        raise ReductionError(f"cannot listen on {binding}: {exc.strerror or exc}{taken}") from exc
     except BaseException:
         server.stop()
         raise

@@ -22,6 +22,7 @@ import struct
 import sys
 from collections.abc import Iterable, Sequence
 
+from .errors import ConfigError
 from .slots import RxPool
 from .spec import CoreConfig
 from .transport import RxBatch, Send, Staging, TransportCounts, datagram_starts
@@ -282,7 +283,7 @@ class UdpCoreTransport:
             if cfg.multicast_interface:
                 sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF,
                                 socket.inet_aton(cfg.multicast_interface))
-            sock.bind(cfg.bind)
+            _bind(sock, cfg.bind)
         except BaseException:
             sock.close()
             raise
@@ -366,3 +367,18 @@ class UdpCoreTransport:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _bind(sock: socket.socket, address: Address) -> None:
+    """Bind a core's socket; a refusal is the config's to fix, said in its terms (a bare
+    EADDRINUSE from a core named neither the address nor the keys that chose it)."""
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        hint = {errno.EADDRINUSE: ": another reductiond, or another service, has it (stop that "
+                                  "or choose another dataplane.base_port)",
+                errno.EADDRNOTAVAIL: ": no interface of this host has that address"
+                }.get(exc.errno or 0, "")
+        raise ConfigError(f"cannot receive on {address[0]}:{address[1]} (dataplane.address, "
+                          f"dataplane.base_port + the core's index): {exc.strerror or exc}"
+                          f"{hint}") from exc

@@ -1,6 +1,7 @@
 """reductiond's pieces that need no data plane: sd_notify on a real datagram socket, the
 janitor that must never kill the daemon, the open-files limit, how status shows the
-janitor's failures, and the harness draining a daemon's output."""
+janitor's failures, the harness draining a daemon's output, and a start refused for a port
+in use."""
 
 from __future__ import annotations
 
@@ -183,3 +184,35 @@ def test_status_names_jobs_whole_where_they_differ_only_at_the_end() -> None:
         "x" * 19 + "~" + "x" * 16 + ".pg7"]
     narrow = render_status(snapshot | {"jobs": [job(1, "bert")]}).split("\n\n")[2]
     assert narrow.splitlines()[1].startswith("   1 bert             active")  # 16 as before
+
+
+@pytest.mark.parametrize("taken", ["dataplane", "metrics"])
+def test_a_port_in_use_fails_the_start_naming_its_key_and_address(taken: str,
+                                                                   tmp_path: Path) -> None:
+    """A core's data port in use ended reductiond with "core 0 failed: OSError: [Errno 98]
+    Address already in use" (a bug report's words, naming no address); a metrics port in use
+    with "cannot listen: ...", not saying which listener."""
+    kind = socket.SOCK_DGRAM if taken == "dataplane" else socket.SOCK_STREAM
+    with socket.socket(socket.AF_INET, kind) as holder, \
+            socket.socket(socket.AF_INET, socket.SOCK_STREAM) as spare:
+        holder.bind(("127.0.0.1", 0))
+        spare.bind(("127.0.0.1", 0))  # a free port for the other listener, held till the start
+        port, free = holder.getsockname()[1], spare.getsockname()[1]
+        data_port, metrics_port = (port, free) if taken == "dataplane" else (free, port)
+        config = tmp_path / "appliance.toml"
+        config.write_text(
+            f'[dataplane]\naddress = "127.0.0.1"\nbase_port = {data_port}\ncores = 1\n'
+            f'slot_memory_mb = 16\n[multicast]\nenabled = false\n'
+            f'[api]\nlisten = ""\nunix_socket = "{tmp_path / "api.sock"}"\n'
+            f'[metrics]\nlisten = "127.0.0.1:{metrics_port}"\n')
+        spare.close()
+        done = subprocess.run([sys.executable, "-m", "reduction_appliance.control.daemon",
+                               "--config", str(config)], capture_output=True, text=True,
+                              timeout=120)
+    assert done.returncode == 2, done.stderr
+    said = {"dataplane": f"core 0: cannot receive on 127.0.0.1:{port} (dataplane.address, "
+                         "dataplane.base_port + the core's index): Address already in use: "
+                         "another reductiond, or another service, has it",
+            "metrics": f"cannot listen on metrics.listen = 127.0.0.1:{port}: Address already "
+                       "in use (another reductiond, or another service, has it"}[taken]
+    assert said in done.stderr
