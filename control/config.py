@@ -282,6 +282,8 @@ def parse(raw: dict[str, Any], source: str = "<memory>") -> ApplianceConfig:
         _check(isinstance(cpu, int) and not isinstance(cpu, bool) and cpu >= 0,
                "dataplane.cpus", f"entries are CPU numbers >= 0, got {cpu!r}")
     dp["cpus"] = tuple(cast(int, c) for c in cpus)
+    _check(len(set(dp["cpus"])) == len(dp["cpus"]), "dataplane.cpus",
+           f"lists a CPU twice ({list(dp['cpus'])}): each core polls a CPU of its own")
     _check(dp["poll"] in ("busy", "adaptive"), "dataplane.poll", "must be busy or adaptive")
     _check(dp["kernels"] in KERNEL_CHOICES, "dataplane.kernels",
            f"must be one of {', '.join(KERNEL_CHOICES)}, got {dp['kernels']!r}")

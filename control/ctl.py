@@ -182,14 +182,14 @@ def abort(args: argparse.Namespace) -> int:
 
 def check_config(args: argparse.Namespace) -> int:
     """The daemon's own loader, plus what only this host can tell: whether the chosen kernel
-    backend is installed here."""
+    backend is installed here, and whether the cores' memory and CPUs fit it."""
     # Imported here, not at the top: numpy and pyverbs cost `reductionctl status` nothing then
     # (seconds on a slow host; the emulated RoCE guest starts a CLI in 17 s with them).
     from reduction_appliance.dataplane.reduce import available_backends
     from reduction_appliance.dataplane.slots import arena_bytes
     from reduction_appliance.dataplane.verbs import roce_unavailable
 
-    from .hostmemory import host_memory_bytes, slot_memory_verdict
+    from .hostfit import host_verdicts
     try:
         cfg = load(args.file)  # its errors name the file
         kernels = cfg.dataplane.kernels
@@ -199,12 +199,12 @@ def check_config(args: argparse.Namespace) -> int:
                               "or auto")
         if cfg.roce.enabled and (why := roce_unavailable(cfg.roce.device)) is not None:
             raise ConfigError(f"{args.file}: roce.device: {why}")
-        crowded = slot_memory_verdict(cfg, host_memory_bytes())
+        crowded = host_verdicts(cfg)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return EXIT_USAGE
-    if crowded:
-        print(f"warning: {crowded}", file=sys.stderr)
+    for warning in crowded:
+        print(f"warning: {warning}", file=sys.stderr)
     dp = cfg.dataplane
     summary = {"config": cfg.source, "cores": dp.cores, "segment_bytes": dp.max_payload,
                "segments_from": dp.segment_origin,

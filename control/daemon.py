@@ -35,7 +35,7 @@ from . import steering
 from .api import build_server
 from .config import ApplianceConfig, load, read_token
 from .fallbacks import Fallbacks
-from .hostmemory import host_memory_bytes, slot_memory_verdict
+from .hostfit import host_verdicts
 from .registry import Registry
 from .service import Appliance
 from .snapshot import InterfaceSnapshot
@@ -218,8 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         cfg = load(args.config)
-        crowded = slot_memory_verdict(cfg, host_memory_bytes())  # raises where it cannot fit
-        if crowded:
+        for crowded in host_verdicts(cfg):  # (raises where the cores cannot start here)
             _log.warning("%s", crowded)
         files = raise_open_files_limit()
         if files < cfg.api.max_connections + 64:

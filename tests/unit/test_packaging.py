@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from reduction_appliance.control.cli import main as reductionctl
-from reduction_appliance.control.hostmemory import host_memory_bytes
+from reduction_appliance.control.hostfit import host_memory_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "deploy" / "appliance.toml"
