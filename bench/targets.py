@@ -28,8 +28,10 @@ Takes about 20 minutes at --repeat 3 here and needs root (the racks are network 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -38,6 +40,8 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from reduction_appliance.deploy.testnet.unwind import unwinding_on_termination
 
 from .progress import format_duration
 from .verdicts import Verdict, all_verdicts, cost_table, exactness, markdown_table
@@ -104,8 +108,29 @@ def plan_steps(out: Path, repeat: int, groups: Sequence[str] = GROUPS) -> list[S
 Runner = Callable[[Step], int]
 
 
+# How long a stopped step may take to tear its rack down (its daemon stops in 15 s at most).
+_STEP_TEARDOWN_S = 60.0
+
+
 def _run_process(step: Step) -> int:
-    return subprocess.run(step.command(), check=False).returncode
+    """The step's exit status. Stopped (Ctrl-C, or SIGTERM or SIGHUP: `Terminated`), the step
+    gets the signal and time to tear its rack down: `subprocess.run` killed it 0.25 s after
+    Ctrl-C, with its namespaces and daemon still up."""
+    with subprocess.Popen(step.command()) as child:
+        try:
+            return child.wait()
+        except KeyboardInterrupt as exc:
+            signum = getattr(exc, "signum", signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                if signum == signal.SIGINT:  # a terminal's Ctrl-C reached the step as well
+                    child.wait(timeout=1.0)
+            if child.poll() is None:
+                child.send_signal(signum)
+            try:
+                child.wait(timeout=_STEP_TEARDOWN_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+            raise
 
 
 def run_steps(out: Path, steps: Sequence[Step], runner: Runner = _run_process) -> list[Outcome]:
@@ -252,10 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "targets.json").write_text(json.dumps(
         {"steps": [asdict(s) for s in steps]}, indent=2) + "\n")
     try:
-        outcomes = run_steps(out, steps)
-    except KeyboardInterrupt:
+        with unwinding_on_termination():  # SIGTERM and SIGHUP stop the running step first
+            outcomes = run_steps(out, steps)
+    except KeyboardInterrupt as exc:
         print(f"\nstopped; what ran can be judged with --report {out}", file=sys.stderr)
-        return 130
+        return 128 + getattr(exc, "signum", signal.SIGINT)
     return _report(out, steps, outcomes)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 from . import ctl
@@ -62,8 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] in EXTENSIONS:
             return _extension(argv[0], argv[1:])
         return ctl.run(_parser().parse_args(argv))
-    except KeyboardInterrupt:
-        return _fail("interrupted", 130)
+    except KeyboardInterrupt as exc:
+        # SIGTERM or SIGHUP while a lab was up (deploy.testnet.unwind): torn down, as here.
+        signum = getattr(exc, "signum", signal.SIGINT)
+        return _fail("interrupted" if signum == signal.SIGINT else
+                     f"stopped by {signal.Signals(signum).name}", 128 + signum)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from reduction_appliance.control.config import (
 from .lab import Lab, remove_namespaces
 from .output import OutputTail
 from .topology import Topology
+from .unwind import unwinding_on_termination
 
 __all__ = [
     "DAEMON",
@@ -189,6 +190,11 @@ class LoopbackNetwork:
     @classmethod
     @contextlib.contextmanager
     def create(cls, multicast: bool = True) -> Iterator[LoopbackNetwork]:
+        with unwinding_on_termination():  # SIGTERM and SIGHUP remove the namespace too
+            yield from cls._create(multicast)
+
+    @classmethod
+    def _create(cls, multicast: bool) -> Iterator[LoopbackNetwork]:
         if os.geteuid() != 0 or not multicast:
             net = cls(multicast=False)
             try:
@@ -325,7 +331,8 @@ def start_appliance(net: Network, index: int = 0, *, cores: int = 2, slots: int 
     `queue_target_s` the workers' advised congestion target (0: fixed windows); `deadline_s`
     the workers' advised deadline."""
     address = net.appliance_address(index)
-    with tempfile.TemporaryDirectory(prefix="reductiond-") as tmp:
+    # SIGTERM and SIGHUP stop the daemon too (it would outlive this process, cores and all).
+    with unwinding_on_termination(), tempfile.TemporaryDirectory(prefix="reductiond-") as tmp:
         path = Path(tmp) / "appliance.toml"
         token_file = ""
         if token is not None:
@@ -373,7 +380,8 @@ def local_daemon(raw: dict[str, Any], ready_s: float = _READY_TIMEOUT_S
     """`reductiond` on this host's own network, configured by `raw` (the TOML tree; its API on
     TCP, a Unix socket of its own added), in a process group of its own, until the block ends
     (then SIGKILL to the group: its cores too)."""
-    with tempfile.TemporaryDirectory(prefix="rd-") as tmp:  # short: a socket path has 108 B
+    with unwinding_on_termination(), \
+            tempfile.TemporaryDirectory(prefix="rd-") as tmp:  # short: a socket path has 108 B
         sock = str(Path(tmp) / "api.sock")
         cfg = parse({**raw, "api": {**raw.get("api", {}), "unix_socket": sock}})
         path = Path(tmp) / "appliance.toml"

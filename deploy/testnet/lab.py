@@ -30,6 +30,7 @@ from reduction_appliance.deploy.testnet.shaping import (
     loss_ruleset,
 )
 from reduction_appliance.deploy.testnet.topology import Topology
+from reduction_appliance.deploy.testnet.unwind import unwinding_on_termination
 
 _TERM_GRACE_S = 2.0
 # IPv6 off everywhere: no DAD, router solicitations or MLD reports to disturb packet counts.
@@ -204,8 +205,9 @@ def teardown(topology: Topology) -> list[str]:
 class Lab:
     """The emulated rack, alive inside ``with Lab(topology) as lab:``.
 
-    Teardown runs on any exit, including KeyboardInterrupt during the build: it kills the
-    processes started through the lab, then removes every namespace (and so every interface).
+    Teardown runs on any exit, including KeyboardInterrupt during the build, and SIGTERM or
+    SIGHUP (`deploy.testnet.unwind`): it kills the processes started through the lab, then
+    removes every namespace (and so every interface).
     """
 
     def __init__(self, topology: Topology) -> None:
@@ -213,6 +215,7 @@ class Lab:
         self._procs: list[subprocess.Popen[Any]] = []
         self._entered = False
         self._closed = False
+        self._unwinding = contextlib.ExitStack()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -220,6 +223,8 @@ class Lab:
         if self._entered:
             raise LabError("a Lab can be entered once")
         self._entered = True
+        # Torn down on SIGTERM and SIGHUP too (restored by close(), after the teardown).
+        self._unwinding.enter_context(unwinding_on_termination())
         try:
             self._build()
         except BaseException:
@@ -240,8 +245,11 @@ class Lab:
         if self._closed:
             return
         self._closed = True
-        self._stop_procs()
-        teardown(self.topology)
+        try:
+            self._stop_procs()
+            teardown(self.topology)
+        finally:
+            self._unwinding.close()
 
     def detach(self) -> None:
         """Leave the rack up after the with block (``reductionctl lab up``): teardown is skipped
@@ -250,6 +258,7 @@ class Lab:
         self._require_running()
         self._procs.clear()
         self._closed = True
+        self._unwinding.close()
 
     # -- queries ---------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -504,3 +505,36 @@ def test_a_loopback_namespace_whose_maker_died_is_removed_and_a_living_ones_kept
         for name in (orphan, living):
             with contextlib.suppress(OSError):
                 netns.remove(name)
+
+
+TERMINATED_RUN = """
+import sys
+from reduction_appliance.deploy.testnet.harness import LabNetwork, start_appliance
+with LabNetwork.rack(1) as net, start_appliance(net, cores=1) as appliance:
+    print(net.lab.topology.name_prefix, appliance.process.pid, flush=True)
+    sys.stdin.read()  # until the test stops this process
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_run_stopped_by_sigterm_or_sighup_tears_its_rack_and_daemon_down(signum: int) -> None:
+    """`reductionctl bench` stopped with SIGTERM (`timeout`, a cancelled CI job) or SIGHUP (a
+    closed terminal) left its rack's namespaces, and a reductiond running inside them."""
+    run = subprocess.Popen([PY, "-c", TERMINATED_RUN], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert run.stdout is not None
+    line = run.stdout.readline().split()
+    assert len(line) == 2, run.communicate(timeout=60)[1]
+    prefix, daemon = line[0], int(line[1])
+    try:
+        assert leftovers(prefix) != []
+        run.send_signal(signum)
+        _, err = run.communicate(timeout=60)
+        assert run.returncode != 0 and "Terminated" in err
+        assert leftovers(prefix) == []
+        with pytest.raises(ProcessLookupError):
+            os.kill(daemon, 0)  # reaped by the run: gone, not a zombie
+    finally:  # what a failing run left
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(daemon, signal.SIGKILL)
+        clean(prefix)

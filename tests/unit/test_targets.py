@@ -4,6 +4,11 @@ benchmarks wrote, on JSON made here in the benchmarks' own shapes (no benchmark 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +17,9 @@ import pytest
 from reduction_appliance.bench import targets
 from reduction_appliance.bench.targets import GROUPS, Step, judge, plan_steps, run_steps
 from reduction_appliance.bench.verdicts import Rule, Unit, Verdict, markdown_table
+from reduction_appliance.deploy.testnet.unwind import unwinding_on_termination
 from tests.refusals import refusal
+from tests.waiting import wait_until
 
 MIB = 1 << 20
 
@@ -282,3 +289,45 @@ def test_report_of_a_directory_without_a_run_is_refused(
 
 def test_every_group_is_planned() -> None:
     assert {s.group for s in plan_steps(Path("x"), 1)} == set(GROUPS)
+
+
+# A step that takes its time to tear down when stopped (the sleep is that teardown's work).
+TEARS_DOWN = """
+import pathlib, signal, sys, time
+done = pathlib.Path(sys.argv[1])
+def stop(signum, frame):
+    time.sleep(0.5)
+    done.write_text(signal.Signals(signum).name)
+    sys.exit(1)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
+(done.parent / "ready").touch()
+while True:
+    signal.pause()
+"""
+
+
+@dataclass(frozen=True)
+class ScriptStep(Step):
+    script: str = ""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", self.script, *self.argv]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_run_gives_its_step_the_signal_and_time_to_tear_down(
+        signum: int, tmp_path: Path) -> None:
+    """subprocess.run killed the step 0.25 s after Ctrl-C, with its rack still up; a SIGTERM
+    left it running alone. (A SIGINT that reached only this process is passed on.)"""
+    done = tmp_path / "done"
+    step = ScriptStep("s", "g", "m", (str(done),), script=TEARS_DOWN)
+
+    def stop_when_ready() -> None:
+        wait_until((tmp_path / "ready").exists, 30, what="the step to start")
+        os.kill(os.getpid(), signum)
+
+    threading.Thread(target=stop_when_ready, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt), unwinding_on_termination():
+        targets._run_process(step)
+    assert done.read_text() == signal.Signals(signum).name
