@@ -39,7 +39,14 @@ from reduction_appliance.dataplane.units import format_size
 from reduction_appliance.deploy.testnet.harness import HarnessError
 
 from .gauge import framing, interpreter_ms
-from .plan import DTYPE_CHOICES, SHAPED_TIMED_BYTES, SweepPlan, parse_sizes, tc_rate
+from .plan import (
+    DTYPE_CHOICES,
+    SHAPED_TIMED_BYTES,
+    SweepPlan,
+    parse_sizes,
+    tc_rate,
+    unwritable_output,
+)
 from .progress import ProgressBar
 from .sweep import Row, failed, multicast_possible, run_sweep
 
@@ -257,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the comparison N times; print the median and spread of the ratio")
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     args = p.parse_args(argv)
+    if (unwritable := unwritable_output(args.json, directory=False)) is not None:
+        p.error(unwritable)
     if args.repeat < 1 or args.iters < 1:
         p.error("--repeat and --iters must be at least 1")
     if args.warmup < 0:

@@ -46,6 +46,7 @@ from reduction_appliance.deploy.testnet.topology import parse_rate
 
 from .cputime import CpuSample
 from .gauge import framing, interpreter_ms
+from .plan import unwritable_output
 from .progress import ProgressBar
 
 __all__ = ["COMMS", "EXAMPLE", "CommRun", "Plan", "example_argv", "main", "run_comm", "run_plan"]
@@ -277,6 +278,8 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, Path | None]:
                         "the appliance's CUDA staging path; Gloo stages CUDA tensors too)")
     p.add_argument("--out", type=Path, default=None, help="directory for ddp_steps.json")
     args = p.parse_args(argv)
+    if (unwritable := unwritable_output(args.out, directory=True)) is not None:
+        p.error(unwritable)
     if args.device.split(":")[0] not in ("cpu", "cuda"):
         p.error(f"--device {args.device!r}: cpu or cuda")
     if args.device != "cpu":

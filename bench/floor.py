@@ -55,7 +55,7 @@ from reduction_appliance.deploy.testnet.probe import MachineTime, descendants, m
 
 from .floor_peer import LOST_EXIT
 from .gauge import framing, interpreter_ms
-from .plan import SweepPlan, parse_sizes, tc_rate
+from .plan import SweepPlan, parse_sizes, tc_rate, unwritable_output
 from .progress import ProgressBar
 from .sweep import LabNet, Row, appliance_case, gloo_case, open_network
 
@@ -355,6 +355,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1, help="runs, each on a fresh network")
     p.add_argument("--json", type=Path, default=None, help="write every run here")
     args = p.parse_args(argv)
+    if (unwritable := unwritable_output(args.json, directory=False)) is not None:
+        p.error(unwritable)
     if len(args.size) != 1:
         p.error("--size takes one size")
     args.size = args.size[0]

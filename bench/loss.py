@@ -36,7 +36,7 @@ from pathlib import Path
 from reduction_appliance.dataplane.units import format_size
 from reduction_appliance.deploy.testnet.harness import HarnessError
 
-from .plan import SHAPED_TIMED_BYTES, SweepPlan, parse_sizes
+from .plan import SHAPED_TIMED_BYTES, SweepPlan, parse_sizes, unwritable_output
 from .progress import ProgressBar
 from .sweep import Row, failed, run_sweep
 
@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(0: fixed windows)")
     p.add_argument("--json", type=Path, default=None, help="write every row here")
     args = p.parse_args(argv)
+    if (unwritable := unwritable_output(args.json, directory=False)) is not None:
+        p.error(unwritable)
     if args.iters < 1 or args.repeat < 1:
         p.error("--iters and --repeat are at least 1")
     if not 0 <= args.queue_target <= 10:

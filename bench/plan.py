@@ -10,13 +10,15 @@ Sizes take nccl-tests-like ranges and lists: `1KiB:256MiB:x4` (start, stop, time
 from __future__ import annotations
 
 import argparse
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TypeVar
 
 from reduction_appliance.dataplane.dtypes import DTYPES, by_short
 from reduction_appliance.dataplane.units import parse_size
-from reduction_appliance.deploy.testnet.topology import parse_rate
+from reduction_appliance.deploy.testnet.topology import RACK_WORKERS_MAX, parse_rate
 
 __all__ = [
     "DEFAULT_SIZES",
@@ -114,8 +116,9 @@ def _choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
 
 def _counts(text: str) -> list[int]:
     counts = [int(x) for x in text.split(",") if x.strip()]
-    if not counts or min(counts) < 2:
-        raise ValueError(f"worker counts {text!r}: each must be >= 2")
+    if not counts or min(counts) < 2 or max(counts) > RACK_WORKERS_MAX:
+        raise ValueError(f"worker counts {text!r}: each must be 2..{RACK_WORKERS_MAX} (the "
+                         "emulated rack's /24 holds that many workers)")
     return sorted(set(counts))
 
 
@@ -233,3 +236,21 @@ def plan_from_args(args: argparse.Namespace) -> SweepPlan:
         loss_pct=args.loss,
         appliance_rate=args.appliance_rate if args.network == "rack" else None,
     )
+
+
+def unwritable_output(path: Path | None, *, directory: bool) -> str | None:
+    """Why a run's results could not be written to `path` (a directory, or a file), or None;
+    the folder is made now. Asked before the run: a bad path found once the results are in
+    cost the whole run (`--out /proc/x` failed with a traceback after every case)."""
+    if path is None:
+        return None
+    folder = path if directory else path.parent
+    if not directory and path.is_dir():
+        return f"{path} is a directory: give a file name for the results"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):  # (root passes every access check)
+            pass
+    except OSError as exc:
+        return f"cannot write results under {folder}: {exc.strerror or exc}"
+    return None

@@ -47,7 +47,7 @@ from reduction_appliance.deploy.testnet.harness import (
 from reduction_appliance.deploy.testnet.probe import descendants
 from reduction_appliance.deploy.testnet.topology import Link
 
-from .plan import SweepPlan, add_sweep_arguments, dtype_name, plan_from_args
+from .plan import SweepPlan, add_sweep_arguments, dtype_name, plan_from_args, unwritable_output
 
 __all__ = ["LabNet", "Listener", "Row", "appliance_case", "gloo_case", "main", "open_network",
            "run", "run_sweep"]
@@ -342,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="directory for results.json, results.csv, algbw.png (default: results)")
     p.add_argument("--no-plot", action="store_true", help="skip algbw.png")
     args = p.parse_args(argv)
+    if (unwritable := unwritable_output(args.out, directory=True)) is not None:
+        p.error(unwritable)
     try:
         plan = plan_from_args(args)
     except ValueError as exc:

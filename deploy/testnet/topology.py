@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 # Every lab's names start with this, so `clean(DEFAULT_PREFIX_ROOT)` finds leftovers of any run.
 DEFAULT_PREFIX_ROOT = "rlab"
+RACK_WORKERS_MAX = 154  # 198.18.0.101..254: the workers' part of the rack's /24
 
 # Linux IFNAMSIZ is 16 including the terminating NUL.
 IFNAME_MAX = 15
@@ -164,8 +165,9 @@ class Topology:
     ) -> Topology:
         """Appliances a0.. at 198.18.0.1.., workers w0.. at 198.18.0.101..; impairments apply
         to worker links (the appliance link is unrestricted unless given)."""
-        if not 1 <= appliances <= 100 or not 1 <= workers <= 154:
-            raise ValueError("rack() fits 1..100 appliances and 1..154 workers in one /24")
+        if not 1 <= appliances <= 100 or not 1 <= workers <= RACK_WORKERS_MAX:
+            raise ValueError(f"rack() fits 1..100 appliances and 1..{RACK_WORKERS_MAX} workers "
+                             "in one /24")
         base = ipaddress.IPv4Address("198.18.0.0")
         return cls(
             name_prefix=prefix if prefix is not None else unique_prefix(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from reduction_appliance.bench.plan import (
     add_sweep_arguments,
     parse_sizes,
     plan_from_args,
+    unwritable_output,
 )
 from reduction_appliance.bench.report import bounds_gbps
 
@@ -66,6 +68,7 @@ def test_loopback_plan_has_no_rate() -> None:
 @pytest.mark.parametrize("argv", [
     ["--sizes", "1KiB:2KiB:x1"], ["--workers", "1"], ["--modes", "broadcast"],
     ["--dtypes", "fp64"], ["--rate", "fast"],
+    ["--workers", "4,155"],  # beyond the rack's /24: was a ValueError traceback from the lab
 ])
 def test_bad_options_are_usage_errors(argv: list[str]) -> None:
     p = argparse.ArgumentParser()
@@ -98,3 +101,18 @@ def test_slots_reach_the_plan_and_must_be_positive() -> None:
     assert plan_from_args(p.parse_args(["--slots", "16"])).slots == 16
     with pytest.raises(ValueError, match="--slots >= 1"):
         plan_from_args(p.parse_args(["--slots", "0"]))
+
+
+def test_where_results_cannot_go_is_said_before_the_run(tmp_path: Path) -> None:
+    """`--out /proc/x` failed with a traceback once every case had run."""
+    assert unwritable_output(None, directory=True) is None
+    assert unwritable_output(tmp_path / "new" / "dir", directory=True) is None
+    assert (tmp_path / "new" / "dir").is_dir()  # made now
+    assert unwritable_output(tmp_path / "a" / "rows.json", directory=False) is None
+    assert unwritable_output(tmp_path, directory=False) == (
+        f"{tmp_path} is a directory: give a file name for the results")
+    assert unwritable_output(Path("/proc/x"), directory=True) == (
+        "cannot write results under /proc/x: No such file or directory")
+    (tmp_path / "file").write_text("")
+    assert "cannot write results under" in str(
+        unwritable_output(tmp_path / "file" / "rows.json", directory=False))
