@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from .lab import LabError
-from .standing import STATE_DIR, down, list_labs, up
+from .standing import STATE_DIR, down, list_labs, orphaned_labs, up
 from .topology import Topology
 
 __all__ = ["main"]
@@ -102,11 +102,17 @@ def lab_list(args: argparse.Namespace) -> int:
         return EXIT_OK
     if not labs:
         print("no standing labs (reductionctl lab up --workers N)")
-        return EXIT_OK
-    print(f"{'name':<14} {'state':<8} {'appl':>4} {'workers':>7} {'rate':<10} {'mtu':>5}  created")
+    else:
+        print(f"{'name':<14} {'state':<8} {'appl':>4} {'workers':>7} {'rate':<10} {'mtu':>5}  "
+              "created")
     for lab in labs:
         print(f"{lab['name']:<14} {lab['state']:<8} {lab['appliances']:>4} {lab['workers']:>7} "
               f"{lab['rate'] or 'unshaped':<10} {lab['mtu']:>5}  {lab['created']}")
+    # A run killed outright (SIGKILL, out of memory) could not tear its rack down: say so
+    # where a person looks for labs, with the command that removes it.
+    for prefix, names in orphaned_labs(args.state_dir).items():
+        print(f"left by a run that is gone: {prefix} ({len(names)} namespaces); "
+              f"`reductionctl lab down {prefix}` removes it")
     return EXIT_OK
 
 

@@ -13,16 +13,21 @@ import contextlib
 import datetime
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pyroute2 import netns
 
-from reduction_appliance.deploy.testnet.lab import Lab, LabError, teardown
-from reduction_appliance.deploy.testnet.topology import Topology
+from reduction_appliance.deploy.testnet.lab import Lab, LabError, clean, teardown
+from reduction_appliance.deploy.testnet.topology import (
+    DEFAULT_PREFIX_ROOT,
+    PREFIX_PID_DIGITS,
+    Topology,
+)
 
-__all__ = ["STATE_DIR", "LabRecord", "down", "list_labs", "up"]
+__all__ = ["STATE_DIR", "LabRecord", "down", "list_labs", "orphaned_labs", "up"]
 
 STATE_DIR = Path("/run/reduction-appliance/labs")
 
@@ -102,9 +107,12 @@ def up(topology: Topology, state_dir: Path = STATE_DIR) -> LabRecord:
 
 
 def down(name: str, state_dir: Path = STATE_DIR) -> list[str]:
-    """Tear a standing lab down; returns the namespaces removed."""
+    """Tear a standing lab down, or what a killed run left (`orphaned_labs`); returns the
+    namespaces removed."""
     path = _path(state_dir, name)
     if not path.exists():
+        if name in orphaned_labs(state_dir):
+            return clean(name)
         raise LabError(f"no standing lab named {name!r} (see `reductionctl lab list`)")
     removed = teardown(LabRecord.load(path).topology)
     with contextlib.suppress(FileNotFoundError):
@@ -122,3 +130,25 @@ def list_labs(state_dir: Path = STATE_DIR) -> list[LabRecord]:
         except (OSError, ValueError, KeyError) as exc:
             raise LabError(f"unreadable lab record {path}: {exc}") from exc
     return records
+
+
+# A run's own rack: DEFAULT_PREFIX_ROOT, its maker's pid (topology.unique_prefix), 2 more.
+_RUN_PREFIX = re.compile(rf"^({DEFAULT_PREFIX_ROOT}[0-9a-z]{{{PREFIX_PID_DIGITS + 2}}})-")
+
+
+def orphaned_labs(state_dir: Path = STATE_DIR) -> dict[str, list[str]]:
+    """Racks that runs built for themselves and could not tear down (killed outright: SIGKILL,
+    the OOM killer), by prefix, with their namespaces: named as a run names its rack, no
+    standing lab's, and no process left whose pid the name carries. (Only a pid's last digits
+    fit the name: a process that shares them keeps its namespaces listed as its own.)"""
+    standing = {record.name for record in list_labs(state_dir)}
+    found: dict[str, list[str]] = {}
+    for name in netns.listnetns():
+        match = _RUN_PREFIX.match(name)
+        if match and match.group(1) not in standing:
+            found.setdefault(match.group(1), []).append(name)
+    modulus = 36**PREFIX_PID_DIGITS
+    living = {int(pid) % modulus for pid in os.listdir("/proc") if pid.isdigit()}
+    start = len(DEFAULT_PREFIX_ROOT)
+    return {prefix: sorted(names) for prefix, names in found.items()
+            if int(prefix[start:start + PREFIX_PID_DIGITS], 36) not in living}

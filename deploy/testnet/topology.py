@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 # Every lab's names start with this, so `clean(DEFAULT_PREFIX_ROOT)` finds leftovers of any run.
 DEFAULT_PREFIX_ROOT = "rlab"
+PREFIX_PID_DIGITS = 4  # base-36 digits of the maker's pid in a run's prefix (unique_prefix)
 RACK_WORKERS_MAX = 154  # 198.18.0.101..254: the workers' part of the rack's /24
 
 # Linux IFNAMSIZ is 16 including the terminating NUL.
@@ -42,7 +43,7 @@ def unique_prefix(root: str = DEFAULT_PREFIX_ROOT) -> str:
     The pid part keeps parallel runs apart; the random part keeps two labs of one process (or
     a recycled pid after a crash that left debris) apart.
     """
-    return root + _base36(os.getpid(), 4) + _base36(secrets.randbelow(36**2), 2)
+    return root + _base36(os.getpid(), PREFIX_PID_DIGITS) + _base36(secrets.randbelow(36**2), 2)
 
 
 def parse_rate(rate: str) -> int:

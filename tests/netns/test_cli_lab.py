@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from reduction_appliance.deploy.testnet import LabError, leftovers, unique_prefix
+from reduction_appliance.deploy.testnet import LabError, clean, leftovers, unique_prefix
 from reduction_appliance.deploy.testnet.standing import down
 
 _ROOT = Path(__file__).resolve().parents[2]
@@ -80,3 +80,40 @@ def test_lab_roce_runs_a_command_where_soft_roce_devices_are_active(tmp_path: Pa
     assert done.stdout.count("state ACTIVE") == 2, done.stdout
     assert "rxe1/1" in done.stdout and "rxe2/1" in done.stdout
     assert ctl(tmp_path, "roce").returncode == 2  # no command: usage
+
+
+KILLED_RUN = """
+import signal
+from reduction_appliance.deploy.testnet import Lab, Topology
+with Lab(Topology.rack(workers=1)) as lab:
+    print(lab.topology.name_prefix, flush=True)
+    while True:
+        signal.pause()  # until the test kills this process outright
+"""
+
+
+def test_a_rack_left_by_a_killed_run_is_listed_and_taken_down_by_name(tmp_path: Path) -> None:
+    """A run killed outright (SIGKILL, the OOM killer) cannot tear its rack down: `lab list`
+    said "no standing labs" over its namespaces, and `lab down` did not know the name."""
+    run = subprocess.Popen([sys.executable, "-c", KILLED_RUN], stdout=subprocess.PIPE, text=True)
+    assert run.stdout is not None
+    prefix = run.stdout.readline().strip()
+    try:
+        assert prefix and leftovers(prefix) != []
+        listed = ctl(tmp_path, "list")
+        assert f"left by a run that is gone: {prefix}" not in listed.stdout  # its maker runs
+        run.kill()
+        run.wait()
+        listed = ctl(tmp_path, "list")
+        assert listed.returncode == 0
+        assert (f"left by a run that is gone: {prefix} (3 namespaces); `reductionctl lab down "
+                f"{prefix}` removes it") in listed.stdout
+        taken = ctl(tmp_path, "down", prefix)
+        assert taken.returncode == 0, taken.stderr
+        assert leftovers(prefix) == []
+        assert prefix not in ctl(tmp_path, "list").stdout
+    finally:
+        run.kill()
+        run.wait()
+        with contextlib.suppress(LabError, ValueError):
+            clean(prefix)
