@@ -214,8 +214,15 @@ def main(argv: list[str] | None = None) -> int:
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
+    def on_hangup(signum: int, frame: FrameType | None) -> None:
+        # SIGHUP's default ends a process at once: a closed terminal, or a log rotation's
+        # habitual `kill -HUP`, cut every job off without the drain SIGTERM gives.
+        _log.warning("SIGHUP ignored: reductiond does not reload its config; restart it "
+                     "(SIGTERM drains the jobs) to apply a new one")
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)
     try:
         cfg = load(args.config)
         for crowded in host_verdicts(cfg):  # (raises where the cores cannot start here)

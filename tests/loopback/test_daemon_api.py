@@ -289,6 +289,18 @@ def test_sigterm_with_1000_open_connections_exits_within_the_drain_bound(
         assert "Traceback" not in daemon.stderr.text()
 
 
+def test_sighup_is_said_and_ignored() -> None:
+    """SIGHUP's default (a closed terminal, a log rotation's `kill -HUP`) ended the daemon
+    at once, every job cut off without a drain."""
+    with running_daemon() as daemon:
+        daemon.process.send_signal(signal.SIGHUP)
+        wait_until(lambda: "SIGHUP ignored" in daemon.stderr.text(), 10, what="the warning")
+        assert daemon.process.poll() is None
+        assert daemon.get("/v1/status")["cores"]  # still serving
+        assert ("SIGHUP ignored: reductiond does not reload its config; restart it (SIGTERM "
+                "drains the jobs) to apply a new one") in daemon.stderr.text()
+
+
 def test_sd_notify_ready_watchdog_and_stopping() -> None:
     name = f"rd-notify-{os.getpid()}-{threading.get_ident()}"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as systemd:
