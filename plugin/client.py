@@ -42,6 +42,7 @@ from reduction_appliance.dataplane.wire import (
 from . import rendezvous
 from .congestion import Congestion
 from .lease import Lease
+from .multicast_watch import MulticastWatch
 from .pipeline import Outcome, RoundPipeline
 from .rendezvous import JobInfo
 from .rtt import RttEstimator, Timing
@@ -231,6 +232,10 @@ class ApplianceClient:
         self._lease: Lease | None = None
         self._beat_s = max(0.05, liveness / 10)
         self._last_turn = clock()  # when `progress` last read the sockets
+        groups = [j.multicast for j in self.jobs if j.multicast is not None]
+        self._multicast_watch = (
+            (MulticastWatch(rank, groups), self.transport)
+            if groups and isinstance(self.transport, UdpWorkerTransport) else None)
         if lease:
             self._lease = Lease(self.heartbeat, self._beat_s, f"reduction-lease-{rank}")
 
@@ -400,7 +405,16 @@ class ApplianceClient:
         for outcome in outcomes:
             if self._views.pop(outcome.ticket, None) is not None:
                 self.repairs = self.repairs.plus(outcome.repairs)
+                if self._multicast_watch is not None and outcome.error is None:
+                    self._watch_multicast(outcome)
         return outcomes
+
+    def _watch_multicast(self, outcome: Outcome) -> None:
+        assert self._multicast_watch is not None
+        watch, udp = self._multicast_watch
+        unheard = watch.round_ended(udp.heard_on_groups, outcome.repairs.total)
+        if unheard:
+            _log.warning("%s", unheard)
 
     def _send_due(self) -> None:
         views = self._views

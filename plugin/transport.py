@@ -170,6 +170,8 @@ class UdpWorkerTransport:
         self.gro_refused = gro_refused
         self.stamps_refused = "unasked"  # (the constructor asks for them)
         self.coalesced = 0  # receive calls that brought more than one datagram
+        # datagrams taken from the multicast groups' sockets (plugin/multicast_watch.py)
+        self.heard_on_groups = 0
         self._readable: list[socket.socket] | None = None  # what the last `wait` found
 
     def __enter__(self) -> UdpWorkerTransport:
@@ -262,7 +264,10 @@ class UdpWorkerTransport:
                 size, stamped = receive_facts(ancdata, nbytes) if ancdata else (nbytes, 0.0)
                 if size < nbytes:
                     self.coalesced += 1
-                taken += len(datagram_starts(nbytes, size))
+                count = len(datagram_starts(nbytes, size))
+                taken += count
+                if sock is not self.sock:
+                    self.heard_on_groups += count
                 if take_run is not None:
                     # How long it sat in this host (our socket, our process not running): no
                     # queue on the path (plugin/congestion.py). The kernel's clock is time.time's.

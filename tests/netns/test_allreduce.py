@@ -4,6 +4,8 @@ results against the numpy reference and the appliance's counters through its API
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -147,3 +149,23 @@ def test_segments_spread_over_two_appliances() -> None:
         # Both appliances reduced a share of every tensor.
         for appliance in (first, second):
             assert appliance.counters()["segments_reduced"] > 0
+
+
+def test_a_worker_that_hears_no_multicast_says_so_and_still_reduces_exactly() -> None:
+    """The group dropped at one worker's host (what a switch with IGMP snooping and no querier
+    does minutes into a job): every result came by retransmission, many times slower, and
+    nothing said why."""
+    with LabNetwork.rack(2) as net, start_appliance(net) as appliance:
+        net.lab.run("w1", ["nft", "-f", "-"], input=(
+            "table ip deaf {\n chain in {\n  type filter hook input priority 0;\n"
+            "  ip daddr 239.255.0.0/16 drop\n }\n}\n"))
+        argv = worker_argv(net, appliance.api, 2, "deaf",
+                           ["--sizes", "64KiB", "--iters", "4", "--warmup", "0"])
+        procs = [net.popen_worker(rank, [sys.executable, *a], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+                 for rank, a in enumerate(argv)]
+        said = [proc.communicate(timeout=120)[1] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], said
+    assert "multicast group" not in said[0]
+    assert ("rank 1: the last 3 allreduces heard none of their results on the job's multicast "
+            "group 239.255.") in said[1]

@@ -1,0 +1,31 @@
+"""A worker that hears none of its job's multicast results says so (plugin.multicast_watch)."""
+
+from __future__ import annotations
+
+from reduction_appliance.plugin.multicast_watch import UNHEARD_ROUNDS, MulticastWatch
+
+
+def test_rounds_repaired_without_a_datagram_on_the_group_are_named_once() -> None:
+    watch = MulticastWatch(1, [("239.255.0.1", 7100), ("239.255.0.1", 7100)])
+    assert watch.round_ended(heard_on_groups=40, retransmissions=0) is None  # heard: fine
+    said = [watch.round_ended(40, retransmissions=7) for _ in range(UNHEARD_ROUNDS)]
+    assert said[:-1] == [None] * (UNHEARD_ROUNDS - 1)
+    assert said[-1] is not None
+    assert said[-1].startswith(f"rank 1: the last {UNHEARD_ROUNDS} allreduces heard none of "
+                               "their results on the job's multicast group 239.255.0.1:7100: ")
+    assert "IGMP snooping and no querier" in said[-1] and "multicast.enabled = false" in said[-1]
+    assert watch.round_ended(40, retransmissions=7) is None  # once
+    assert watch.said
+
+
+def test_a_round_that_heard_the_group_or_needed_no_repair_breaks_the_streak() -> None:
+    watch = MulticastWatch(0, [("239.255.0.2", 7000)])
+    heard = 0
+    for _ in range(10):
+        for _ in range(UNHEARD_ROUNDS - 1):
+            assert watch.round_ended(heard, retransmissions=1) is None  # a lost multicast each
+        heard += 1  # the next round heard the group
+        assert watch.round_ended(heard, retransmissions=1) is None
+    for _ in range(10):  # rounds ending together (lanes): the later ones needed no repair
+        assert watch.round_ended(heard, retransmissions=0) is None
+    assert not watch.said
