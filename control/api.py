@@ -9,6 +9,8 @@
                                      "lanes"?}                      -> the job, with its cookie
     POST   /v1/jobs/ID/resync       {"secret", "epoch"}             -> the job in a new epoch
     POST   /v1/jobs/ID/leave        {"rank", "secret"}              -> the job
+    POST   /v1/jobs/ID/unicast      {"rank", "secret"}              -> the job, its results by
+                                     unicast fan-out from now on (a rank hears no multicast)
     POST   /v1/jobs/ID/connect      {"rank", "secret", "address", "queue_pairs"}
                                     -> {"address", "queue_pairs"}: a RoCE job's queue pairs
     POST   /v1/jobs/ID/abort        -> the job, now aborted (its workers are told)
@@ -58,7 +60,8 @@ from .service import Appliance
 __all__ = ["MAX_JSON_DEPTH", "ApiApp", "MetricsApp", "build_server"]
 
 _log = logging.getLogger("reductiond.api")
-_JOB_ACTION = re.compile(r"^/v1/jobs/(\d+)(?:/(join|leave|resync|abort|connect))?$")
+_JOB_ACTION = re.compile(
+    r"^/v1/jobs/(\d+)(?:/(join|leave|resync|unicast|abort|connect))?$")
 #: Deepest JSON nesting a body may have: our bodies are flat objects; json's recursion on a
 #: deeper one would cost a stack per level (and a RecursionError at ~1000).
 MAX_JSON_DEPTH = 32
@@ -99,9 +102,10 @@ def _route(method: str, path: str) -> _Route | Response:
         if action == "connect":
             return _Route(lambda app, r: Response.json(200, app.connect(
                 job_id, json_object(r.body))), needs_body=True)
-        if action in ("join", "leave", "resync"):
+        if action in ("join", "leave", "resync", "unicast"):
             def act(app: Appliance, r: Request) -> Response:
-                handler = {"join": app.join, "leave": app.leave, "resync": app.resync}[action]
+                handler = {"join": app.join, "leave": app.leave, "resync": app.resync,
+                           "unicast": app.unicast}[action]
                 return Response.json(200, handler(job_id, json_object(r.body)).to_json())
             return _Route(act, needs_body=True)
     elif match and action is None:  # DELETE

@@ -107,6 +107,7 @@ class JobEvent(Enum):
     LEAVE = "leave"
     ABORT = "abort"
     IDLE = "idle"
+    UNICAST = "unicast"  # a rank hears none of the job's multicast results
 
 
 _TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {
@@ -120,6 +121,8 @@ _TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {
     (JobState.ACTIVE, JobEvent.ABORT): JobState.ABORTED,
     (JobState.CREATED, JobEvent.IDLE): JobState.EVICTED,
     (JobState.ACTIVE, JobEvent.IDLE): JobState.EVICTED,
+    (JobState.CREATED, JobEvent.UNICAST): JobState.CREATED,
+    (JobState.ACTIVE, JobEvent.UNICAST): JobState.ACTIVE,
 }
 GONE = frozenset({JobState.DONE, JobState.ABORTED, JobState.EVICTED})
 
@@ -376,6 +379,21 @@ class Registry:
         if plan.spec.epoch == seen_epoch:
             epoch = plan.spec.epoch % (_EPOCHS - 1) + 1
             plan = replace(plan, spec=replace(plan.spec, epoch=epoch))
+        self._by_id[job_id] = plan
+        return plan
+
+    def unicast_results(self, job_id: int, rank: int, secret: str) -> JobPlan:
+        """The job's results by unicast fan-out from now on: joined `rank` hears none of its
+        multicast group (the network does not deliver it: a switch with IGMP snooping and no
+        querier). Every rank then gets each result from the core itself; a job already
+        unicast is returned as it is. Only a UDP job multicasts this way (409 otherwise)."""
+        plan = self._move(job_id, JobEvent.UNICAST, secret)
+        if rank not in plan.joined:
+            raise Conflict(f"rank {rank} has not joined job {job_id}")
+        if plan.request.transport != "udp":
+            raise Conflict(f"job {job_id} is a {plan.request.transport} job: its results are "
+                           "not UDP multicast")
+        plan = replace(plan, spec=replace(plan.spec, multicast=None))
         self._by_id[job_id] = plan
         return plan
 

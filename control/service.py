@@ -226,6 +226,25 @@ class Appliance:
             self.supervisor.update_job(plan.spec)
         return plan.describe(self.cfg, member=True)
 
+    def unicast(self, job_id: int, body: dict[str, Any]) -> JobDescription:
+        """A rank hears none of the job's multicast results: every rank gets them by unicast
+        fan-out from now on (logged once, at WARNING: the network needs fixing)."""
+        rank = bodies.integer(body, "rank")
+        secret = bodies.string(body, "secret")
+        with self._lock:
+            before = self.registry.get(job_id).spec
+            plan = self.registry.unicast_results(job_id, rank, secret)
+            if plan.spec != before:
+                self.supervisor.update_job(plan.spec)
+                assert before.multicast is not None
+                group, port = before.multicast
+                _log.warning("job %d (%s): rank %d hears none of the results multicast to "
+                             "%s:%d; results by unicast fan-out to every rank from now on. "
+                             "The data network does not deliver the group to that host (a "
+                             "switch with IGMP snooping and no querier?): see "
+                             "deploy/host-tuning.md", job_id, plan.name, rank, group, port)
+        return plan.describe(self.cfg, member=True)
+
     def leave(self, job_id: int, body: dict[str, Any]) -> JobDescription:
         rank = bodies.integer(body, "rank")
         secret = bodies.string(body, "secret")

@@ -410,11 +410,24 @@ class ApplianceClient:
         return outcomes
 
     def _watch_multicast(self, outcome: Outcome) -> None:
+        """After a round: where the job's multicast results do not reach this host, say so
+        and ask each appliance for them by unicast (once)."""
         assert self._multicast_watch is not None
         watch, udp = self._multicast_watch
         unheard = watch.round_ended(udp.heard_on_groups, outcome.repairs.total)
-        if unheard:
-            _log.warning("%s", unheard)
+        if not unheard:
+            return
+        asked = []
+        for i, job in enumerate(self.jobs):
+            if job.multicast is None:
+                continue
+            try:
+                self.jobs[i] = rendezvous.unicast(job, self.rank)
+                asked.append(f"{job.appliance}: results by unicast from now on")
+            except ReductionError as exc:  # the rounds go on as they went: said, not raised
+                asked.append(f"{job.appliance} could not be asked for unicast results ({exc})")
+        _log.warning("%s. Asked the appliance: %s", unheard, "; ".join(asked))
+        self._multicast_watch = None
 
     def _send_due(self) -> None:
         views = self._views

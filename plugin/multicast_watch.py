@@ -7,7 +7,9 @@ group's members a few minutes after they joined, a firewall drops it), every res
 that way: exact, but each one after a retransmission timeout. Measured on the emulated rack
 with the group dropped at one of two workers: six 4 MiB allreduces took 50.7 s instead of
 about 0.2 s, 18 484 retransmissions, and nothing said why. The worker sees it plainly: rounds
-that finished without one datagram on the group, each needing retransmissions.
+that finished without one datagram on the group, each needing retransmissions. The client
+then says so and asks the appliance for the job's results by unicast fan-out
+(`rendezvous.unicast`), which every rank then gets.
 """
 
 from __future__ import annotations
@@ -54,4 +56,4 @@ class MulticastWatch:
                 "a switch with IGMP snooping and no querier stops forwarding a group minutes "
                 "after it was joined (deploy/host-tuning.md, \"Multicast on the switch\"), or "
                 "a firewall drops it. Give the data VLAN an IGMP querier, or set the "
-                "appliance's multicast.enabled = false (results by unicast)")
+                "appliance's multicast.enabled = false")

@@ -42,7 +42,7 @@ from reduction_appliance.dataplane.wire import VERSION
 from .session import Address, Endpoint
 
 __all__ = ["JobInfo", "RendezvousError", "api_address", "connect", "join", "leave", "register",
-           "resync"]
+           "resync", "unicast"]
 
 _log = logging.getLogger(__name__)
 
@@ -390,6 +390,14 @@ def resync(info: JobInfo, seen_epoch: int, timeout_s: float = 30.0) -> JobInfo:
     job = _call(info.appliance, "POST", f"/v1/jobs/{info.job_id}/resync",
                 {"secret": info.secret or "", "epoch": seen_epoch}, info.token, timeout_s)
     return replace(info, epoch=job.epoch)
+
+
+def unicast(info: JobInfo, rank: int, timeout_s: float = 5.0) -> JobInfo:
+    """Ask for the job's results by unicast fan-out from now on: this rank hears none of its
+    multicast group (`multicast_watch`). Every rank of the job then gets them so."""
+    job = _call(info.appliance, "POST", f"/v1/jobs/{info.job_id}/unicast",
+                {"rank": rank, "secret": info.secret or ""}, info.token, timeout_s)
+    return replace(info, multicast=job.multicast)
 
 
 def leave(info: JobInfo, rank: int, timeout_s: float = 10.0) -> None:

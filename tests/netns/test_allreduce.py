@@ -4,6 +4,7 @@ results against the numpy reference and the appliance's counters through its API
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from typing import Any
@@ -151,21 +152,35 @@ def test_segments_spread_over_two_appliances() -> None:
             assert appliance.counters()["segments_reduced"] > 0
 
 
-def test_a_worker_that_hears_no_multicast_says_so_and_still_reduces_exactly() -> None:
+def test_a_worker_that_hears_no_multicast_says_so_and_the_job_turns_unicast() -> None:
     """The group dropped at one worker's host (what a switch with IGMP snooping and no querier
     does minutes into a job): every result came by retransmission, many times slower, and
-    nothing said why."""
+    nothing said why. Now the worker says so, the job's results go by unicast from then on,
+    and the later rounds need no retransmission."""
     with LabNetwork.rack(2) as net, start_appliance(net) as appliance:
         net.lab.run("w1", ["nft", "-f", "-"], input=(
             "table ip deaf {\n chain in {\n  type filter hook input priority 0;\n"
             "  ip daddr 239.255.0.0/16 drop\n }\n}\n"))
+        # A case of 3 rounds that hear nothing, then one after the switch.
         argv = worker_argv(net, appliance.api, 2, "deaf",
-                           ["--sizes", "64KiB", "--iters", "4", "--warmup", "0"])
+                           ["--sizes", "256KiB,512KiB", "--iters", "3", "--warmup", "0"])
         procs = [net.popen_worker(rank, [sys.executable, *a], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
                  for rank, a in enumerate(argv)]
-        said = [proc.communicate(timeout=120)[1] for proc in procs]
+        ended = [proc.communicate(timeout=120) for proc in procs]
+        assert appliance.stderr is not None
+        logged = appliance.stderr.text()
+    said = [err for _, err in ended]
     assert [proc.returncode for proc in procs] == [0, 0], said
     assert "multicast group" not in said[0]
     assert ("rank 1: the last 3 allreduces heard none of their results on the job's multicast "
             "group 239.255.") in said[1]
+    assert "Asked the appliance: 198.18.0.1:7070: results by unicast from now on" in said[1]
+    assert ("rank 1 hears none of the results multicast to 239.255." in logged
+            and "results by unicast fan-out to every rank from now on" in logged)
+    cases = [[json.loads(line) for line in out.splitlines() if line.startswith("{")]
+             for out, _ in ended]
+    assert all(len(c) == 2 and c[0]["ok"] and c[1]["ok"] for c in cases), cases
+    deaf, heard = cases[1]
+    assert deaf["retransmissions"] >= deaf["segments"]  # every result asked for again
+    assert heard["retransmissions"] < 0.1 * heard["segments"]  # by unicast: as on any network

@@ -235,3 +235,20 @@ def test_a_name_registered_again_with_another_spec_is_refused_naming_what_differ
     assert str(refused.value) == (
         "job 'train' exists with world_size 4 (this request: 2), deterministic False (this "
         "request: True): every rank must register it alike; another job needs another name")
+
+
+def test_a_rank_that_hears_no_multicast_turns_the_jobs_results_unicast() -> None:
+    reg = registry()
+    job = admit(reg, "a", world=2)
+    assert reg.get(job).spec.multicast is not None
+    with pytest.raises(Conflict, match="rank 1 has not joined job"):
+        reg.unicast_results(job, 1, SECRET)
+    reg.join(job, 0, SECRET, at(0))
+    reg.join(job, 1, SECRET, at(1))
+    with pytest.raises(Forbidden, match="secret"):
+        reg.unicast_results(job, 1, "wrong")
+    plan = reg.unicast_results(job, 1, SECRET)
+    assert plan.spec.multicast is None and plan.state is JobState.ACTIVE
+    assert plan.describe(reg.cfg).multicast is None  # what the ranks are told
+    assert reg.unicast_results(job, 0, SECRET) == plan  # asked again (another rank): as it is
+    assert plan.spec.epoch == 1  # rounds in flight go on
