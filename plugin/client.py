@@ -234,7 +234,7 @@ class ApplianceClient:
         self._last_turn = clock()  # when `progress` last read the sockets
         groups = [j.multicast for j in self.jobs if j.multicast is not None]
         self._multicast_watch = (
-            (MulticastWatch(rank, groups), self.transport)
+            (MulticastWatch(rank, groups, local_address), self.transport)
             if groups and isinstance(self.transport, UdpWorkerTransport) else None)
         if lease:
             self._lease = Lease(self.heartbeat, self._beat_s, f"reduction-lease-{rank}")

@@ -30,9 +30,12 @@ class MulticastWatch:
     """Fed each finished round; says once, as a warning to log, when `UNHEARD_ROUNDS` rounds
     in a row were repaired by retransmissions while the group sockets heard nothing."""
 
-    def __init__(self, rank: int, groups: Sequence[Address]) -> None:
+    def __init__(self, rank: int, groups: Sequence[Address], local_address: str) -> None:
         self.rank = rank
         self.groups = tuple(dict.fromkeys(groups))
+        # 0.0.0.0: the kernel joined the groups on the interface its routes pick for them,
+        # on a host with a management network often not the data network's
+        self.joined_anywhere = local_address == "0.0.0.0"
         self._heard_at_last = 0  # datagrams the group sockets had taken at the last round's end
         self._unheard = 0  # rounds in a row that heard none
         self.said = False
@@ -55,5 +58,10 @@ class MulticastWatch:
                 "to a retransmission, many times slower. This host does not receive the group: "
                 "a switch with IGMP snooping and no querier stops forwarding a group minutes "
                 "after it was joined (deploy/host-tuning.md, \"Multicast on the switch\"), or "
-                "a firewall drops it. Give the data VLAN an IGMP querier, or set the "
-                "appliance's multicast.enabled = false")
+                "a firewall drops it"
+                + (", or this host joined the group on another interface than the data "
+                   "network's (no local address was given: set REDUCTION_LOCAL_ADDRESS, or the "
+                   "client's local_address, to this host's data-network address)"
+                   if self.joined_anywhere else "")
+                + ". Give the data VLAN an IGMP querier, or set the appliance's "
+                "multicast.enabled = false")

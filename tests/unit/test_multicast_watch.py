@@ -6,7 +6,7 @@ from reduction_appliance.plugin.multicast_watch import UNHEARD_ROUNDS, Multicast
 
 
 def test_rounds_repaired_without_a_datagram_on_the_group_are_named_once() -> None:
-    watch = MulticastWatch(1, [("239.255.0.1", 7100), ("239.255.0.1", 7100)])
+    watch = MulticastWatch(1, [("239.255.0.1", 7100), ("239.255.0.1", 7100)], "198.18.0.102")
     assert watch.round_ended(heard_on_groups=40, retransmissions=0) is None  # heard: fine
     said = [watch.round_ended(40, retransmissions=7) for _ in range(UNHEARD_ROUNDS)]
     assert said[:-1] == [None] * (UNHEARD_ROUNDS - 1)
@@ -14,12 +14,13 @@ def test_rounds_repaired_without_a_datagram_on_the_group_are_named_once() -> Non
     assert said[-1].startswith(f"rank 1: the last {UNHEARD_ROUNDS} allreduces heard none of "
                                "their results on the job's multicast group 239.255.0.1:7100: ")
     assert "IGMP snooping and no querier" in said[-1] and "multicast.enabled = false" in said[-1]
+    assert "REDUCTION_LOCAL_ADDRESS" not in said[-1]  # it joined on the address it was given
     assert watch.round_ended(40, retransmissions=7) is None  # once
     assert watch.said
 
 
 def test_a_round_that_heard_the_group_or_needed_no_repair_breaks_the_streak() -> None:
-    watch = MulticastWatch(0, [("239.255.0.2", 7000)])
+    watch = MulticastWatch(0, [("239.255.0.2", 7000)], "198.18.0.101")
     heard = 0
     for _ in range(10):
         for _ in range(UNHEARD_ROUNDS - 1):
@@ -29,3 +30,13 @@ def test_a_round_that_heard_the_group_or_needed_no_repair_breaks_the_streak() ->
     for _ in range(10):  # rounds ending together (lanes): the later ones needed no repair
         assert watch.round_ended(heard, retransmissions=0) is None
     assert not watch.said
+
+
+def test_a_worker_given_no_local_address_is_pointed_at_it() -> None:
+    """A host with a management network joins the group on the interface its default route
+    names when no address is given: the data network never hears the join."""
+    watch = MulticastWatch(0, [("239.255.0.2", 7000)], "0.0.0.0")
+    said = [watch.round_ended(0, retransmissions=3) for _ in range(UNHEARD_ROUNDS)][-1]
+    assert said is not None and ("or this host joined the group on another interface than the "
+                                 "data network's (no local address was given: set "
+                                 "REDUCTION_LOCAL_ADDRESS") in said
