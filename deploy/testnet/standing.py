@@ -20,7 +20,7 @@ from typing import Any
 
 from pyroute2 import netns
 
-from reduction_appliance.deploy.testnet.lab import Lab, LabError, clean, teardown
+from reduction_appliance.deploy.testnet.lab import Lab, LabError, remove_namespaces, teardown
 from reduction_appliance.deploy.testnet.topology import (
     DEFAULT_PREFIX_ROOT,
     PREFIX_PID_DIGITS,
@@ -111,8 +111,9 @@ def down(name: str, state_dir: Path = STATE_DIR) -> list[str]:
     namespaces removed."""
     path = _path(state_dir, name)
     if not path.exists():
-        if name in orphaned_labs(state_dir):
-            return clean(name)
+        orphans = orphaned_labs(state_dir)
+        if name in orphans:  # exactly its namespaces: never another lab's that shares a prefix
+            return remove_namespaces(orphans[name])
         raise LabError(f"no standing lab named {name!r} (see `reductionctl lab list`)")
     removed = teardown(LabRecord.load(path).topology)
     with contextlib.suppress(FileNotFoundError):
