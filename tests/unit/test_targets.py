@@ -296,7 +296,7 @@ TEARS_DOWN = """
 import pathlib, signal, sys, time
 done = pathlib.Path(sys.argv[1])
 def stop(signum, frame):
-    time.sleep(0.5)
+    time.sleep(0.5)  # the workload: a teardown longer than subprocess.run's 0.25 s grace
     done.write_text(signal.Signals(signum).name)
     sys.exit(1)
 signal.signal(signal.SIGTERM, stop)
