@@ -32,9 +32,9 @@ Slot protocol (after SwitchML, without its limits):
   job's own quota of held buffers (`JobSpec.hold_buffers`), so no job can starve another.
 * Liveness: every datagram a bound rank sends (a contribution, or the HEARTBEAT its worker
   sends several times per liveness timeout even while it computes) marks it alive. A HEARTBEAT
-  is answered with LIVENESS listing the ranks silent longer than `JobSpec.liveness_timeout`,
-  so every rank learns within a heartbeat that a peer died; and an answer at all tells the
-  worker the appliance lives.
+  is answered with LIVENESS listing the ranks silent longer than `JobSpec.liveness_timeout`
+  (and at once a rank that left while a use here waits for it), so every rank learns within a
+  heartbeat that a peer died; and an answer at all tells the worker the appliance lives.
 
 The states of a slot copy and their transition table live in `slotstate`.
 """
@@ -187,30 +187,30 @@ class Aggregator:
         job = self._jobs.get(job_id)
         if job is None:
             return None
-        waiting: dict[int, float] = {}
-        for slot in job.slots:
-            copy = slot.copies[slot.latest]
-            if copy.state is not CopyState.FILLING:
-                continue
-            missing = job.all_ranks & ~copy.arrived
-            for rank in range(job.spec.world_size):
-                if missing >> rank & 1:
-                    waiting[rank] = min(waiting.get(rank, copy.started), copy.started)
-        silent = {s.rank: s.silent_s for s in self._silent(job, now)}
+        waiting = job.awaited()
+        silent = {s.rank: s.silent_s for s in self._silent(job, now, waiting)}
         return JobStats(job.rounds, job.bytes_reduced, job.segments_reduced,
                         job.last_activity, waiting, job.diverged, silent,
                         quiet_s=now - max(job.last_seen))
 
-    def _silent(self, job: JobState, now: float) -> list[SilentRank]:
-        """Joined ranks silent past the liveness timeout. A rank that has not joined yet is not
-        one of them (workers start at different times): its peers wait for it until their
-        deadline, and the timeout then names it as missing."""
+    def _silent(self, job: JobState, now: float,
+                awaited: dict[int, float] | None = None) -> list[SilentRank]:
+        """Joined ranks silent past the liveness timeout, and at once a rank that left while a
+        use of a slot here still waits for it: its contribution will never come (a peer
+        stopped by Ctrl-C once kept every other rank's shutdown waiting the timeout out). A
+        rank that has not joined yet is not one of them (workers start at different times): its
+        peers wait for it until their deadline, and the timeout then names it as missing.
+        `awaited`: `job.awaited()`, where the caller has it."""
         limit = job.spec.liveness_timeout
         endpoints = job.spec.endpoints
         departed = job.spec.departed
+        if departed and awaited is None:
+            awaited = job.awaited()
         return [SilentRank(rank, endpoints[rank], now - seen, rank in departed)
                 for rank, seen in enumerate(job.last_seen)
-                if endpoints[rank] is not None and now - seen > limit]
+                if endpoints[rank] is not None
+                and (now - seen > limit or (awaited is not None and rank in awaited
+                                            and rank in departed))]
 
     # ---- datagram path ----
     def on_batch(self, batch: RxBatch, now: float) -> list[Send]:

@@ -171,3 +171,17 @@ class JobState:
     @property
     def bound(self) -> list[Address]:
         return [a for a in self.spec.endpoints if a is not None]
+
+    def awaited(self) -> dict[int, float]:
+        """The ranks a use of one of the job's slots (on this core) still waits for, each with
+        when the oldest such use began."""
+        waiting: dict[int, float] = {}
+        for slot in self.slots:
+            copy = slot.copies[slot.latest]
+            if copy.state is not CopyState.FILLING:
+                continue
+            missing = self.all_ranks & ~copy.arrived
+            for rank in range(self.spec.world_size):
+                if missing >> rank & 1:
+                    waiting[rank] = min(waiting.get(rank, copy.started), copy.started)
+        return waiting

@@ -128,7 +128,8 @@ class JobStats:
     last_activity: float | None  # the core's monotonic time of its last accepted contribution
     waiting: dict[int, float]  # rank -> since when (core time) some filling segment waits for it
     diverged: str | None = None  # why the ranks disagree (until the next epoch)
-    silent: dict[int, float] = field(default_factory=dict)  # rank -> seconds silent, > timeout
+    # rank -> seconds silent: past the timeout, or gone (left) while a use here waits for it
+    silent: dict[int, float] = field(default_factory=dict)
     # seconds since the core last heard any rank of the job (a heartbeat counts), or since it
     # got the job: live workers heartbeat, so only a job whose workers are gone grows quiet
     quiet_s: float | None = None

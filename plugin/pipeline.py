@@ -469,5 +469,6 @@ def _rank_verdict(dead: list[SilentRank], job_id: int, liveness_timeout: float) 
     return RankLeft(
         f"{named(dead)} left job {job_id} {max(s.silent_s for s in dead):.1f} s ago (it "
         "closed its process group or client and left) while this rank's allreduce waits for "
-        "it: the ranks made different numbers of allreduce calls (uneven inputs across ranks? "
-        "DDP's join() context manager evens them out)")
+        "it: it was stopped (an exception, Ctrl-C) before that allreduce, or the ranks made "
+        "different numbers of allreduce calls (uneven inputs across ranks? DDP's join() "
+        "context manager evens them out)")

@@ -197,6 +197,28 @@ def test_a_rank_that_left_is_named_so_to_the_rank_still_waiting_for_it() -> None
             assert "! rank 1 (127.0.0.1:" in shown and " left " in shown, shown
 
 
+def test_a_rank_stopped_mid_job_is_named_to_its_waiting_peer_at_once() -> None:
+    """A torchrun run stopped by Ctrl-C: rank 1 leaves while rank 0's allreduce waits for it.
+    Rank 0 once learned it only when rank 1 had been silent for the liveness timeout, and its
+    own shutdown (which finishes submitted rounds) waited that out: 5 s by default, 60 here.
+    The appliance now names a departed rank at once to a peer whose round waits for it; with
+    the timeout out of reach, the old code ends this allreduce at its 15 s deadline instead."""
+    config = _config()
+    config["jobs"]["liveness_timeout_s"] = 60.0
+    with local_daemon(config) as daemon:
+        info = register(daemon.api, "stopped", world_size=2, secret="secret-of-the-test")
+        with ApplianceClient([info], 0, local_address="127.0.0.1",
+                             timing=Timing(deadline=15.0)) as waits, \
+                ApplianceClient([info], 1, local_address="127.0.0.1") as stopped:
+            stopped.close()
+            leave(stopped.jobs[0], 1)
+            with pytest.raises(RankLeft) as stalled:
+                waits.allreduce(np.ones(2000, np.float32))
+            text = str(stalled.value)
+            assert text.startswith("rank 1 (127.0.0.1:") and "stopped (an exception, Ctrl-C)" \
+                in text, text
+
+
 def test_a_rank_that_splits_the_slots_otherwise_is_refused_at_its_join() -> None:
     """REDUCTION_LANES differing between hosts: each round once waited in other slots for its
     peer until the deadline, and the timeout named a live rank as missing."""

@@ -528,6 +528,26 @@ def test_a_heartbeat_is_answered_with_the_silent_ranks_and_which_of_them_left(
         SilentRank(1, where(1), 6.0), SilentRank(2, where(2), 6.0, left=True)]
 
 
+def test_a_rank_that_left_while_a_use_waits_for_it_is_named_at_once(arena: SlotArena) -> None:
+    """Rank 2 left (a peer's Ctrl-C: its process group shut down) while slot 0's use still
+    waits for its contribution, which will never come: its peers once learned it only past
+    the liveness timeout, each rank's own shutdown waiting that long for a round that could not
+    finish. Rank 1, silent as long but not gone, waits for the timeout as before; so does a
+    departed rank no use waits for (its peers may still be taking their last results)."""
+    agg = make(arena, world=3)
+    agg.update_job(replace(spec(3), departed=frozenset({2})), 0.0)
+    heartbeat = bytearray(HEADER_SIZE)
+    pack_into(heartbeat, Header(Kind.HEARTBEAT, DType.FLOAT32, Op.SUM, 0, 5, 0, COOKIE, 1, 0,
+                                0, 0, 0, 1))
+    (idle,) = feed(agg, [(bytes(heartbeat), where(0))], now=0.5)
+    assert unpack_silent(bytes(idle.payload)) == []  # nothing waits for it here
+    contribute(agg, 0, np.ones(4, np.float32), now=0.6)
+    (answer,) = feed(agg, [(bytes(heartbeat), where(0))], now=0.7)
+    assert unpack_silent(bytes(answer.payload)) == [SilentRank(2, where(2), 0.7, left=True)]
+    stats = agg.stats(5, 0.7)
+    assert stats is not None and stats.silent == {2: 0.7} and set(stats.waiting) == {1, 2}
+
+
 def test_a_job_grows_quiet_only_while_no_rank_says_anything(arena: SlotArena) -> None:
     """The age the control plane evicts by: heartbeats count as much as contributions (a job
     of live workers between all_reduces is not quiet), and a stranger's datagram not at all."""
