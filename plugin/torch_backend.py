@@ -224,11 +224,18 @@ def connect(config: ApplianceConfig, job: str, secret: str, rank: int, world_siz
 
 class FutureWork(dist.Work):
     """A Work over a `torch.futures.Future`: `wait()` blocks until it is done and raises its
-    exception (torch's own future-wrapping Work drops exceptions set from Python)."""
+    exception (torch's own future-wrapping Work drops exceptions set from Python).
+
+    `get_future()` gives a future that fails in C++ as well: one `set_exception`ed from Python
+    is, to C++, completed with the exception object as its value, and DDP's reducer took that
+    for the bucket's tensors (the process died of SIGSEGV in backward()). A callback that
+    raises fails its future in C++ too; Python's `wait()` on it raises a RuntimeError that
+    names the appliance's error (`FutureWork.wait` raises the error itself)."""
 
     def __init__(self, fut: torch.futures.Future[Any]) -> None:
         super().__init__()
         self._fut = fut
+        self._chained: torch.futures.Future[Any] | None = None
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         del timeout  # the client enforces its own deadline (AllreduceTimeout)
@@ -236,7 +243,9 @@ class FutureWork(dist.Work):
         return True
 
     def get_future(self) -> torch.futures.Future[Any]:
-        return self._fut
+        if self._chained is None:
+            self._chained = self._fut.then(_value_or_raise)
+        return self._chained
 
     def is_completed(self) -> bool:
         return bool(self._fut.done())
@@ -255,6 +264,10 @@ class FutureWork(dist.Work):
 
     def synchronize(self) -> None:
         pass
+
+
+def _value_or_raise(fut: torch.futures.Future[Any]) -> Any:
+    return fut.value()  # raises the exception a failed round set
 
 
 _OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}

@@ -174,6 +174,21 @@ def test_ranks_wait_for_a_checkpointing_peer_as_long_as_the_group_allows(
                                                           "hook-waits": True}, rank
 
 
+def test_a_ddp_step_whose_buckets_cannot_be_reduced_raises_from_backward(
+        rack: tuple[LoopbackNetwork, ApplianceProcess], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer stopped mid-training (or the appliance restarted, or a timeout): the backend's
+    failed allreduce reached DDP's reducer as a future completed with the exception object for
+    its value, and the process died of SIGSEGV inside backward(), no word of why. Now backward()
+    raises the appliance's reason, on the backend as through the hook."""
+    outputs = _run(rack, "stranded", 2, monkeypatch)
+    assert outputs[1] == []
+    for record in outputs[0]:
+        assert record["raised"] == "RuntimeError", record
+        assert "RankLeft: rank 1 (" in record["message"] and "left job" in record["message"], \
+            record
+    assert [r["check"] for r in outputs[0]] == ["stranded-backend", "stranded-hook"]
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # it dies
 def test_a_collective_whose_completion_kills_the_pump_fails_instead_of_hanging() -> None:
     """The pump thread once died while completing a collective (writing its result back) and

@@ -11,6 +11,7 @@ MODE "named": with REDUCTION_JOB set, several groups on the backend and several 
 MODE "patience": rank 0 writes a "checkpoint" (sleeps) while the others wait at the next
 collective, on the backend and in a DDP step through the hook: longer than the appliance's
 advised deadline, within the process group's timeout.
+MODE "stranded": the last rank leaves after two DDP steps; the others' next step must fail.
 Prints one JSON line per check.
 """
 
@@ -347,11 +348,40 @@ def patience(rank: int, world: int, store: str) -> None:
     dist.destroy_process_group()
 
 
+def stranded(rank: int, world: int, store: str) -> None:
+    """Rank 1 stops after two DDP steps (its process group shut, as Ctrl-C's unwinding does);
+    rank 0's next step, on the backend and through the hook, can never be reduced: backward()
+    must raise the appliance's reason, not end the process (it once died of SIGSEGV)."""
+    init("reduction", rank, world, store)
+    gloo = dist.new_group(backend="gloo")
+    torch.manual_seed(0)
+    on_backend = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2))
+    hooked = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2), process_group=gloo)
+    state = ApplianceHookState(group=gloo)
+    hooked.register_comm_hook(state, appliance_allreduce_hook)
+    for _ in range(2):  # buckets are rebuilt (a Gloo broadcast) in the second step
+        for model in (on_backend, hooked):
+            model(torch.ones(4, 8)).sum().backward()
+    dist.barrier(group=gloo)
+    if rank == world - 1:
+        state.close()
+        dist.destroy_process_group()
+        return
+    for name, model in (("backend", on_backend), ("hook", hooked)):
+        try:
+            model(torch.ones(4, 8)).sum().backward()
+            emit(check=f"stranded-{name}", raised=None)
+        except Exception as exc:
+            emit(check=f"stranded-{name}", raised=type(exc).__name__, message=str(exc))
+    state.close()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     mode, rank, world, store, local, ifname = sys.argv[1:7]
     os.environ["REDUCTION_LOCAL_ADDRESS"] = local
     os.environ["GLOO_SOCKET_IFNAME"] = ifname
     modes = {"backend": backend, "overlap": overlap, "stall": stall, "ddp": ddp, "named": named,
-             "patience": patience}
+             "patience": patience, "stranded": stranded}
     modes[mode](int(rank), int(world), store)
     exit_without_finalizing(0)  # all printed; see plugin.torch_exit for why
