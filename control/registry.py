@@ -256,7 +256,10 @@ class Registry:
                     f"job {request.name!r} exists with {differ}: every rank must register it "
                     "alike; another job needs another name")
             if secret and not _same_secret(secret, existing.secret):
-                raise Forbidden(f"job {request.name!r} exists and that is not its join secret")
+                raise Forbidden(
+                    f"job {request.name!r} exists and that is not its join secret: another run "
+                    "may have this name (each run needs a job name of its own), or this rank "
+                    "was given another secret than its peers")
             return existing
         if not secret:
             raise BadRequest("creating a job needs its join secret (the API makes one up "

@@ -203,7 +203,7 @@ def _attempt(appliance: str, method: str, path: str, body: dict[str, object] | N
             if exc.code in (501, 505):  # it does not serve this API at all
                 raise _not_the_api(appliance, method, path, f"{exc.code} {detail}") from exc
             detail = f"{detail[:_SHOWN]!r} (not the appliance's JSON)"
-        message = f"appliance {appliance} refused {method} {path}: {exc.code} {detail}"
+        message = f"appliance {appliance} refused {method} {path}: {exc.code} {_said(detail)}"
         if exc.code == 401:  # say which end to fix
             message += (" (this worker sent the token it was given, which the appliance's "
                         "api.token_file does not hold)" if token else
@@ -232,6 +232,15 @@ def _attempt(appliance: str, method: str, path: str, body: dict[str, object] | N
 
 
 _SHOWN = 120  # characters of a foreign answer worth quoting
+
+
+def _said(detail: str) -> str:
+    """The reason an API error answer gives (its "error"), else the answer as it came."""
+    with contextlib.suppress(ValueError):
+        answer = json.loads(detail)
+        if isinstance(answer, dict) and isinstance(answer.get("error"), str):
+            return str(answer["error"])
+    return detail
 
 
 def _is_json(text: str) -> bool:

@@ -146,6 +146,14 @@ def test_a_join_refused_while_the_rank_is_held_waits_as_told_then_joins() -> Non
     assert 2 <= len(asked) <= 4
 
 
+def test_a_refusal_says_the_appliances_reason_not_its_json() -> None:
+    said = "job 'j' exists and that is not its join secret: another run may have this name"
+    with fake_api(lambda _: (403, json.dumps({"error": said}).encode())) as (where, _), \
+            pytest.raises(RendezvousError) as refused:
+        register(where, "j", 2, secret="mine", timeout_s=5)
+    assert str(refused.value) == f"appliance {where} refused POST /v1/jobs: 403 {said}"
+
+
 def test_a_registration_refused_while_the_name_may_be_held_waits_as_told() -> None:
     """A launcher registering a restarted job's name with a new secret, a moment after its
     workers died: the appliance refuses (403) saying when the old job counts as abandoned, and

@@ -145,6 +145,9 @@ def test_the_secret_guards_join_leave_resync_and_registering_again() -> None:
                     lambda: reg.plan(JobRequest("a", 2), cookie=2, secret="wrong", now=0.0)):
         with pytest.raises(Forbidden, match="secret"):
             attempt()
+    # Two runs given one job name meet here: the second is told so, not just "wrong secret".
+    with pytest.raises(Forbidden, match="another run may have this name"):
+        reg.plan(JobRequest("a", 2), cookie=2, secret="the-second-run's", now=0.0)
     # Registering the same spec without a secret finds the job, and nothing secret with it.
     found = reg.plan(JobRequest("a", 2), cookie=2, secret="", now=0.0)
     assert found.spec.job_id == job
