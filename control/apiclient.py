@@ -55,8 +55,12 @@ class UnixApi:
             reply = conn.getresponse()
             raw = reply.read()
         except (OSError, http.client.HTTPException) as exc:  # refused, reset, not HTTP
+            hint = ""
+            if isinstance(exc, (FileNotFoundError, ConnectionRefusedError)):
+                hint = (" (is reductiond running? `systemctl status reductiond`; one started "
+                        "with another api.unix_socket: give --socket or --config)")
             raise ApiError(0, f"cannot reach reductiond at {self.path}: "
-                              f"{type(exc).__name__}: {exc}") from exc
+                              f"{type(exc).__name__}: {exc}{hint}") from exc
         finally:
             conn.close()
         try:

@@ -363,3 +363,15 @@ def test_stop_answers_in_flight_closes_idle_and_keeps_its_bound(appliance: _Appl
         never.set()
         for sock in (*idle, busy, stuck):
             sock.close()
+
+
+def test_no_daemon_behind_the_socket_is_said_with_what_to_check(tmp_path: Path) -> None:
+    """`reductionctl status` with no reductiond (or one on another socket) said only
+    "FileNotFoundError: [Errno 2] No such file or directory"."""
+    gone = tmp_path / "api.sock"
+    with pytest.raises(ApiError, match=r"FileNotFoundError.*is reductiond running\?"):
+        UnixApi(str(gone)).get("/v1/status")
+    with socket.socket(socket.AF_UNIX) as stale:  # a socket file its daemon left: refused
+        stale.bind(str(gone))
+    with pytest.raises(ApiError, match=r"ConnectionRefusedError.*give --socket or --config"):
+        UnixApi(str(gone)).get("/v1/status")
