@@ -358,6 +358,8 @@ class Appliance:
                 for rank, since in st.waiting.items():
                     act.lagging[rank] = max(act.lagging.get(rank, 0.0), core_now - since)
                 act.diverged = act.diverged or st.diverged
+                for rank, ago in st.heard.items():  # the core that heard it last
+                    act.heard[rank] = min(act.heard.get(rank, ago), ago)
                 # Heartbeats go to one core per appliance: a rank is silent only if every
                 # core says so, for as long as the one that heard it last.
                 act.silent_votes.append(st.silent)
@@ -388,6 +390,7 @@ class Appliance:
                 lagging={r: round(w, 3) for r, w in sorted(act.lagging.items())},
                 epoch=plan.spec.epoch, diverged=act.diverged,
                 silent={r: round(s, 1) for r, s in sorted(act.silent.items())},
+                heard_s={r: round(s, 3) for r, s in sorted(act.heard.items())},
                 endpoints={r: f"{a[0]}:{a[1]}" for r, a in enumerate(plan.spec.endpoints)
                            if a is not None},
                 disruptions=tuple(
@@ -429,8 +432,8 @@ class Appliance:
 
 
 class _Activity:
-    __slots__ = ("bytes_reduced", "diverged", "job_id", "lagging", "last_activity", "quiet_s",
-                 "reports", "rounds", "segments_reduced", "silent_votes")
+    __slots__ = ("bytes_reduced", "diverged", "heard", "job_id", "lagging", "last_activity",
+                 "quiet_s", "reports", "rounds", "segments_reduced", "silent_votes")
 
     def __init__(self, job_id: int) -> None:
         self.job_id = job_id
@@ -443,6 +446,7 @@ class _Activity:
         self.quiet_s: float | None = None  # since any core last heard any rank
         self.reports = 0  # how many cores answered for the job
         self.lagging: dict[int, float] = {}
+        self.heard: dict[int, float] = {}  # rank -> seconds since any core heard it
 
     @property
     def silent(self) -> dict[int, float]:

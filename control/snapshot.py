@@ -52,6 +52,8 @@ class JobSnapshot:
     endpoints: dict[int, str] = field(default_factory=dict)  # rank -> "host:port" it joined from
     diverged: str | None = None  # why the ranks disagree (a core said so), until a new epoch
     silent: dict[int, float] = field(default_factory=dict)  # rank -> seconds without a word
+    # joined rank -> seconds since a core last heard it (a datagram from where it joined)
+    heard_s: dict[int, float] = field(default_factory=dict)
     transport: str = "udp"  # or "roce": its ranks' queue pairs are in the cores' queue_pairs
 
 

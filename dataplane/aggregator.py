@@ -191,7 +191,9 @@ class Aggregator:
         silent = {s.rank: s.silent_s for s in self._silent(job, now, waiting)}
         return JobStats(job.rounds, job.bytes_reduced, job.segments_reduced,
                         job.last_activity, waiting, job.diverged, silent,
-                        quiet_s=now - max(job.last_seen))
+                        quiet_s=now - max(job.last_seen),
+                        heard={rank: now - seen for rank, seen in enumerate(job.last_seen)
+                               if job.spec.endpoints[rank] is not None})
 
     def _silent(self, job: JobState, now: float,
                 awaited: dict[int, float] | None = None) -> list[SilentRank]:

@@ -133,6 +133,9 @@ class JobStats:
     # seconds since the core last heard any rank of the job (a heartbeat counts), or since it
     # got the job: live workers heartbeat, so only a job whose workers are gone grows quiet
     quiet_s: float | None = None
+    # joined rank -> seconds since the core last heard it (or got the job): a worker that
+    # hears nothing from the appliance asks whether its own datagrams arrive
+    heard: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

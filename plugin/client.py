@@ -25,7 +25,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from reduction_appliance.dataplane.dtypes import by_numpy
-from reduction_appliance.dataplane.errors import PeerError, ReductionError
+from reduction_appliance.dataplane.errors import ApplianceSilent, PeerError, ReductionError
 from reduction_appliance.dataplane.transport import Address
 from reduction_appliance.dataplane.wire import (
     HEADER_SIZE,
@@ -47,6 +47,7 @@ from .pipeline import Outcome, RoundPipeline
 from .rendezvous import JobInfo
 from .rtt import RttEstimator, Timing
 from .session import Endpoint, Packed, Repairs
+from .silence import explained
 from .transport import Outgoing, UdpWorkerTransport, WorkerTransport, decode_each
 
 __all__ = ["ApplianceClient", "dtype_of", "op_of"]
@@ -400,7 +401,10 @@ class ApplianceClient:
         self.transport.receive(self._on_datagram, self._on_run)
         self._send_due()  # results just stored released their slots' next segments
         self._last_turn = self._clock()
-        outcomes = [*self._unclaimed, *pipeline.finished()]
+        ended = pipeline.finished()
+        if ended and any(type(o.error) is ApplianceSilent for o in ended):
+            ended = explained(ended, self.jobs, self.rank)  # (asks the appliances' APIs why)
+        outcomes = [*self._unclaimed, *ended]
         self._unclaimed = []
         for outcome in outcomes:
             if self._views.pop(outcome.ticket, None) is not None:

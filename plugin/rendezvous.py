@@ -409,6 +409,14 @@ def unicast(info: JobInfo, rank: int, timeout_s: float = 5.0) -> JobInfo:
     return replace(info, multicast=job.multicast)
 
 
+def appliance_status(info: JobInfo, timeout_s: float = 3.0) -> object:
+    """The appliance's status (`GET /v1/status`: its cores and jobs, what each core heard of
+    each rank), for a worker asking why the appliance went silent. Nothing listening is
+    final at once."""
+    return _call_raw(info.appliance, "GET", "/v1/status", None, info.token, timeout_s,
+                     unreachable_is_final=True)
+
+
 def leave(info: JobInfo, rank: int, timeout_s: float = 10.0) -> None:
     """Tell the appliance this rank is done; the last rank's leave frees the job's slots.
     Where an attempt's answer is lost (a busy appliance) and the repeated attempt finds the

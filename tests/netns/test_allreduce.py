@@ -140,6 +140,29 @@ def test_missing_rank_fails_with_a_clear_error_instead_of_hanging() -> None:
     assert "appliance 198.18.0.1:7070 core" in text
 
 
+@pytest.mark.parametrize(("host", "verdict"), [
+    ("a0", "its cores have heard nothing from this rank (198.18.0.101:"),
+    ("w0", "its cores hear this rank (the last datagram from 198.18.0.101:"),
+])
+def test_datagrams_dropped_one_way_are_blamed_on_the_side_that_drops_them(
+        host: str, verdict: str) -> None:
+    """A firewall on a new rack (the API's TCP port opened, the data ports not; or a worker
+    whose ufw refuses incoming datagrams): the worker said only "it died or the network to it
+    is down" while the appliance's API answered. It now asks the API and says which way the
+    datagrams are lost."""
+    with LabNetwork.rack(1) as net, start_appliance(net, liveness_s=2.0) as appliance:
+        net.lab.run(host, ["nft", "-f", "-"], input=(
+            "table inet walled {\n chain in {\n  type filter hook input priority 0;\n"
+            "  meta l4proto udp drop\n }\n}\n"))
+        argv = worker_argv(net, appliance.api, 1, f"walled-{host}",
+                           ["--sizes", "64KiB", "--iters", "1"])
+        with pytest.raises(HarnessError) as failure:
+            run_workers(net, argv, timeout_s=60)
+    text = str(failure.value)
+    assert "ApplianceSilent" in text and "Its API at 198.18.0.1:7070 answers" in text, text
+    assert verdict in text, text
+
+
 def test_segments_spread_over_two_appliances() -> None:
     with LabNetwork.rack(4, appliances=2) as net, start_appliance(net, 0) as first, \
             start_appliance(net, 1) as second:

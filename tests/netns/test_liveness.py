@@ -97,6 +97,9 @@ def test_a_killed_appliance_is_named_to_the_workers_within_the_bound(
             reports = [rank.next(timeout=60) for rank in job.ranks]
             assert_named_within_the_bound(reports, "ApplianceSilent", "core 0", killed_at,
                                           capsys, "reductiond killed, a worker")
+            # (its API asked why: nothing listens there either)
+            assert all("Its API at 198.18.0.1:7070 does not answer either" in r["failures"][0]
+                       for r in reports), reports
         finally:
             job.close()
 

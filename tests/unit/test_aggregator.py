@@ -546,6 +546,7 @@ def test_a_rank_that_left_while_a_use_waits_for_it_is_named_at_once(arena: SlotA
     assert unpack_silent(bytes(answer.payload)) == [SilentRank(2, where(2), 0.7, left=True)]
     stats = agg.stats(5, 0.7)
     assert stats is not None and stats.silent == {2: 0.7} and set(stats.waiting) == {1, 2}
+    assert stats.heard == {0: 0.0, 1: 0.7, 2: 0.7}  # (since the job came, for those unheard)
 
 
 def test_a_job_grows_quiet_only_while_no_rank_says_anything(arena: SlotArena) -> None:

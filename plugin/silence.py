@@ -1,0 +1,96 @@
+"""Why an appliance went silent, as a worker can find out: its API asked at the moment.
+
+`ApplianceSilent` says only that no datagram came from an appliance for the liveness timeout;
+the likeliest causes on a new rack then look alike from the worker: the appliance died, a
+firewall drops the UDP datagrams one way (ufw and firewalld refuse incoming datagrams by
+default, and opening the API's TCP port does not open the data ports), or the appliance no
+longer has the job (it restarted). The appliance's API tells them apart: does it answer, does
+it have the job, and when did its cores last hear this rank. `explained` adds that verdict to
+each such error (one question per appliance per call); the verdict itself (`verdict`) is a
+pure function of the answer, tested with plain dictionaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from reduction_appliance.dataplane.errors import ApplianceSilent, ReductionError
+
+from . import rendezvous
+from .pipeline import Outcome
+from .rendezvous import JobInfo
+
+__all__ = ["explained", "verdict"]
+
+Ask = Callable[[JobInfo], object]
+
+
+def explained(outcomes: list[Outcome], jobs: list[JobInfo], rank: int,
+              ask: Ask = rendezvous.appliance_status) -> list[Outcome]:
+    """`outcomes` with each `ApplianceSilent` told what the silent appliances' APIs say."""
+    said: dict[str, str] = {}
+    out = []
+    for outcome in outcomes:
+        error = outcome.error
+        if type(error) is ApplianceSilent:
+            text = str(error)
+            notes = []
+            for info in jobs:
+                if info.transport == "udp" and f"appliance {info.appliance} " in text:
+                    if info.appliance not in said:
+                        said[info.appliance] = _ask(info, rank, ask)
+                    notes.append(said[info.appliance])
+            if notes:
+                outcome = replace(outcome, error=ApplianceSilent(f"{text}. {' '.join(notes)}"))
+        out.append(outcome)
+    return out
+
+
+def _ask(info: JobInfo, rank: int, ask: Ask) -> str:
+    try:
+        answer = ask(info)
+    except ReductionError as exc:
+        return verdict(info, rank, None, str(exc))
+    return verdict(info, rank, answer)
+
+
+def verdict(info: JobInfo, rank: int, status: object, unreachable: str = "") -> str:
+    """What `status` (the appliance's `GET /v1/status`; None: it did not answer, `unreachable`
+    says how) says about why its datagrams stopped reaching this rank."""
+    api = f"Its API at {info.appliance}"
+    if status is None:
+        return (f"{api} does not answer either ({unreachable}): the appliance is down, or "
+                "the network to it")
+    job = _job(status, info.job_id)
+    if job is None:
+        return (f"{api} answers but has no job {info.job_id}: the appliance restarted, or the "
+                "job was aborted or evicted (register the job again)")
+    heard = _number(job.get("heard_s"), rank)
+    ports = sorted({c.port for c in info.cores})
+    data = (f"{info.cores[0].host}:{ports[0]}" + (f"-{ports[-1]}" if len(ports) > 1 else "")
+            if info.cores else "its data ports")
+    endpoint = (job.get("endpoints") or {}).get(str(rank), "this host")
+    if heard is not None and heard < info.liveness_s / 2:  # it hears the heartbeats
+        return (f"{api} answers, and its cores hear this rank (the last datagram from "
+                f"{endpoint} {heard:.1f} s ago), but nothing they send reaches this host: a "
+                f"firewall here dropping UDP to {endpoint} (ufw and firewalld refuse incoming "
+                "datagrams by default), or the route back")
+    since = "" if heard is None else f" for {heard:.1f} s"
+    return (f"{api} answers, but its cores have heard nothing from this rank ({endpoint})"
+            f"{since}: its datagrams do not reach {data} (a firewall on the appliance "
+            "dropping UDP to its data ports, or the route there)")
+
+
+def _job(status: object, job_id: int) -> dict[str, Any] | None:
+    jobs = status.get("jobs") if isinstance(status, dict) else None
+    for job in jobs if isinstance(jobs, list) else []:
+        if isinstance(job, dict) and job.get("job_id") == job_id:
+            return job
+    return None
+
+
+def _number(table: object, rank: int) -> float | None:
+    value = table.get(str(rank)) if isinstance(table, dict) else None
+    return float(value) if isinstance(value, (int, float)) else None

@@ -1,0 +1,80 @@
+"""plugin.silence: what a worker says when an appliance went silent, from what its API answers
+(plain dictionaries, no network)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from reduction_appliance.dataplane.errors import ApplianceSilent, RankSilent, ReductionError
+from reduction_appliance.dataplane.registration import EndpointInfo
+from reduction_appliance.plugin.pipeline import Outcome
+from reduction_appliance.plugin.rendezvous import JobInfo
+from reduction_appliance.plugin.silence import explained, verdict
+
+INFO = JobInfo("198.18.0.1:7070", 5, "j", 2, 8900, None, False, 60.0,
+               (EndpointInfo(0, "198.18.0.1", 7000, 64), EndpointInfo(1, "198.18.0.1", 7001, 64)),
+               liveness_s=5.0)
+SILENT = ApplianceSilent("appliance 198.18.0.1:7070 has sent nothing for 5.0 s (liveness "
+                         "timeout 5 s) while round 3 of rank 1 waited on it")
+
+
+def status(heard_s: float | None, job_id: int = 5) -> dict[str, object]:
+    job: dict[str, object] = {"job_id": job_id, "endpoints": {"1": "198.18.0.102:40000"}}
+    if heard_s is not None:
+        job["heard_s"] = {"0": 0.1, "1": heard_s}
+    return {"version": "0.1.0", "jobs": [job]}
+
+
+def test_an_api_that_does_not_answer_either_means_the_appliance_or_the_way_to_it() -> None:
+    said = verdict(INFO, 1, None, "cannot reach appliance API at 198.18.0.1:7070: refused")
+    assert said == ("Its API at 198.18.0.1:7070 does not answer either (cannot reach appliance "
+                    "API at 198.18.0.1:7070: refused): the appliance is down, or the network "
+                    "to it")
+
+
+def test_an_appliance_without_the_job_restarted_or_dropped_it() -> None:
+    assert "answers but has no job 5: the appliance restarted" in verdict(INFO, 1, status(0.1, 6))
+    assert "has no job 5" in verdict(INFO, 1, {"jobs": "garbled"})  # a foreign answer
+
+
+def test_heard_from_this_rank_lately_means_the_way_back_drops_the_datagrams() -> None:
+    said = verdict(INFO, 1, status(0.3))
+    assert ("its cores hear this rank (the last datagram from 198.18.0.102:40000 0.3 s ago), "
+            "but nothing they send reaches this host: a firewall here dropping UDP to "
+            "198.18.0.102:40000") in said
+
+
+def test_not_heard_from_this_rank_means_its_datagrams_do_not_get_there() -> None:
+    said = verdict(INFO, 1, status(5.4))
+    assert ("its cores have heard nothing from this rank (198.18.0.102:40000) for 5.4 s: its "
+            "datagrams do not reach 198.18.0.1:7000-7001 (a firewall on the appliance") in said
+    # Half the liveness timeout is the line: heartbeats go out ten times per timeout.
+    assert "have heard nothing" in verdict(INFO, 1, status(2.5))
+    assert "have heard nothing" in verdict(INFO, 1, status(None))  # an older appliance
+    one_core = replace(INFO, cores=INFO.cores[:1])
+    assert "do not reach 198.18.0.1:7000 (" in verdict(one_core, 1, status(9.0))
+
+
+def test_each_silent_appliance_is_asked_once_and_only_its_errors_are_explained() -> None:
+    asked: list[str] = []
+
+    def ask(info: JobInfo) -> object:
+        asked.append(info.appliance)
+        if info.appliance == "198.18.0.2:7070":
+            raise ReductionError("cannot reach appliance API at 198.18.0.2:7070: refused")
+        return status(0.2)
+
+    other = replace(INFO, appliance="198.18.0.2:7070")
+    idle = replace(INFO, appliance="198.18.0.3:7070")  # not named: not asked
+    roce = replace(INFO, appliance="198.18.0.4:7070", transport="roce")
+    both = ApplianceSilent(f"{SILENT}; appliance 198.18.0.2:7070 has sent nothing either; "
+                           "appliance 198.18.0.4:7070 too")
+    dead = RankSilent("rank 0 silent")
+    outcomes = [Outcome(1, SILENT), Outcome(2, both), Outcome(3, dead), Outcome(4, None)]
+    out = explained(outcomes, [INFO, other, idle, roce], 1, ask)
+    assert asked == ["198.18.0.1:7070", "198.18.0.2:7070"]
+    assert [o.ticket for o in out] == [1, 2, 3, 4]
+    first, second = (str(o.error) for o in out[:2])
+    assert first.startswith(f"{SILENT}. Its API at 198.18.0.1:7070 answers")
+    assert "Its API at 198.18.0.2:7070 does not answer either" in second
+    assert type(out[0].error) is ApplianceSilent and out[2].error is dead and out[3].error is None
