@@ -63,7 +63,7 @@ def verdict(info: JobInfo, rank: int, status: object, unreachable: str = "") -> 
     if status is None:
         return (f"{api} does not answer either ({unreachable}): the appliance is down, or "
                 "the network to it")
-    job = _job(status, info.job_id)
+    job = _job(status, info.job_id, info.name)
     if job is None:
         return (f"{api} answers but has no job {info.job_id}: the appliance restarted, or the "
                 "job was aborted or evicted (register the job again)")
@@ -83,10 +83,11 @@ def verdict(info: JobInfo, rank: int, status: object, unreachable: str = "") -> 
             "dropping UDP to its data ports, or the route there)")
 
 
-def _job(status: object, job_id: int) -> dict[str, Any] | None:
+def _job(status: object, job_id: int, name: str) -> dict[str, Any] | None:
+    """The job in `status`, by number and name (a restarted appliance numbers anew)."""
     jobs = status.get("jobs") if isinstance(status, dict) else None
     for job in jobs if isinstance(jobs, list) else []:
-        if isinstance(job, dict) and job.get("job_id") == job_id:
+        if isinstance(job, dict) and job.get("job_id") == job_id and job.get("name") == name:
             return job
     return None
 

@@ -18,8 +18,9 @@ SILENT = ApplianceSilent("appliance 198.18.0.1:7070 has sent nothing for 5.0 s (
                          "timeout 5 s) while round 3 of rank 1 waited on it")
 
 
-def status(heard_s: float | None, job_id: int = 5) -> dict[str, object]:
-    job: dict[str, object] = {"job_id": job_id, "endpoints": {"1": "198.18.0.102:40000"}}
+def status(heard_s: float | None, job_id: int = 5, name: str = "j") -> dict[str, object]:
+    job: dict[str, object] = {"job_id": job_id, "name": name,
+                              "endpoints": {"1": "198.18.0.102:40000"}}
     if heard_s is not None:
         job["heard_s"] = {"0": 0.1, "1": heard_s}
     return {"version": "0.1.0", "jobs": [job]}
@@ -35,6 +36,8 @@ def test_an_api_that_does_not_answer_either_means_the_appliance_or_the_way_to_it
 def test_an_appliance_without_the_job_restarted_or_dropped_it() -> None:
     assert "answers but has no job 5: the appliance restarted" in verdict(INFO, 1, status(0.1, 6))
     assert "has no job 5" in verdict(INFO, 1, {"jobs": "garbled"})  # a foreign answer
+    # Restarted, it numbers jobs from 1 again: another run's job 5 is not this one.
+    assert "has no job 5" in verdict(INFO, 1, status(0.1, 5, "another-run"))
 
 
 def test_heard_from_this_rank_lately_means_the_way_back_drops_the_datagrams() -> None:
