@@ -161,7 +161,7 @@ def jobs(args: argparse.Namespace) -> int:
             for key in ("job_id", "name", "state", "world_size", "joined", "deterministic",
                         "segment_bytes", "multicast", "endpoints"):
                 print(f"{key:>14}: {merged.get(key)}")
-            for key in ("rounds", "bytes_reduced", "last_activity_s", "lagging"):
+            for key in ("rounds", "bytes_reduced", "last_activity_s", "lagging", "heard_s"):
                 print(f"{key:>14}: {live.get(key)}")
         return EXIT_OK
     snapshot = api.get("/v1/status")
