@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from reduction_appliance.dataplane.dtypes import by_numpy
 from reduction_appliance.dataplane.errors import ApplianceSilent, PeerError, ReductionError
 from reduction_appliance.dataplane.transport import Address
 from reduction_appliance.dataplane.wire import (
@@ -40,6 +39,7 @@ from reduction_appliance.dataplane.wire import (
 )
 
 from . import rendezvous
+from .arguments import check_array, dtype_of, op_of
 from .congestion import Congestion
 from .lease import Lease
 from .multicast_watch import MulticastWatch
@@ -50,7 +50,7 @@ from .session import Endpoint, Packed, Repairs
 from .silence import explained
 from .transport import Outgoing, UdpWorkerTransport, WorkerTransport, decode_each
 
-__all__ = ["ApplianceClient", "dtype_of", "op_of"]
+__all__ = ["ApplianceClient", "dtype_of", "op_of"]  # (the last two from plugin.arguments)
 
 _log = logging.getLogger(__name__)
 RELIABLE_RTO_S = 1.0  # first retransmission timeout over a reliable transport (RoCE)
@@ -67,32 +67,6 @@ _new_tuple = tuple.__new__
 _by_endpoint: Callable[[Packed], int] = operator.itemgetter(0)
 
 
-def dtype_of(array: NDArray[Any]) -> DType:
-    found = by_numpy(array.dtype)
-    if found is None:
-        raise ReductionError(
-            f"the appliance reduces float32, float16 and bfloat16, not {array.dtype}")
-    return found.dtype
-
-
-def _check_array(array: object) -> None:
-    """The caller's fault, said plainly: only a numpy array can be reduced in place."""
-    if not isinstance(array, np.ndarray):
-        scalar = " (a numpy scalar is immutable)" if isinstance(array, np.generic) else ""
-        raise ReductionError(f"allreduce() reduces a numpy.ndarray in place, not "
-                             f"{type(array).__name__}{scalar}: pass np.asarray(...) of a "
-                             "supported dtype and read the result from that array")
-
-
-def op_of(op: str | Op) -> Op:
-    if isinstance(op, Op):
-        return op
-    try:
-        return Op[op.upper()]
-    except (KeyError, AttributeError):  # an unknown name, or not a name at all
-        raise ReductionError(f"unknown op {op!r}; choose sum, avg, min or max") from None
-
-
 def _closed_error(call: str) -> ReductionError:
     return ReductionError(f"ApplianceClient.{call}() on a closed client: open another "
                           "(ApplianceClient(jobs, rank, ...)) to reduce again")
@@ -106,8 +80,8 @@ class ApplianceClient:
     that many rounds (`start`) are on the wire at once (see plugin/pipeline.py); every rank of
     the job must use the same number. One thread drives a client (`allreduce`, `wait`,
     `progress`); it is not thread-safe: a second thread calling `start` or `wait` while one is
-    inside is refused, saying so, and `close` belongs to the driving thread (or to any once
-    none is inside).
+    inside is refused, saying so; `close` from another thread ends the call inside with a
+    `ReductionError` saying the client was closed.
 
     The client joins every registered job as `rank` from the endpoint its transport sends from
     (`rejoin=True` for a restarted worker: see plugin/rendezvous.py); a job given already joined
@@ -226,6 +200,7 @@ class ApplianceClient:
         self._clock = clock
         self._addresses = [e.address for e in self.endpoints]
         self._closed = False
+        self._close_asked_by = ""  # a thread that called close() while another drove
         # Held by the thread inside `start` or `wait`: a second thread calling either at the
         # same time is refused, saying so (two threads' rounds once hung each other).
         self._driving = threading.RLock()
@@ -272,14 +247,25 @@ class ApplianceClient:
         return outcomes
 
     def close(self) -> None:
-        """Close the transport; rounds still queued or in flight end with a `ReductionError`."""
-        if not self._closed:
-            self._closed = True
-            if self._lease is not None:
-                self._lease.stop()
-            self._unclaimed.extend(
-                self.abandon("the appliance client was closed during the allreduce"))
-            self.transport.close()
+        """Close the transport; rounds still queued or in flight end with a `ReductionError`.
+        Called while another thread is inside `allreduce` or `wait`, it returns at once and
+        that thread closes the client at its next turn (within a heartbeat interval: the
+        answers wake it), its call raising the error."""
+        if not self._driving.acquire(blocking=False):
+            self._close_asked_by = threading.current_thread().name
+            if not self._driving.acquire(blocking=False):
+                return  # the driving thread closes it: at its next turn, or on its way out
+        try:
+            if not self._closed:
+                if self._lease is not None:
+                    self._lease.stop()
+                self._closed = True
+                self._unclaimed.extend(self.abandon(
+                    "the appliance client was closed during the allreduce (by thread "
+                    f"{self._close_asked_by or threading.current_thread().name!r})"))
+                self.transport.close()
+        finally:
+            self._driving.release()
 
     def __enter__(self) -> ApplianceClient:
         return self
@@ -294,7 +280,7 @@ class ApplianceClient:
         """Reduce `array` over all ranks in place and return it. Raises `AllreduceTimeout`
         (naming the silent appliance cores and missing ranks) instead of hanging. An array
         that is not one contiguous block is reduced in a contiguous copy, then copied back."""
-        _check_array(array)
+        check_array(array)
         if not array.flags.writeable:  # (a contiguous copy of it would be read-only too)
             raise ReductionError(
                 "allreduce() reduces in place, and this array is read-only (np.frombuffer over "
@@ -327,16 +313,20 @@ class ApplianceClient:
         if outer:
             self._driver = threading.current_thread().name
         try:
+            if self._close_asked_by:
+                self.close()
             yield
         finally:
             if outer:
                 self._driver = ""
             self._driving.release()
+            if outer and self._close_asked_by and not self._closed:  # asked as it left
+                self.close()
 
     def _start(self, array: NDArray[Any], op: str | Op) -> int:
         if self._closed:
             raise _closed_error("start")
-        _check_array(array)
+        check_array(array)
         dtype = dtype_of(array)
         if not array.flags.c_contiguous or not array.flags.writeable:
             raise ReductionError("start() needs a contiguous, writable array "
@@ -367,10 +357,13 @@ class ApplianceClient:
                     if outcome.error is not None:
                         raise outcome.error
                     return
-            if round_no not in self._views:
-                raise ReductionError(f"round {round_no} was never started on this client")
+            if self._close_asked_by and not self._closed:  # by another thread (close())
+                self.close()
+                continue
             if self._closed:  # (its sockets are: a bare EBADF otherwise)
                 raise _closed_error("wait")
+            if round_no not in self._views:
+                raise ReductionError(f"round {round_no} was never started on this client")
             ended = self.progress()  # (it takes the unclaimed list over: extend after)
             self._unclaimed.extend(ended)
 

@@ -278,6 +278,8 @@ class UdpWorkerTransport:
         return taken
 
     def wait(self, timeout: float | None, wake: socket.socket | None = None) -> None:
+        if not self._sockets:  # closed: select() of nothing would never end
+            raise OSError(errno.EBADF, "the worker's UDP transport is closed")
         waitables: list[socket.socket] = [*self._sockets, *([wake] if wake else [])]
         readable, _, _ = select.select(waitables, [], [],
                                        None if timeout is None else max(0.0, timeout))

@@ -261,3 +261,29 @@ def test_a_second_thread_driving_a_client_is_refused_naming_both() -> None:
         with pytest.raises(ReductionError, match=r"ApplianceClient\.start\(\) on a closed "
                                                  r"client: open another"):
             client.allreduce(np.ones(100, np.float32))
+
+
+def test_a_client_closed_by_another_thread_ends_the_waiting_allreduce_saying_so() -> None:
+    """A watchdog thread closing a client whose allreduce waits (rank 1 never comes): the
+    waiting call once raised "OSError: [Errno 9] Bad file descriptor" from its select()."""
+    with local_daemon(_config()) as daemon:
+        info = register(daemon.api, "watchdog", world_size=2, secret="secret-of-the-test")
+        client = ApplianceClient([info], 0, local_address="127.0.0.1",
+                                 timing=Timing(deadline=60.0))
+        outcome: list[BaseException] = []
+
+        def drive() -> None:
+            try:
+                client.allreduce(np.ones(100, np.float32))
+            except Exception as exc:
+                outcome.append(exc)
+
+        driver = threading.Thread(target=drive, name="the-driver")
+        driver.start()
+        wait_until(lambda: client._driver == "the-driver", 10, what="the driver inside wait")
+        client.close()
+        driver.join(30)
+        assert not driver.is_alive() and len(outcome) == 1
+        assert type(outcome[0]) is ReductionError, repr(outcome[0])
+        assert str(outcome[0]) == ("the appliance client was closed during the allreduce (by "
+                                   "thread 'MainThread')")
