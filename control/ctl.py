@@ -94,6 +94,10 @@ def render_status(s: dict[str, Any]) -> str:
             lines.extend(f"     ! {d}" for d in j.get("disruptions", []))
             if j.get("diverged"):
                 lines.append(f"     ! {j['diverged']}")
+            for rank, source in j.get("seen_elsewhere", {}).items():
+                where = j.get("endpoints", {}).get(str(rank)) or j.get("endpoints", {}).get(rank)
+                lines.append(f"     ! rank {rank} ({where}): its datagrams came from {source} "
+                             "(a NAT between it and the appliance?), dropped")
             for rank, silent_s in j.get("silent", {}).items():
                 where = j.get("endpoints", {}).get(str(rank)) or j.get("endpoints", {}).get(rank)
                 if int(rank) in j["joined"]:

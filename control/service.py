@@ -360,6 +360,7 @@ class Appliance:
                 act.diverged = act.diverged or st.diverged
                 for rank, ago in st.heard.items():  # the core that heard it last
                     act.heard[rank] = min(act.heard.get(rank, ago), ago)
+                act.elsewhere.update(st.elsewhere)
                 # Heartbeats go to one core per appliance: a rank is silent only if every
                 # core says so, for as long as the one that heard it last.
                 act.silent_votes.append(st.silent)
@@ -391,6 +392,7 @@ class Appliance:
                 epoch=plan.spec.epoch, diverged=act.diverged,
                 silent={r: round(s, 1) for r, s in sorted(act.silent.items())},
                 heard_s={r: round(s, 3) for r, s in sorted(act.heard.items())},
+                seen_elsewhere={r: f"{a[0]}:{a[1]}" for r, a in sorted(act.elsewhere.items())},
                 endpoints={r: f"{a[0]}:{a[1]}" for r, a in enumerate(plan.spec.endpoints)
                            if a is not None},
                 disruptions=tuple(
@@ -432,8 +434,9 @@ class Appliance:
 
 
 class _Activity:
-    __slots__ = ("bytes_reduced", "diverged", "heard", "job_id", "lagging", "last_activity",
-                 "quiet_s", "reports", "rounds", "segments_reduced", "silent_votes")
+    __slots__ = ("bytes_reduced", "diverged", "elsewhere", "heard", "job_id", "lagging",
+                 "last_activity", "quiet_s", "reports", "rounds", "segments_reduced",
+                 "silent_votes")
 
     def __init__(self, job_id: int) -> None:
         self.job_id = job_id
@@ -447,6 +450,7 @@ class _Activity:
         self.reports = 0  # how many cores answered for the job
         self.lagging: dict[int, float] = {}
         self.heard: dict[int, float] = {}  # rank -> seconds since any core heard it
+        self.elsewhere: dict[int, Address] = {}  # rank -> another source its datagrams had
 
     @property
     def silent(self) -> dict[int, float]:

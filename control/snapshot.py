@@ -54,6 +54,8 @@ class JobSnapshot:
     silent: dict[int, float] = field(default_factory=dict)  # rank -> seconds without a word
     # joined rank -> seconds since a core last heard it (a datagram from where it joined)
     heard_s: dict[int, float] = field(default_factory=dict)
+    # rank -> "host:port" its datagrams came from instead of where it joined (a NAT between)
+    seen_elsewhere: dict[int, str] = field(default_factory=dict)
     transport: str = "udp"  # or "roce": its ranks' queue pairs are in the cores' queue_pairs
 
 

@@ -68,7 +68,6 @@ from .wire import (
     Flags,
     Header,
     Kind,
-    SilentRank,
     WireError,
     pack_silent,
     unpack,
@@ -135,6 +134,7 @@ class Aggregator:
         for rank, (was, now_at) in enumerate(zip(old.endpoints, spec.endpoints, strict=True)):
             if was != now_at:
                 job.last_seen[rank] = now  # a rank that (re-)joined is alive
+                job.elsewhere.pop(rank, None)
                 forget_sequences(job, rank)  # and numbers its contributions afresh
         if spec.epoch == old.epoch:
             return []
@@ -188,31 +188,13 @@ class Aggregator:
         if job is None:
             return None
         waiting = job.awaited()
-        silent = {s.rank: s.silent_s for s in self._silent(job, now, waiting)}
+        silent = {s.rank: s.silent_s for s in job.silent(now, waiting)}
         return JobStats(job.rounds, job.bytes_reduced, job.segments_reduced,
                         job.last_activity, waiting, job.diverged, silent,
                         quiet_s=now - max(job.last_seen),
                         heard={rank: now - seen for rank, seen in enumerate(job.last_seen)
-                               if job.spec.endpoints[rank] is not None})
-
-    def _silent(self, job: JobState, now: float,
-                awaited: dict[int, float] | None = None) -> list[SilentRank]:
-        """Joined ranks silent past the liveness timeout, and at once a rank that left while a
-        use of a slot here still waits for it: its contribution will never come (a peer
-        stopped by Ctrl-C once kept every other rank's shutdown waiting the timeout out). A
-        rank that has not joined yet is not one of them (workers start at different times): its
-        peers wait for it until their deadline, and the timeout then names it as missing.
-        `awaited`: `job.awaited()`, where the caller has it."""
-        limit = job.spec.liveness_timeout
-        endpoints = job.spec.endpoints
-        departed = job.spec.departed
-        if departed and awaited is None:
-            awaited = job.awaited()
-        return [SilentRank(rank, endpoints[rank], now - seen, rank in departed)
-                for rank, seen in enumerate(job.last_seen)
-                if endpoints[rank] is not None
-                and (now - seen > limit or (awaited is not None and rank in awaited
-                                            and rank in departed))]
+                               if job.spec.endpoints[rank] is not None},
+                        elsewhere=dict(job.elsewhere))
 
     # ---- datagram path ----
     def on_batch(self, batch: RxBatch, now: float) -> list[Send]:
@@ -352,6 +334,8 @@ class Aggregator:
             cells[Counter.DROP_BAD_RANK] += 1
         elif spec.endpoints[h.rank] != source:
             cells[Counter.DROP_BAD_SOURCE] += 1
+            if spec.endpoints[h.rank] is not None:  # its own cookie, from elsewhere: a NAT?
+                job.elsewhere[h.rank] = source
         else:
             return job
         return None
@@ -368,7 +352,7 @@ class Aggregator:
             cells[Counter.JOB_NOTICES] += 1
             out.append(self._notice(Kind.RESYNC, h, source))
             return
-        out.append(self._notice(Kind.LIVENESS, h, source, pack_silent(self._silent(job, now))))
+        out.append(self._notice(Kind.LIVENESS, h, source, pack_silent(job.silent(now))))
 
     def _diverge(self, job: JobState, copy: SlotCopy, h: Header, out: list[Send]) -> None:
         """The ranks disagree on what one use of a slot is: tell every rank why, now and on

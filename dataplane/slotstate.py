@@ -19,7 +19,7 @@ from numpy.typing import NDArray
 
 from .reduce import SegmentKernel
 from .spec import Address, JobSpec
-from .wire import HEADER_SIZE, DType, Header, Op
+from .wire import HEADER_SIZE, DType, Header, Op, SilentRank
 
 __all__ = ["COPY_TRANSITIONS", "CopyState", "Event", "JobState", "Slot", "SlotCopy", "move"]
 
@@ -141,9 +141,9 @@ class Slot:
 
 
 class JobState:
-    __slots__ = ("all_ranks", "arena_first", "arena_slots", "bytes_reduced", "diverged", "held",
-                 "last_activity", "last_data", "last_seen", "next_sequence", "rounds",
-                 "segments_reduced", "serial", "slots", "spec")
+    __slots__ = ("all_ranks", "arena_first", "arena_slots", "bytes_reduced", "diverged",
+                 "elsewhere", "held", "last_activity", "last_data", "last_seen", "next_sequence",
+                 "rounds", "segments_reduced", "serial", "slots", "spec")
 
     def __init__(self, spec: JobSpec, arena_slots: list[int], slots: list[Slot],
                  now: float) -> None:
@@ -167,6 +167,9 @@ class JobState:
         # per rank, the send sequence its next first transmission should carry (-1: any;
         # dataplane.gaps)
         self.next_sequence = [-1] * spec.world_size
+        # rank -> the other endpoint its datagrams (its cookie and all) last came from: a NAT
+        # between the worker and here, which the endpoint it joined with does not show
+        self.elsewhere: dict[int, Address] = {}
 
     @property
     def bound(self) -> list[Address]:
@@ -185,3 +188,21 @@ class JobState:
                 if missing >> rank & 1:
                     waiting[rank] = min(waiting.get(rank, copy.started), copy.started)
         return waiting
+
+    def silent(self, now: float, awaited: dict[int, float] | None = None) -> list[SilentRank]:
+        """Joined ranks silent past the liveness timeout, and at once a rank that left while a
+        use of a slot here still waits for it: its contribution will never come (a peer
+        stopped by Ctrl-C once kept every other rank's shutdown waiting the timeout out). A
+        rank that has not joined yet is not one of them (workers start at different times): its
+        peers wait for it until their deadline, and the timeout then names it as missing.
+        `awaited`: `awaited()`, where the caller has it."""
+        limit = self.spec.liveness_timeout
+        endpoints = self.spec.endpoints
+        departed = self.spec.departed
+        if departed and awaited is None:
+            awaited = self.awaited()
+        return [SilentRank(rank, endpoints[rank], now - seen, rank in departed)
+                for rank, seen in enumerate(self.last_seen)
+                if endpoints[rank] is not None
+                and (now - seen > limit or (awaited is not None and rank in awaited
+                                            and rank in departed))]

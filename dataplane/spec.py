@@ -136,6 +136,10 @@ class JobStats:
     # joined rank -> seconds since the core last heard it (or got the job): a worker that
     # hears nothing from the appliance asks whether its own datagrams arrive
     heard: dict[int, float] = field(default_factory=dict)
+    # rank -> another endpoint its datagrams (its cookie and all) came from: dropped, counted
+    # as DROP_BAD_SOURCE; a NAT between it and the appliance, or a restarted worker not yet
+    # re-joined
+    elsewhere: dict[int, Address] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

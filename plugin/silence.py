@@ -72,6 +72,12 @@ def verdict(info: JobInfo, rank: int, status: object, unreachable: str = "") -> 
     data = (f"{info.cores[0].host}:{ports[0]}" + (f"-{ports[-1]}" if len(ports) > 1 else "")
             if info.cores else "its data ports")
     endpoint = (job.get("endpoints") or {}).get(str(rank), "this host")
+    elsewhere = (job.get("seen_elsewhere") or {}).get(str(rank))
+    if elsewhere and not (heard is not None and heard < info.liveness_s / 2):
+        return (f"{api} answers, and its cores get this rank's datagrams from {elsewhere}, not "
+                f"from {endpoint}, where it joined: a NAT between this host and the appliance "
+                "rewrites their source, and they are dropped as a stranger's (a container on a "
+                "bridged network? give it the host's network: docker run --network host)")
     if heard is not None and heard < info.liveness_s / 2:  # it hears the heartbeats
         return (f"{api} answers, and its cores hear this rank (the last datagram from "
                 f"{endpoint} {heard:.1f} s ago), but nothing they send reaches this host: a "

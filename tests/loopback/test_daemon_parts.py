@@ -186,6 +186,18 @@ def test_status_names_jobs_whole_where_they_differ_only_at_the_end() -> None:
     assert narrow.splitlines()[1].startswith("   1 bert             active")  # 16 as before
 
 
+def test_status_names_a_rank_whose_datagrams_come_from_elsewhere() -> None:
+    job = {"job_id": 3, "name": "behind-nat", "state": "active", "world_size": 2,
+           "joined": [0, 1], "epoch": 1, "rounds": 0, "bytes_reduced": 0,
+           "last_activity_s": None, "lagging": {}, "endpoints": {"1": "172.17.0.2:40000"},
+           "seen_elsewhere": {"1": "10.0.0.5:32768"}}
+    snapshot = {"version": "0.1.0", "uptime_s": 5.0, "config": "a.toml", "cores": [],
+                "interfaces": [], "steering": [], "steering_notes": [], "rdma_devices": [],
+                "jobs": [job]}
+    assert ("     ! rank 1 (172.17.0.2:40000): its datagrams came from 10.0.0.5:32768 (a NAT "
+            "between it and the appliance?), dropped") in render_status(snapshot).splitlines()
+
+
 @pytest.mark.parametrize("taken", ["dataplane", "metrics"])
 def test_a_port_in_use_fails_the_start_naming_its_key_and_address(taken: str,
                                                                    tmp_path: Path) -> None:

@@ -140,27 +140,37 @@ def test_missing_rank_fails_with_a_clear_error_instead_of_hanging() -> None:
     assert "appliance 198.18.0.1:7070 core" in text
 
 
-@pytest.mark.parametrize(("host", "verdict"), [
-    ("a0", "its cores have heard nothing from this rank (198.18.0.101:"),
-    ("w0", "its cores hear this rank (the last datagram from 198.18.0.101:"),
-])
-def test_datagrams_dropped_one_way_are_blamed_on_the_side_that_drops_them(
-        host: str, verdict: str) -> None:
+_DROP_UDP = ("table inet walled {\n chain in {\n  type filter hook input priority 0;\n"
+             "  meta l4proto udp drop\n }\n}\n")
+# The worker's datagrams to the appliance leave with another source port, as through a NAT.
+_NAT = ("table ip natted {\n chain post {\n  type nat hook postrouting priority 100;\n"
+        "  udp dport 7000-7999 snat to 198.18.0.101:50000\n }\n}\n")
+
+
+@pytest.mark.parametrize(("host", "rules", "verdict"), [
+    ("a0", _DROP_UDP, "its cores have heard nothing from this rank (198.18.0.101:"),
+    ("w0", _DROP_UDP, "its cores hear this rank (the last datagram from 198.18.0.101:"),
+    ("w0", _NAT, "its cores get this rank's datagrams from 198.18.0.101:50000, not from "
+                 "198.18.0.101:"),
+], ids=["appliance-firewall", "worker-firewall", "nat"])
+def test_datagrams_lost_on_the_way_are_blamed_on_what_loses_them(
+        host: str, rules: str, verdict: str) -> None:
     """A firewall on a new rack (the API's TCP port opened, the data ports not; or a worker
-    whose ufw refuses incoming datagrams): the worker said only "it died or the network to it
-    is down" while the appliance's API answered. It now asks the API and says which way the
-    datagrams are lost."""
+    whose ufw refuses incoming datagrams), or a NAT between (a container on a bridged
+    network): the worker said only "it died or the network to it is down" while the
+    appliance's API answered. It now asks the API and says which way the datagrams are lost."""
     with LabNetwork.rack(1) as net, start_appliance(net, liveness_s=2.0) as appliance:
-        net.lab.run(host, ["nft", "-f", "-"], input=(
-            "table inet walled {\n chain in {\n  type filter hook input priority 0;\n"
-            "  meta l4proto udp drop\n }\n}\n"))
+        net.lab.run(host, ["nft", "-f", "-"], input=rules)
         argv = worker_argv(net, appliance.api, 1, f"walled-{host}",
                            ["--sizes", "64KiB", "--iters", "1"])
         with pytest.raises(HarnessError) as failure:
             run_workers(net, argv, timeout_s=60)
+        shown = appliance.status()
     text = str(failure.value)
     assert "ApplianceSilent" in text and "Its API at 198.18.0.1:7070 answers" in text, text
     assert verdict in text, text
+    if rules is _NAT:  # and the operator sees it too
+        assert [j["seen_elsewhere"] for j in shown["jobs"]] == [{"0": "198.18.0.101:50000"}]
 
 
 def test_segments_spread_over_two_appliances() -> None:

@@ -549,6 +549,24 @@ def test_a_rank_that_left_while_a_use_waits_for_it_is_named_at_once(arena: SlotA
     assert stats.heard == {0: 0.0, 1: 0.7, 2: 0.7}  # (since the job came, for those unheard)
 
 
+def test_a_ranks_datagrams_from_another_endpoint_are_dropped_and_named(
+        arena: SlotArena) -> None:
+    """A NAT between worker and appliance (a container on a bridged network) rewrites the
+    source of the rank's datagrams: its own cookie, another endpoint. Dropped as before; the
+    endpoint they came from is kept for status and the worker's diagnosis, until the rank
+    joins again."""
+    agg = make(arena, world=2)
+    nat = ("10.0.0.5", 32768)
+    assert contribute(agg, 1, np.ones(4, np.float32), source=nat) == []
+    assert agg.counters[Counter.DROP_BAD_SOURCE] == 1
+    assert contribute(agg, 1, np.ones(4, np.float32), cookie=7, source=("10.0.0.6", 1)) == []
+    stats = agg.stats(5, 1.0)
+    assert stats is not None and stats.elsewhere == {1: nat}  # (a stranger's cookie: not kept)
+    agg.update_job(replace(spec(2), endpoints=(where(0), nat)), 2.0)  # re-joined from there
+    stats = agg.stats(5, 2.0)
+    assert stats is not None and stats.elsewhere == {}
+
+
 def test_a_job_grows_quiet_only_while_no_rank_says_anything(arena: SlotArena) -> None:
     """The age the control plane evicts by: heartbeats count as much as contributions (a job
     of live workers between all_reduces is not quiet), and a stranger's datagram not at all."""

@@ -58,6 +58,15 @@ def test_not_heard_from_this_rank_means_its_datagrams_do_not_get_there() -> None
     assert "do not reach 198.18.0.1:7000 (" in verdict(one_core, 1, status(9.0))
 
 
+def test_datagrams_arriving_from_elsewhere_mean_a_nat_between() -> None:
+    answer = status(6.0)
+    answer["jobs"][0]["seen_elsewhere"] = {"1": "10.0.0.5:32768"}  # type: ignore[index]
+    said = verdict(INFO, 1, answer)
+    assert ("its cores get this rank's datagrams from 10.0.0.5:32768, not from "
+            "198.18.0.102:40000, where it joined: a NAT between this host and the appliance "
+            "rewrites their source") in said and "docker run --network host" in said
+
+
 def test_each_silent_appliance_is_asked_once_and_only_its_errors_are_explained() -> None:
     asked: list[str] = []
 
