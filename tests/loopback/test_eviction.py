@@ -239,17 +239,7 @@ def test_a_second_thread_driving_a_client_is_refused_naming_both() -> None:
         info = register(daemon.api, "threads", world_size=2, secret="secret-of-the-test")
         client = ApplianceClient([info], 0, local_address="127.0.0.1",
                                  timing=Timing(deadline=3.0))
-        outcome: list[BaseException] = []
-
-        def drive() -> None:  # rank 1 never comes: this call waits out its deadline
-            try:
-                client.allreduce(np.ones(100, np.float32))
-            except ReductionError as exc:
-                outcome.append(exc)
-
-        driver = threading.Thread(target=drive, name="the-driver")
-        driver.start()
-        wait_until(lambda: client._driver == "the-driver", 10, what="the driver inside wait")
+        driver, outcome = _waiting_allreduce(client)  # it waits out its deadline
         with pytest.raises(ReductionError, match=r"ApplianceClient\.start\(\) called from thread "
                                                  r"'MainThread' while thread 'the-driver' "
                                                  r"drives this client"):
@@ -270,20 +260,27 @@ def test_a_client_closed_by_another_thread_ends_the_waiting_allreduce_saying_so(
         info = register(daemon.api, "watchdog", world_size=2, secret="secret-of-the-test")
         client = ApplianceClient([info], 0, local_address="127.0.0.1",
                                  timing=Timing(deadline=60.0))
-        outcome: list[BaseException] = []
-
-        def drive() -> None:
-            try:
-                client.allreduce(np.ones(100, np.float32))
-            except Exception as exc:
-                outcome.append(exc)
-
-        driver = threading.Thread(target=drive, name="the-driver")
-        driver.start()
-        wait_until(lambda: client._driver == "the-driver", 10, what="the driver inside wait")
+        driver, outcome = _waiting_allreduce(client)
         client.close()
         driver.join(30)
         assert not driver.is_alive() and len(outcome) == 1
         assert type(outcome[0]) is ReductionError, repr(outcome[0])
         assert str(outcome[0]) == ("the appliance client was closed during the allreduce (by "
                                    "thread 'MainThread')")
+
+
+def _waiting_allreduce(client: ApplianceClient) -> tuple[threading.Thread, list[Exception]]:
+    """A thread "the-driver" inside an allreduce of `client` that waits (rank 1 never comes),
+    and the list its exception lands in."""
+    outcome: list[Exception] = []
+
+    def drive() -> None:
+        try:
+            client.allreduce(np.ones(100, np.float32))
+        except Exception as exc:
+            outcome.append(exc)
+
+    driver = threading.Thread(target=drive, name="the-driver")
+    driver.start()
+    wait_until(lambda: client._driver == "the-driver", 10, what="the driver inside wait")
+    return driver, outcome

@@ -89,6 +89,14 @@ def contribute(agg: Aggregator, rank: int, data: np.ndarray, *, round_no: int = 
     return feed(agg, [(bytes(header) + payload.tobytes(), source or where(rank))], now)
 
 
+def heartbeat_of(rank: int) -> bytes:
+    """Rank `rank`'s HEARTBEAT (round 1) for job 5, epoch 1."""
+    heartbeat = bytearray(HEADER_SIZE)
+    pack_into(heartbeat, Header(Kind.HEARTBEAT, DType.FLOAT32, Op.SUM, 0, 5, rank, COOKIE, 1, 0,
+                                0, 0, 0, 1))
+    return bytes(heartbeat)
+
+
 def result_of(sends: list[Send], dtype: np.dtype) -> np.ndarray:
     assert len(sends) == 1
     h = unpack(bytes(sends[0].header))
@@ -500,13 +508,11 @@ def test_abort_tells_bound_workers_and_answers_their_later_datagrams(arena: Slot
 def test_a_short_datagram_is_malformed_whatever_its_buffer_held_before(
         arena: SlotArena) -> None:
     agg = make(arena, world=2)
-    heartbeat = bytearray(HEADER_SIZE)
-    pack_into(heartbeat, Header(Kind.HEARTBEAT, DType.FLOAT32, Op.SUM, 0, 5, 0, COOKIE, 1, 0,
-                                0, 0, 0, 1))
-    assert feed(agg, [(bytes(heartbeat), where(0))])  # answered: LIVENESS
+    heartbeat = heartbeat_of(0)
+    assert feed(agg, [(heartbeat, where(0))])  # answered: LIVENESS
     # The same receive buffer comes back for the next datagram: its 10 bytes (or none) must
     # not borrow the heartbeat's header that still sits there.
-    assert feed(agg, [(bytes(heartbeat[:10]), where(0)), (b"", where(0))]) == []
+    assert feed(agg, [(heartbeat[:10], where(0)), (b"", where(0))]) == []
     assert agg.counters[Counter.DROP_MALFORMED] == 2
     assert agg.counters[Counter.HEARTBEATS] == 1
 
@@ -518,12 +524,10 @@ def test_a_heartbeat_is_answered_with_the_silent_ranks_and_which_of_them_left(
     calls than it did), so the worker can say which it was."""
     agg = make(arena, world=3)
     agg.update_job(replace(spec(3), departed=frozenset({2})), 0.0)
-    heartbeat = bytearray(HEADER_SIZE)
-    pack_into(heartbeat, Header(Kind.HEARTBEAT, DType.FLOAT32, Op.SUM, 0, 5, 0, COOKIE, 1, 0,
-                                0, 0, 0, 1))
-    (early,) = feed(agg, [(bytes(heartbeat), where(0))], now=4.0)
+    heartbeat = heartbeat_of(0)
+    (early,) = feed(agg, [(heartbeat, where(0))], now=4.0)
     assert unpack(bytes(early.header)).kind is Kind.LIVENESS and bytes(early.payload) == b""
-    (answer,) = feed(agg, [(bytes(heartbeat), where(0))], now=6.0)
+    (answer,) = feed(agg, [(heartbeat, where(0))], now=6.0)
     assert unpack_silent(bytes(answer.payload)) == [
         SilentRank(1, where(1), 6.0), SilentRank(2, where(2), 6.0, left=True)]
 
@@ -536,13 +540,11 @@ def test_a_rank_that_left_while_a_use_waits_for_it_is_named_at_once(arena: SlotA
     departed rank no use waits for (its peers may still be taking their last results)."""
     agg = make(arena, world=3)
     agg.update_job(replace(spec(3), departed=frozenset({2})), 0.0)
-    heartbeat = bytearray(HEADER_SIZE)
-    pack_into(heartbeat, Header(Kind.HEARTBEAT, DType.FLOAT32, Op.SUM, 0, 5, 0, COOKIE, 1, 0,
-                                0, 0, 0, 1))
-    (idle,) = feed(agg, [(bytes(heartbeat), where(0))], now=0.5)
+    heartbeat = heartbeat_of(0)
+    (idle,) = feed(agg, [(heartbeat, where(0))], now=0.5)
     assert unpack_silent(bytes(idle.payload)) == []  # nothing waits for it here
     contribute(agg, 0, np.ones(4, np.float32), now=0.6)
-    (answer,) = feed(agg, [(bytes(heartbeat), where(0))], now=0.7)
+    (answer,) = feed(agg, [(heartbeat, where(0))], now=0.7)
     assert unpack_silent(bytes(answer.payload)) == [SilentRank(2, where(2), 0.7, left=True)]
     stats = agg.stats(5, 0.7)
     assert stats is not None and stats.silent == {2: 0.7} and set(stats.waiting) == {1, 2}
@@ -572,13 +574,11 @@ def test_a_job_grows_quiet_only_while_no_rank_says_anything(arena: SlotArena) ->
     of live workers between all_reduces is not quiet), and a stranger's datagram not at all."""
     agg = make(arena, world=2)  # added at t = 0
     assert agg.stats(5, 30.0).quiet_s == 30.0
-    heartbeat = bytearray(HEADER_SIZE)
-    pack_into(heartbeat, Header(Kind.HEARTBEAT, DType.FLOAT32, Op.SUM, 0, 5, 1, COOKIE, 1, 0,
-                                0, 0, 0, 1))  # rank 1
-    feed(agg, [(bytes(heartbeat), where(1))], now=40.0)
+    heartbeat = heartbeat_of(1)
+    feed(agg, [(heartbeat, where(1))], now=40.0)
     stats = agg.stats(5, 45.0)
     assert stats.quiet_s == 5.0 and stats.last_activity is None  # no data yet, but heard
-    feed(agg, [(bytes(heartbeat), ("198.18.0.99", 9001))], now=50.0)  # not a member
+    feed(agg, [(heartbeat, ("198.18.0.99", 9001))], now=50.0)  # not a member
     assert agg.stats(5, 50.0).quiet_s == 10.0
     contribute(agg, 0, np.ones(4, np.float32), now=52.0)
     assert agg.stats(5, 53.0).quiet_s == 1.0
