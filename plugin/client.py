@@ -47,7 +47,7 @@ from .pipeline import Outcome, RoundPipeline
 from .rendezvous import JobInfo
 from .rtt import RttEstimator, Timing
 from .session import Endpoint, Packed, Repairs
-from .silence import explained
+from .silence import Diagnosis
 from .transport import Outgoing, UdpWorkerTransport, WorkerTransport, decode_each
 
 __all__ = ["ApplianceClient", "dtype_of", "op_of"]  # (the last two from plugin.arguments)
@@ -201,6 +201,7 @@ class ApplianceClient:
         self._addresses = [e.address for e in self.endpoints]
         self._closed = False
         self._close_asked_by = ""  # a thread that called close() while another drove
+        self._diagnosis = Diagnosis(clock=clock)  # why an appliance went silent (its API)
         # Held by the thread inside `start` or `wait`: a second thread calling either at the
         # same time is refused, saying so (two threads' rounds once hung each other).
         self._driving = threading.RLock()
@@ -396,7 +397,7 @@ class ApplianceClient:
         self._last_turn = self._clock()
         ended = pipeline.finished()
         if ended and any(type(o.error) is ApplianceSilent for o in ended):
-            ended = explained(ended, self.jobs, self.rank)  # (asks the appliances' APIs why)
+            ended = self._diagnosis.explained(ended, self.jobs, self.rank)  # (asks their APIs)
         outcomes = [*self._unclaimed, *ended]
         self._unclaimed = []
         for outcome in outcomes:

@@ -12,6 +12,7 @@ pure function of the answer, tested with plain dictionaries.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -22,30 +23,45 @@ from . import rendezvous
 from .pipeline import Outcome
 from .rendezvous import JobInfo
 
-__all__ = ["explained", "verdict"]
+__all__ = ["Diagnosis", "verdict"]
 
 Ask = Callable[[JobInfo], object]
 
 
-def explained(outcomes: list[Outcome], jobs: list[JobInfo], rank: int,
-              ask: Ask = rendezvous.appliance_status) -> list[Outcome]:
-    """`outcomes` with each `ApplianceSilent` told what the silent appliances' APIs say."""
-    said: dict[str, str] = {}
-    out = []
-    for outcome in outcomes:
-        error = outcome.error
-        if type(error) is ApplianceSilent:
-            text = str(error)
-            notes = []
-            for info in jobs:
-                if info.transport == "udp" and f"appliance {info.appliance} " in text:
-                    if info.appliance not in said:
-                        said[info.appliance] = _ask(info, rank, ask)
-                    notes.append(said[info.appliance])
-            if notes:
-                outcome = replace(outcome, error=ApplianceSilent(f"{text}. {' '.join(notes)}"))
-        out.append(outcome)
-    return out
+class Diagnosis:
+    """Tells `ApplianceSilent` errors what the silent appliances' APIs say, asking each at most
+    once per its liveness timeout: a caller that retries at once after each failure (the
+    verdict stands: later rounds fail at once too) asks once, not per call."""
+
+    def __init__(self, ask: Ask = rendezvous.appliance_status,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._ask = ask
+        self._clock = clock
+        self._said: dict[str, tuple[float, str]] = {}  # appliance -> (when asked, verdict)
+
+    def explained(self, outcomes: list[Outcome], jobs: list[JobInfo],
+                  rank: int) -> list[Outcome]:
+        """`outcomes` with each `ApplianceSilent` told why, where the API can say."""
+        out = []
+        for outcome in outcomes:
+            error = outcome.error
+            if type(error) is ApplianceSilent:
+                text = str(error)
+                notes = [self._verdict(info, rank) for info in jobs
+                         if info.transport == "udp" and f"appliance {info.appliance} " in text]
+                if notes:
+                    outcome = replace(outcome,
+                                      error=ApplianceSilent(f"{text}. {' '.join(notes)}"))
+            out.append(outcome)
+        return out
+
+    def _verdict(self, info: JobInfo, rank: int) -> str:
+        now = self._clock()
+        said = self._said.get(info.appliance)
+        if said is None or now - said[0] >= info.liveness_s:
+            said = (now, _ask(info, rank, self._ask))
+            self._said[info.appliance] = said
+        return said[1]
 
 
 def _ask(info: JobInfo, rank: int, ask: Ask) -> str:

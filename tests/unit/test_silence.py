@@ -9,7 +9,7 @@ from reduction_appliance.dataplane.errors import ApplianceSilent, RankSilent, Re
 from reduction_appliance.dataplane.registration import EndpointInfo
 from reduction_appliance.plugin.pipeline import Outcome
 from reduction_appliance.plugin.rendezvous import JobInfo
-from reduction_appliance.plugin.silence import explained, verdict
+from reduction_appliance.plugin.silence import Diagnosis, verdict
 
 INFO = JobInfo("198.18.0.1:7070", 5, "j", 2, 8900, None, False, 60.0,
                (EndpointInfo(0, "198.18.0.1", 7000, 64), EndpointInfo(1, "198.18.0.1", 7001, 64)),
@@ -83,10 +83,20 @@ def test_each_silent_appliance_is_asked_once_and_only_its_errors_are_explained()
                            "appliance 198.18.0.4:7070 too")
     dead = RankSilent("rank 0 silent")
     outcomes = [Outcome(1, SILENT), Outcome(2, both), Outcome(3, dead), Outcome(4, None)]
-    out = explained(outcomes, [INFO, other, idle, roce], 1, ask)
+    now = [100.0]
+    diagnosis = Diagnosis(ask, clock=lambda: now[0])
+    out = diagnosis.explained(outcomes, [INFO, other, idle, roce], 1)
     assert asked == ["198.18.0.1:7070", "198.18.0.2:7070"]
     assert [o.ticket for o in out] == [1, 2, 3, 4]
     first, second = (str(o.error) for o in out[:2])
     assert first.startswith(f"{SILENT}. Its API at 198.18.0.1:7070 answers")
     assert "Its API at 198.18.0.2:7070 does not answer either" in second
     assert type(out[0].error) is ApplianceSilent and out[2].error is dead and out[3].error is None
+    # A caller retrying at once meets the standing verdict each time: the APIs are asked
+    # again only once their liveness timeout has passed.
+    now[0] += 4.9
+    again = diagnosis.explained([Outcome(5, SILENT)], [INFO, other], 1)
+    assert asked == ["198.18.0.1:7070", "198.18.0.2:7070"] and str(again[0].error) == first
+    now[0] += 0.1
+    diagnosis.explained([Outcome(6, SILENT)], [INFO, other], 1)
+    assert asked[2:] == ["198.18.0.1:7070"]
