@@ -128,7 +128,8 @@ class Topology:
         if not mcast.is_multicast:
             raise ValueError(f"multicast_range {self.multicast_range} is not multicast")
         if not re.fullmatch(r"[a-z][a-z0-9]*", self.name_prefix):
-            raise ValueError(f"name_prefix {self.name_prefix!r}: use [a-z][a-z0-9]*")
+            raise ValueError(f"lab name {self.name_prefix!r}: a lowercase letter, then lowercase "
+                             "letters and digits ([a-z][a-z0-9]*)")
         names = [h.name for h in self.hosts]
         if len(set(names)) != len(names):
             raise ValueError(f"host names not unique: {names}")
@@ -144,10 +145,10 @@ class Topology:
                 raise ValueError(f"{host.name} address {addr} not a host address of {net}")
             # The switch-side port name is the longest: prefix + host name + "s".
             if len(self.port_ifname(host.name)) > IFNAME_MAX:
+                room = IFNAME_MAX - (len(self.port_ifname(host.name)) - len(self.name_prefix))
                 raise ValueError(
-                    f"prefix {self.name_prefix!r} + host {host.name!r} too long for an "
-                    f"interface name ({IFNAME_MAX} chars)"
-                )
+                    f"lab name {self.name_prefix!r} is too long: with host {host.name!r} its "
+                    f"interface names pass {IFNAME_MAX} characters (at most {room} here)")
 
     @classmethod
     def rack(
@@ -167,8 +168,8 @@ class Topology:
         """Appliances a0.. at 198.18.0.1.., workers w0.. at 198.18.0.101..; impairments apply
         to worker links (the appliance link is unrestricted unless given)."""
         if not 1 <= appliances <= 100 or not 1 <= workers <= RACK_WORKERS_MAX:
-            raise ValueError(f"rack() fits 1..100 appliances and 1..{RACK_WORKERS_MAX} workers "
-                             "in one /24")
+            raise ValueError(f"a rack holds 1..100 appliances and 1..{RACK_WORKERS_MAX} workers "
+                             f"(one /24), not {appliances} and {workers}")
         base = ipaddress.IPv4Address("198.18.0.0")
         return cls(
             name_prefix=prefix if prefix is not None else unique_prefix(),
