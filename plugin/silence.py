@@ -87,8 +87,8 @@ def verdict(info: JobInfo, rank: int, status: object, unreachable: str = "") -> 
     ports = sorted({c.port for c in info.cores})
     data = (f"{info.cores[0].host}:{ports[0]}" + (f"-{ports[-1]}" if len(ports) > 1 else "")
             if info.cores else "its data ports")
-    endpoint = (job.get("endpoints") or {}).get(str(rank), "this host")
-    elsewhere = (job.get("seen_elsewhere") or {}).get(str(rank))
+    endpoint = _entry(job.get("endpoints"), rank) or "this host"
+    elsewhere = _entry(job.get("seen_elsewhere"), rank)
     if elsewhere and not (heard is not None and heard < info.liveness_s / 2):
         return (f"{api} answers, and its cores get this rank's datagrams from {elsewhere}, not "
                 f"from {endpoint}, where it joined: a NAT between this host and the appliance "
@@ -112,6 +112,11 @@ def _job(status: object, job_id: int, name: str) -> dict[str, Any] | None:
         if isinstance(job, dict) and job.get("job_id") == job_id and job.get("name") == name:
             return job
     return None
+
+
+def _entry(table: object, rank: int) -> str | None:
+    value = table.get(str(rank)) if isinstance(table, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def _number(table: object, rank: int) -> float | None:

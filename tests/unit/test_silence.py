@@ -36,6 +36,9 @@ def test_an_api_that_does_not_answer_either_means_the_appliance_or_the_way_to_it
 def test_an_appliance_without_the_job_restarted_or_dropped_it() -> None:
     assert "answers but has no job 5: the appliance restarted" in verdict(INFO, 1, status(0.1, 6))
     assert "has no job 5" in verdict(INFO, 1, {"jobs": "garbled"})  # a foreign answer
+    odd = {"jobs": [{"job_id": 5, "name": "j", "endpoints": [1], "seen_elsewhere": 3,
+                     "heard_s": {"1": "soon"}}]}
+    assert "have heard nothing from this rank (this host)" in verdict(INFO, 1, odd)
     # Restarted, it numbers jobs from 1 again: another run's job 5 is not this one.
     assert "has no job 5" in verdict(INFO, 1, status(0.1, 5, "another-run"))
 
