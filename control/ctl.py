@@ -11,6 +11,7 @@ import argparse
 import json
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,14 +160,7 @@ def jobs(args: argparse.Namespace) -> int:
         live: dict[str, Any] = next(
             (j for j in snapshot["jobs"] if j["job_id"] == args.job_id), {})
         merged = job | {"live": live}
-        if args.json:
-            print(json.dumps(merged, indent=2))
-        else:
-            for key in ("job_id", "name", "state", "world_size", "joined", "deterministic",
-                        "segment_bytes", "multicast", "endpoints"):
-                print(f"{key:>14}: {merged.get(key)}")
-            for key in ("rounds", "bytes_reduced", "last_activity_s", "lagging", "heard_s"):
-                print(f"{key:>14}: {live.get(key)}")
+        print(json.dumps(merged, indent=2) if args.json else render_job(job, live))
         return EXIT_OK
     snapshot = api.get("/v1/status")
     if args.json:
@@ -175,6 +169,37 @@ def jobs(args: argparse.Namespace) -> int:
         text = render_status(snapshot).split("\n\n")
         print(text[2] if len(text) > 2 else "jobs: none")
     return EXIT_OK
+
+
+def render_job(job: dict[str, Any], live: dict[str, Any]) -> str:
+    """One job for `reductionctl jobs ID`: its registration (`job`, GET /v1/jobs/ID) and what
+    the cores saw of it (`live`, its entry in /v1/status; empty if none)."""
+    def ranks(table: dict[str, Any], fmt: Callable[[Any], str]) -> str:
+        return ", ".join(f"{r}: {fmt(v)}" for r, v in sorted(
+            table.items(), key=lambda kv: int(kv[0]))) or "-"
+
+    mc = job.get("multicast")
+    rows = [
+        ("job", f"{job.get('job_id')} {job.get('name')} ({job.get('state')}, epoch "
+                f"{live.get('epoch', job.get('epoch', 1))})"),
+        ("ranks", f"{len(job.get('joined', []))} of {job.get('world_size')} joined "
+                  f"{job.get('joined', [])}" + (", deterministic" if job.get("deterministic")
+                                                else "")),
+        ("cores", ", ".join(f"{c['host']}:{c['port']} ({c['slots']} slots)"
+                            for c in job.get("endpoints", [])) or "-"),
+        ("segments", f"{job.get('segment_bytes')} bytes, results "
+                     + (f"multicast to {mc['group']}:{mc['port']}" if mc else "by unicast")),
+        ("reduced", f"{live.get('rounds', 0)} rounds, "
+                    f"{format_size(live.get('bytes_reduced', 0))}, last "
+                    f"{_age(live.get('last_activity_s'))}"),
+        ("joined from", ranks(live.get("endpoints", {}), str)),
+        ("last heard", ranks(live.get("heard_s", {}), lambda s: f"{s:.1f}s ago")),
+        ("waited for", ranks(live.get("lagging", {}), lambda s: f"{s:.1f}s")),
+    ]
+    rows += [("! elsewhere", ranks(live["seen_elsewhere"], str))] \
+        if live.get("seen_elsewhere") else []
+    rows += [("! diverged", str(live["diverged"]))] if live.get("diverged") else []
+    return "\n".join(f"{key:>12}: {value}" for key, value in rows)
 
 
 def abort(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from reduction_appliance.control import daemon
-from reduction_appliance.control.ctl import render_status
+from reduction_appliance.control.ctl import render_job, render_status
 from reduction_appliance.control.daemon import Janitor, raise_open_files_limit, sd_notify
 from reduction_appliance.dataplane.errors import Unavailable
 from reduction_appliance.deploy.testnet.harness import OutputTail
@@ -196,6 +196,37 @@ def test_status_names_a_rank_whose_datagrams_come_from_elsewhere() -> None:
                 "jobs": [job]}
     assert ("     ! rank 1 (172.17.0.2:40000): its datagrams came from 10.0.0.5:32768 (a NAT "
             "between it and the appliance?), dropped") in render_status(snapshot).splitlines()
+
+
+def test_one_job_is_shown_in_an_operators_words() -> None:
+    """`reductionctl jobs ID` printed its dictionaries raw ("last_activity_s:
+    0.0331327340027201", the cores under "endpoints"); now a line per question."""
+    job = {"job_id": 3, "name": "resnet", "state": "active", "world_size": 2, "joined": [0, 1],
+           "deterministic": False, "segment_bytes": 8896, "epoch": 1,
+           "multicast": {"group": "239.255.0.3", "port": 7100},
+           "endpoints": [{"core": 0, "host": "198.18.0.1", "port": 7000, "slots": 64},
+                         {"core": 1, "host": "198.18.0.1", "port": 7001, "slots": 64}]}
+    live = {"epoch": 2, "rounds": 40, "bytes_reduced": 3 * 2**20, "last_activity_s": 0.25,
+            "endpoints": {"0": "198.18.0.101:40000", "1": "198.18.0.102:40001"},
+            "heard_s": {"1": 0.4, "0": 0.05}, "lagging": {"1": 2.5},
+            "seen_elsewhere": {"1": "10.0.0.5:32768"}}
+    assert render_job(job, live).splitlines() == [
+        "         job: 3 resnet (active, epoch 2)",
+        "       ranks: 2 of 2 joined [0, 1]",
+        "       cores: 198.18.0.1:7000 (64 slots), 198.18.0.1:7001 (64 slots)",
+        "    segments: 8896 bytes, results multicast to 239.255.0.3:7100",
+        "     reduced: 40 rounds, 3 MiB, last 0.2s ago",
+        " joined from: 0: 198.18.0.101:40000, 1: 198.18.0.102:40001",
+        "  last heard: 0: 0.1s ago, 1: 0.4s ago",
+        "  waited for: 1: 2.5s",
+        " ! elsewhere: 1: 10.0.0.5:32768",
+    ]
+    bare = render_job(job | {"multicast": None, "joined": []}, {}).splitlines()
+    assert bare[1:] == ["       ranks: 0 of 2 joined []",
+                        "       cores: 198.18.0.1:7000 (64 slots), 198.18.0.1:7001 (64 slots)",
+                        "    segments: 8896 bytes, results by unicast",
+                        "     reduced: 0 rounds, 0 B, last never",
+                        " joined from: -", "  last heard: -", "  waited for: -"]
 
 
 @pytest.mark.parametrize("taken", ["dataplane", "metrics"])
