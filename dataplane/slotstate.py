@@ -199,10 +199,8 @@ class JobState:
         limit = self.spec.liveness_timeout
         endpoints = self.spec.endpoints
         departed = self.spec.departed
-        if departed and awaited is None:
-            awaited = self.awaited()
+        gone = departed & (self.awaited() if awaited is None else awaited).keys() \
+            if departed else frozenset()
         return [SilentRank(rank, endpoints[rank], now - seen, rank in departed)
                 for rank, seen in enumerate(self.last_seen)
-                if endpoints[rank] is not None
-                and (now - seen > limit or (awaited is not None and rank in awaited
-                                            and rank in departed))]
+                if endpoints[rank] is not None and (now - seen > limit or rank in gone)]
