@@ -163,9 +163,7 @@ class RoundPump:
                     while self._wake.recv(4096):
                         pass
         except BaseException as exc:
-            with self._lock:
-                self._closed = True
-                self._death = exc
+            self._die_of(exc)
             failed = {id(c): c for c in active.values()}
             with contextlib.suppress(queue.Empty):
                 while (item := self._inbox.get_nowait()) is not None:
@@ -175,6 +173,12 @@ class RoundPump:
                     coll.future.set_exception(ReductionError(
                         f"the appliance round pump died: {exc!r}"))
             raise
+
+    def _die_of(self, exc: BaseException) -> None:
+        with self._lock:
+            self._closed = True
+            if self._death is None:
+                self._death = exc
 
     def _settle(self, outcomes: list[Outcome], active: dict[int, _Collective]) -> None:
         for outcome in outcomes:
@@ -224,6 +228,9 @@ class RoundPump:
         try:
             self._write_back(coll)
         except BaseException as exc:  # the thread dies of it: this caller must not wait
+            # Closed before the caller hears: its next submit is refused, never queued to a
+            # thread on its way out.
+            self._die_of(exc)
             if not coll.future.done():
                 coll.future.set_exception(ReductionError(
                     f"the appliance round pump died: {exc!r}"))
