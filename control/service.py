@@ -25,7 +25,7 @@ from reduction_appliance.dataplane.errors import (
 from reduction_appliance.dataplane.registration import JobDescription
 from reduction_appliance.dataplane.roce import ROCE_PORTS
 from reduction_appliance.dataplane.spec import Address
-from reduction_appliance.dataplane.wire import HEADER_SIZE
+from reduction_appliance.dataplane.wire import HEADER_SIZE, number_before
 
 from . import bodies
 from .registry import (
@@ -350,7 +350,9 @@ class Appliance:
                 st = core.jobs.get(job_id)
                 if st is None:
                     continue
-                act.rounds = max(act.rounds, st.rounds)
+                # The newest (round numbers wrap; 0: none yet).
+                if not act.rounds or number_before(act.rounds, st.rounds):
+                    act.rounds = st.rounds
                 act.bytes_reduced += st.bytes_reduced
                 act.segments_reduced += st.segments_reduced
                 if st.last_activity is not None:

@@ -69,6 +69,8 @@ from .wire import (
     Header,
     Kind,
     WireError,
+    next_number,
+    number_before,
     pack_silent,
     unpack,
 )
@@ -276,13 +278,13 @@ class Aggregator:
             copy = latest
         elif h.use == other.use and other.state is not CopyState.EMPTY:
             copy = other
-        elif h.use == latest.use + 1:
+        elif h.use == next_number(latest.use):
             if query:  # asks after a use that never started here: "send it again"
                 cells[Counter.PENDING_SENT] += 1
                 out.append(self._notice(Kind.PENDING, h, source, bytes((spec.world_size + 7) // 8)))
                 return False
             return self._start_use(job, slot, h, index, now, out)
-        elif h.use < latest.use:
+        elif number_before(h.use, latest.use):
             cells[Counter.DROP_STALE] += 1
             return False
         else:  # a use beyond the next: no rank may be there yet
@@ -453,7 +455,7 @@ class Aggregator:
         self._cells[Counter.BYTES_REDUCED] += copy.length
         job.segments_reduced += 1
         job.bytes_reduced += copy.length
-        if copy.round > job.rounds:
+        if not job.rounds or number_before(job.rounds, copy.round):  # (0: none yet)
             job.rounds = copy.round
         if spec.multicast is not None:
             out.append(Send(spec.multicast, copy.header, copy.result))

@@ -48,6 +48,7 @@ from .wire import (
     SERIAL_AT,
     SERIALS,
     VERSION,
+    WRAP,
     DType,
     Flags,
     Kind,
@@ -178,7 +179,7 @@ class RunPath:
                         or latest.dtype is not dtype or latest.op is not op):
                     break
                 plan.append((latest, False, slot_no, offset, use, sequence))
-            elif use == latest.use + 1:
+            elif use == latest.use % WRAP + 1:  # wire.next_number, in line
                 plan.append((slot.copies[1 - slot.latest], True, slot_no, offset, use, sequence))
             else:
                 break

@@ -89,6 +89,7 @@ __all__ = [
     "SILENT",
     "SILENT_LEFT",
     "VERSION",
+    "WRAP",
     "DType",
     "Flags",
     "Header",
@@ -96,6 +97,8 @@ __all__ = [
     "Op",
     "SilentRank",
     "WireError",
+    "next_number",
+    "number_before",
     "pack_into",
     "pack_silent",
     "peek_kind",
@@ -114,6 +117,10 @@ VERSION = 6  # 4: contributions numbered per core (serial), MISSING; 5: QUERY's 
 HEADER = struct.Struct("!HBBBBBxIHHQIIQII")
 SERIAL_AT = 7
 SERIALS = 256  # serials wrap; see `serial_newer`
+# Rounds and a slot's uses are numbered 1, 2, ... WRAP, then 1 again (0: none yet): the header
+# holds 32 bits of each, and a long job passes them (a slot used 3,000 times a second, a modest
+# rate for one core, passes 2**32 uses in 17 days; a 100 Gbit/s link's in hours).
+WRAP = 2**32 - 1
 HEADER_SIZE = HEADER.size
 IP_UDP_HEADERS = 28  # what a datagram adds to its payload on the wire: IPv4 (20) + UDP (8)
 assert HEADER_SIZE == 48
@@ -272,6 +279,17 @@ def serial_newer(serial: int, than: int) -> bool:
     SERIALS, so this holds for results less than half of SERIALS apart (RFC 1982's rule); a
     core has far fewer in flight to one worker (its slots)."""
     return 0 < (serial - than) % SERIALS < SERIALS // 2
+
+
+def next_number(number: int) -> int:
+    """The round or use numbered after `number` (WRAP is followed by 1; 0, none yet, by 1)."""
+    return number % WRAP + 1
+
+
+def number_before(number: int, than: int) -> bool:
+    """Was the round or use `number` numbered before `than`? Numbers wrap at WRAP, so this
+    holds for numbers less than half of WRAP apart (RFC 1982's rule, as `serial_newer`)."""
+    return 0 < (than - number) % WRAP < WRAP // 2
 
 
 class SilentRank(NamedTuple):

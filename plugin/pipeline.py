@@ -45,6 +45,7 @@ from reduction_appliance.dataplane.errors import (
 )
 from reduction_appliance.dataplane.wire import (
     HEADER_SIZE,
+    WRAP,
     DType,
     Header,
     Kind,
@@ -101,6 +102,14 @@ def lane_endpoints(endpoints: tuple[Endpoint, ...], lanes: int) -> list[tuple[En
     ]
 
 
+def wire_round(count: int) -> int:
+    """The header's number of an epoch's `count`-th round: 1..WRAP, then 1 again (a long job
+    passes 2**32 rounds). Lanes follow the count, which never wraps: they take their turns
+    across the wrap as everywhere (WRAP is odd: by the wire number, two rounds in a row would
+    share a lane there)."""
+    return (count - 1) % WRAP + 1
+
+
 @dataclass(frozen=True)
 class _Request:
     ticket: int
@@ -147,7 +156,9 @@ class RoundPipeline:
         # the appliance's ABORTED notice and its reason, once it came
         self._abort: tuple[Header, str] | None = None
         self._diverged: str | None = None  # the appliance's DIVERGED reason, this epoch
-        self._next_round = 1  # wire number of the next round to start, this epoch
+        # The next round to start, counted from 1 this epoch; its lane is this count mod
+        # lanes, and its number on the wire `wire_round` of it.
+        self._next_round = 1
         self.liveness_timeout = liveness_timeout
         appliances = max(ep.appliance for ep in endpoints) + 1
         self._heard = [0.0] * appliances  # when each appliance last sent us anything
@@ -217,7 +228,7 @@ class RoundPipeline:
             self._heard = [max(h, now) for h in self._heard]
             try:
                 rnd = AllreduceRound(self._lane_endpoints[lane], self.rank, self.world_size,
-                                     self._next_round, req.dtype, req.op, req.nbytes,
+                                     wire_round(self._next_round), req.dtype, req.op, req.nbytes,
                                      self.segment_bytes, self.rtt, now, uses=self.uses,
                                      order=self.order,
                                      epoch=self.epoch, ticket=req.ticket,
@@ -419,8 +430,8 @@ class RoundPipeline:
         self._diverged = None
         self._silent_ranks.clear()
         restart: list[_Request] = []
-        for wire_round in sorted(self._active):
-            rnd = self._active[wire_round]
+        # In submission order: tickets (wire round numbers wrap, so they may not be).
+        for rnd in sorted(self._active.values(), key=lambda r: r.ticket):
             if rnd.stored_any:
                 self._finish(rnd, JobResynchronised(
                     f"job {rnd.endpoints[0].job_id} was resynchronised to epoch {epoch} (a "
@@ -437,7 +448,7 @@ class RoundPipeline:
         rnd.release()
         del self._active[rnd.round]
         del self._requests[rnd.ticket]
-        self._busy[rnd.round % self.lanes] = None
+        self._busy[self._busy.index(rnd)] = None
 
     def finished(self) -> list[Outcome]:
         """Outcomes of the rounds that ended since the last call."""

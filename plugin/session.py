@@ -42,6 +42,7 @@ from reduction_appliance.dataplane.wire import (
     HEADER_SIZE,
     SERIAL_AT,
     SERIALS,
+    WRAP,
     DType,
     Flags,
     Header,
@@ -310,8 +311,8 @@ class AllreduceRound(RoundAnswers, Overtaking):
             k = ready.popleft()
             e = k % n_ep
             ep = endpoints[e]
-            key = e << 32 | (ep.slot_base + (k // n_ep) % ep.slots)  # SlotUses.take, in line
-            use[k] = this_use = uses[key] = uses.get(key, 0) + 1
+            key = e << 32 | (ep.slot_base + (k // n_ep) % ep.slots)  # SlotUses.counts key, in line
+            use[k] = this_use = uses[key] = uses.get(key, 0) % WRAP + 1  # wire.next_number
             number = numbers[e]
             numbers[e] = (number + 1) % SERIALS
             numbered[e][number] = (self, k)

@@ -30,6 +30,7 @@ from reduction_appliance.dataplane.transport import (
 )
 from reduction_appliance.dataplane.wire import (
     HEADER_SIZE,
+    WRAP,
     DType,
     Flags,
     Header,
@@ -192,6 +193,17 @@ class SimNet:
             self.net.advance(arrival)
             self._cores_take_in()
 
+    def _wrap_in(self, pipelines: list[RoundPipeline], left: int) -> None:
+        """Fast-forward a fresh job to `left` numbers before the wrap: what 2**32 - `left`
+        rounds and uses would have left behind (white-box: no test runs four billion)."""
+        for agg in self.aggregators:
+            for slot in agg._jobs[self.spec.job_id].slots:
+                slot.copies[slot.latest].use = WRAP - left
+        for p in pipelines:
+            p._next_round = WRAP - left + 1
+            p.uses.counts.update({e << 32 | s: WRAP - left
+                                  for e in range(self.cores) for s in range(self.slots)})
+
     def allreduce(self, arrays: list[NDArray[np.generic]], dtype: DType, op: Op,
                   order: list[int] | None = None) -> list[AllreduceRound]:
         """Run one round on every rank's array in place (ranks start in `order`)."""
@@ -233,13 +245,17 @@ class SimNet:
         return rounds
 
     def allreduce_many(self, batches: list[list[NDArray[np.generic]]], dtype: DType, op: Op,
-                       lanes: int) -> tuple[list[Outcome], int]:
+                       lanes: int, wrap_in: int | None = None) -> tuple[list[Outcome], int]:
         """Run several rounds (batches[i][rank] is rank's array of round i) through one
         `RoundPipeline` per rank with `lanes` lanes, all submitted at once. Returns rank 0's
-        outcomes and the most rounds any rank had in flight at one time."""
+        outcomes and the most rounds any rank had in flight at one time. `wrap_in`: start
+        where a long job would be `wrap_in` rounds and slot uses before their numbers wrap
+        (wire.WRAP), on every rank and core alike."""
         pipelines = [RoundPipeline(self.endpoints, r, self.world, self.max_payload,
                                    self.rtts[r], lanes, congestion=self.congestion)
                      for r in range(self.world)]
+        if wrap_in is not None:
+            self._wrap_in(pipelines, wrap_in)
         views: list[dict[int, NDArray[np.uint8]]] = [{} for _ in range(self.world)]
         for batch in batches:
             for r, p in enumerate(pipelines):

@@ -3,6 +3,8 @@ exact results over the lossy in-memory network."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -10,7 +12,7 @@ from hypothesis import strategies as st
 
 from reduction_appliance.dataplane.errors import AllreduceTimeout, JobAborted, ReductionError
 from reduction_appliance.dataplane.reduce import select_kernels
-from reduction_appliance.dataplane.wire import DType, Kind, Op
+from reduction_appliance.dataplane.wire import WRAP, DType, Kind, Op, unpack
 from reduction_appliance.deploy.testnet.reference import (
     integer_valued,
     random_values,
@@ -177,11 +179,14 @@ def test_a_round_that_times_out_frees_its_lane_for_the_next() -> None:
     dtype=st.sampled_from(list(DType)),
     op=st.sampled_from(list(Op)),
     seed=st.integers(0, 2**32 - 1),
+    wrap_in=st.sampled_from([None, 1, 3]),
 )
 def test_concurrent_rounds_over_a_lossy_network_are_exact(
     world: int, cores: int, slots: int, lanes: int, sizes: list[int], drop: float,
     duplicate: float, max_delay: float, deterministic: bool, dtype: DType, op: Op, seed: int,
+    wrap_in: int | None,
 ) -> None:
+    """`wrap_in`: a fresh job, or one whose round and use numbers wrap a few rounds in."""
     lanes = min(lanes, slots)
     net = SimNet(KERNELS, world=world, cores=cores, slots=slots, deterministic=deterministic,
                  faults=Faults(drop, duplicate, max_delay, seed))
@@ -190,7 +195,7 @@ def test_concurrent_rounds_over_a_lossy_network_are_exact(
     try:
         inputs = [[make(rng, n, dtype) for _ in range(world)] for n in sizes]
         batches = [[x.copy() for x in xs] for xs in inputs]
-        outcomes, most = net.allreduce_many(batches, dtype, op, lanes)
+        outcomes, most = net.allreduce_many(batches, dtype, op, lanes, wrap_in=wrap_in)
         assert sorted((o.ticket, o.error) for o in outcomes) == [
             (i + 1, None) for i in range(len(sizes))]
         for xs, arrays in zip(inputs, batches, strict=True):
@@ -222,3 +227,37 @@ def test_a_finished_round_says_what_sent_its_segments_again() -> None:
     (outcome,) = p.finished()
     assert (outcome.ticket, outcome.error, outcome.retransmissions) == (ticket, None, 1)
     assert outcome.repairs == Repairs(overtaken=0, told=0, timer=1, queries=1)
+
+
+@pytest.mark.parametrize("faults", [Faults(), Faults(0.1, 0.2, 0.01, seed=3)],
+                         ids=["clean", "lossy"])
+def test_round_and_use_numbers_wrap_where_a_long_job_passes_two_to_the_32(
+        faults: Faults) -> None:
+    """The header holds 32 bits of a round's and a slot use's number, and a long job passes
+    them (a slot used 3,000 times a second does in 17 days). Past WRAP they start at 1 again
+    on every rank and core alike, and the rounds across stay exact: before, the worker's next
+    use could not be packed (OverflowError) and the appliance took 1 after WRAP for a use far
+    ahead."""
+    seen: set[tuple[int, int]] = set()
+
+    def tap(source: Any, dest: Any, datagram: bytes) -> None:
+        h = unpack(datagram)
+        if h.kind is Kind.CONTRIBUTION:
+            seen.add((h.round, h.use))
+
+    net = SimNet(KERNELS, world=3, cores=2, slots=4, faults=faults, tap=tap)
+    rng = np.random.default_rng(1)
+    try:
+        inputs = [[integer_valued(rng, n, DType.FLOAT32) for _ in range(3)]
+                  for n in (700, 64, 300, 500)]
+        batches = [[x.copy() for x in xs] for xs in inputs]
+        outcomes, _ = net.allreduce_many(batches, DType.FLOAT32, Op.SUM, lanes=2, wrap_in=2)
+        assert sorted((o.ticket, o.error) for o in outcomes) == [(i, None) for i in (1, 2, 3, 4)]
+        for xs, arrays in zip(inputs, batches, strict=True):
+            want = reference(xs, Op.SUM)
+            assert all(same_bits(a, want) for a in arrays)
+        assert {r for r, _ in seen} == {WRAP - 1, WRAP, 1, 2}
+        uses = {u for _, u in seen}
+        assert WRAP in uses and 1 in uses and max(u for u in uses if u < WRAP // 2) >= 2
+    finally:
+        net.close()

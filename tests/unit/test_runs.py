@@ -24,6 +24,7 @@ from reduction_appliance.dataplane.spec import JobSpec
 from reduction_appliance.dataplane.transport import Address, RxBatch, Send, Staging
 from reduction_appliance.dataplane.wire import (
     HEADER_SIZE,
+    WRAP,
     DType,
     Flags,
     Header,
@@ -373,3 +374,26 @@ def test_mixed_runs_leave_both_paths_alike(runs: list[tuple[list[bytes], Address
     finally:
         arena_a.close()
         arena_b.close()
+
+
+def test_slot_uses_wrap_past_the_header_field_on_both_paths(
+        pair: tuple[Aggregator, Aggregator]) -> None:
+    """A long job passes 2**32 uses of a slot (wire.WRAP): use WRAP is followed by use 1, on
+    the burst path as one by one, and a late use from before the wrap is stale, not ahead."""
+    a, b = pair
+    for agg in pair:  # where 2**32 - 2 uses of every slot would have left them (white-box)
+        for slot in agg._jobs[5].slots:
+            slot.copies[slot.latest].use = WRAP - 1
+    for use, round_no in ((WRAP, WRAP - 1), (1, WRAP), (2, 1)):
+        for rank in range(WORLD):
+            run = [contribution(5, rank, s, use, round_no=round_no, value=rank + 1.0)
+                   for s in range(SLOTS)]
+            out = take_both(a, b, run, where(rank))
+        assert [unpack(h).use for _, h, _ in out] == [use] * SLOTS
+        assert all(np.all(np.frombuffer(p, np.float32) == 6.0) for _, _, p in out)
+    assert taken(a) == 3 * WORLD  # every run on the burst path
+    assert [agg.stats(5, 0.0).rounds for agg in pair] == [1, 1]  # the newest round, past WRAP
+    take_both(a, b, [contribution(5, 0, 0, WRAP, round_no=WRAP - 1)], where(0))  # before the wrap
+    take_both(a, b, [contribution(5, 0, 1, 4, round_no=2)], where(0))  # beyond the next use
+    assert [(agg.counters[Counter.DROP_STALE], agg.counters[Counter.DROP_WINDOW])
+            for agg in pair] == [(1, 1), (1, 1)]

@@ -25,12 +25,17 @@ from reduction_appliance.dataplane.wire import (
     HEADER_SIZE,
     MAGIC,
     VERSION,
+    WRAP,
     DType,
     Flags,
     Header,
     Kind,
     Op,
     WireError,
+    next_number,
+    number_before,
+    pack_into,
+    unpack,
 )
 
 U8, U16, U32, U64 = (2**8 - 1, 2**16 - 1, 2**32 - 1, 2**64 - 1)
@@ -369,3 +374,16 @@ def test_operator_dissects_a_capture_file(bound_port: int, tmp_path: Path) -> No
     assert wire.unpack(bytes(pkt[ReductionHeader])).length == values.nbytes
     assert "CONTRIBUTION" in pkt[ReductionHeader].summary()
     np.testing.assert_array_equal(np.frombuffer(pkt[Raw].load, dtype=np.float32), values)
+
+
+def test_round_and_use_numbers_wrap_at_the_header_field() -> None:
+    """Rounds and slot uses run 1..WRAP, then 1 again (0: none yet); one comes before another
+    within half the cycle, across the wrap too."""
+    assert WRAP == 2**32 - 1
+    assert [next_number(n) for n in (0, 1, WRAP - 1, WRAP)] == [1, 2, WRAP, 1]
+    assert number_before(WRAP, 1) and number_before(WRAP - 5, 3) and number_before(4, 9)
+    assert not number_before(1, WRAP) and not number_before(9, 4) and not number_before(7, 7)
+    h = Header(Kind.CONTRIBUTION, DType.FLOAT32, Op.SUM, 0, 1, 0, 2, WRAP, 0, 0, 4, WRAP, 1)
+    buf = bytearray(HEADER_SIZE)
+    pack_into(buf, h)
+    assert unpack(bytes(buf) + bytes(4)) == h
