@@ -65,8 +65,10 @@ A segment is named by (job, round, offset); the slot says where the appliance ag
 the order the slot is used), so the appliance accepts exactly the slot's current use, the one
 before (a late retransmission) and the next: anything else is out of the window and cannot
 occupy a slot. The epoch numbers the job's resynchronisations (a rank re-joined); rounds and
-uses count from the start of an epoch. Packing and unpacking work on caller-owned buffers with
-one precompiled struct, so the hot path never builds intermediate bytes objects.
+uses count from the start of an epoch, and past WRAP (the field's 32 bits) start at 1 again:
+"before" and "next" are then taken around the wrap (`number_before`, `next_number`). Packing
+and unpacking work on caller-owned buffers with one precompiled struct, so the hot path never
+builds intermediate bytes objects.
 """
 
 from __future__ import annotations
