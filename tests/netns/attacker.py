@@ -5,7 +5,8 @@ JSON line with what it did.
     contribute GROUP PORT RANK COUNT    ... then send COUNT contributions as RANK with the cookie
     results GROUP PORT COUNT            ... then send COUNT forged RESULTs to the group
     far GROUP PORT RANK COUNT [SPOOF]   ... then COUNT contributions of round 2**32-1 and slot
-                                        uses far ahead of any slot's (2**20 and more); SPOOF=
+                                        uses far ahead of any slot's (2**20 and more) or
+                                        2**32-1 (before the wrap, wire.WRAP: stale); SPOOF=
                                         IP:PORT forges that source (a raw socket)
     hold API JOB SECRET WORLD SLOTS     join a deterministic job as ranks 1..WORLD-1 from one
                                         socket each and send every slot out of turn (rank 0
