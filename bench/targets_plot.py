@@ -64,6 +64,7 @@ def plot_verdicts(path: Path, verdicts: Sequence[Verdict]) -> Path:
                   "the worst): right of 1, met")
     ax.set_title("The fast-link targets: green met, red not (line: the runs' range)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    # tight_layout left the longest label's first letters off the figure: fit the box to it.
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
