@@ -96,11 +96,10 @@ def render_status(s: dict[str, Any]) -> str:
             if j.get("diverged"):
                 lines.append(f"     ! {j['diverged']}")
             for rank, source in j.get("seen_elsewhere", {}).items():
-                where = j.get("endpoints", {}).get(str(rank)) or j.get("endpoints", {}).get(rank)
-                lines.append(f"     ! rank {rank} ({where}): its datagrams came from {source} "
-                             "(a NAT between it and the appliance?), dropped")
+                lines.append(f"     ! rank {rank} ({_joined_from(j, rank)}): its datagrams came "
+                             f"from {source} (a NAT between it and the appliance?), dropped")
             for rank, silent_s in j.get("silent", {}).items():
-                where = j.get("endpoints", {}).get(str(rank)) or j.get("endpoints", {}).get(rank)
+                where = _joined_from(j, rank)
                 if int(rank) in j["joined"]:
                     lines.append(f"     ! rank {rank} ({where}) silent for {silent_s:.1f} s")
                 else:  # it left; a round the others are in waits for it
@@ -169,6 +168,12 @@ def jobs(args: argparse.Namespace) -> int:
         text = render_status(snapshot).split("\n\n")
         print(text[2] if len(text) > 2 else "jobs: none")
     return EXIT_OK
+
+
+def _joined_from(job: dict[str, Any], rank: Any) -> Any:
+    """Where `rank` of a status entry joined from (its keys are strings in JSON)."""
+    endpoints = job.get("endpoints", {})
+    return endpoints.get(str(rank)) or endpoints.get(rank)
 
 
 def render_job(job: dict[str, Any], live: dict[str, Any]) -> str:
