@@ -377,7 +377,8 @@ def _job_families(jobs: tuple[JobSnapshot, ...]) -> Iterator[Metric]:
     rounds = CounterMetricFamily(
         PREFIX + "job_rounds_completed",
         "Allreduce rounds the job completed (the highest complete round seen on any core); "
-        "moves when a round's last segment completes.",
+        "moves when a round's last segment completes. Resets (as a counter restarting) when a "
+        "rank joins the job again and when round numbers wrap after 4294967295.",
         labels=JOB_LABELS,
     )
     nbytes = CounterMetricFamily(

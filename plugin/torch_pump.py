@@ -122,14 +122,16 @@ class RoundPump:
 
     def close(self, timeout_s: float = 60.0, *, abandon: bool = False) -> None:
         """Finish what was submitted (or with `abandon`, fail it at once), then stop the
-        thread. The client stays open."""
+        thread. The client stays open. Safe to call again, and after the thread died (its
+        socket pair is released then too)."""
         with self._lock:
-            if self._closed:
-                return
+            first = not self._closed
             self._closed = True
-            self._abandon = abandon
-            self._inbox.put(None)
-        self._poke()
+            if first:
+                self._abandon = abandon
+                self._inbox.put(None)
+        if first:
+            self._poke()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
         self._wake.close()

@@ -214,6 +214,9 @@ def test_a_collective_whose_completion_kills_the_pump_fails_instead_of_hanging()
             for info in jobs:
                 leave(info, 0)
             client.close()
+        # Closing a pump whose thread died still releases its socket pair (it once returned
+        # early, as if closed already, and left both descriptors open).
+        assert pump._wake.fileno() == -1 and pump._waker.fileno() == -1
 
 
 def test_pinned_pool_reuses_the_smallest_buffer_that_fits() -> None:
