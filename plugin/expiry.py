@@ -9,12 +9,19 @@ its stall query; `on_expiry` returns the decision as data (`Decision`), and
   gives to an earlier segment (RFC 6298's 5.3, per core): one waiting its turn behind a late
   rank is not asked after.
 - DEFER: when a whole core stalls in a clean round, one query speaks for every segment in
-  flight to it; the others wait an RTO for its answer (and, their timers having run out, give
-  no round-trip sample: Karn's rule).
+  flight to it; the others wait for its answer (and, their timers having run out, give no
+  round-trip sample: Karn's rule): an RTO, doubled each time the query before heard only that
+  the core waits for peers.
 - ASK: the segment is asked after now (a QUERY, or its payload), with its next timeout. A
   stall's query says so (a PROBE): the appliance then holds back a result it has only just
   sent (dataplane.aggregator). Once the round repaired a loss, a stall may be a late rank's
   own repair, and its queries go plain, as every repair does.
+
+A core whose latest word in a clean round is a PENDING (it has ours and waits for late ranks)
+is asked less and less often, as a silent one is: a rank late by seconds (a checkpoint, a
+paused process) once drew a query per segment in flight per RTO from every rank waiting for
+it (one rank's 64 KiB allreduce on the rack: 780 queries a second, each answered), work for
+an appliance core that other jobs share.
 
 Sans-I/O: time is passed in.
 """
@@ -56,6 +63,7 @@ class CoreSigns:
         # for its answer.
         self._stall_query_at = [-1.0] * cores
         self._stall_until = [-1.0] * cores
+        self._stall_gap = [0.0] * cores  # how long the others wait for the current one
 
     def on_expiry(self, e: int, now: float, *, stall: bool, crowded: bool, last_sent: float,
                   timeout: float, rto: float, in_flight: int, timing: Timing) -> Decision:
@@ -64,6 +72,9 @@ class CoreSigns:
         stall, not a hole). `crowded`: the round holds more than 1/`STALL_SHARE` of the
         core's window. `last_sent`: when the segment last left; `timeout`: its last timeout;
         `rto`: the core's; `in_flight`: segments in flight to the core, every round's."""
+        # However many segments wait, a core whose timers have backed off hears no more than
+        # one query per `silent_query_gap` from us (and never waits longer than `rto_max`).
+        cap = max(rto, min(timing.rto_max, timing.silent_query_gap * in_flight))
         if stall:
             # Its turn has not come when the core answered an earlier first transmission since
             # it left: the pipeline moves. On a clean network a late rank or a busy host stalls
@@ -82,18 +93,24 @@ class CoreSigns:
                 until = self._stall_until[e]
                 if now < until:
                     return Decision(Expiry.DEFER, until)
-                if until < 0 or self.pending_at[e] >= self._stall_query_at[e]:
+                asked = self._stall_query_at[e]
+                if until < 0 or self.pending_at[e] >= asked:
+                    # The last query heard that the core waits for peers, and no result came
+                    # since: the next one waits twice as long (a late rank's lateness is
+                    # not a path's).
+                    waits = until >= 0 and self.progress_at[e] < asked
+                    gap = min(cap, 2 * self._stall_gap[e]) if waits else rto
+                    self._stall_gap[e] = gap
                     self._stall_query_at[e] = now
-                    self._stall_until[e] = now + rto
-        if self.heard_at[e] >= last_sent:
+                    self._stall_until[e] = now + gap
+        heard = self.heard_at[e]
+        if heard >= last_sent and not (stall and self.pending_at[e] >= heard):
             # The core answered since and lacks something of ours: a random loss, not an
             # overloaded or dead core, so waiting longer would only idle the slot.
             return Decision(Expiry.ASK, rto, stall)
-        # A silent core, or one waiting for late ranks: ask less and less often, but no less
-        # often than once per `silent_query_gap` for each segment in flight to it. At a round's
-        # tail a lost answer is likelier than a dead core: at 20% loss each way, a lone last
-        # segment's doubled timer (up to a second) was most of the round. However many
-        # segments wait, a silent core whose timers have backed off hears no more than one
-        # query per gap from us.
-        cap = max(rto, min(timing.rto_max, timing.silent_query_gap * in_flight))
+        # A silent core, or one whose latest word is that it waits for late ranks: ask less and
+        # less often, but no less often than once per `silent_query_gap` for each segment in
+        # flight to it. At a round's tail a lost answer is likelier than a dead core: at 20%
+        # loss each way, a lone last segment's doubled timer (up to a second) was most of the
+        # round.
         return Decision(Expiry.ASK, min(max(timeout * 2, rto), cap), stall)

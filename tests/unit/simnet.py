@@ -205,12 +205,15 @@ class SimNet:
                                   for e in range(self.cores) for s in range(self.slots)})
 
     def allreduce(self, arrays: list[NDArray[np.generic]], dtype: DType, op: Op,
-                  order: list[int] | None = None) -> list[AllreduceRound]:
-        """Run one round on every rank's array in place (ranks start in `order`)."""
+                  order: list[int] | None = None, late: dict[int, float] | None = None
+                  ) -> list[AllreduceRound]:
+        """Run one round on every rank's array in place (ranks start in `order`; a rank in
+        `late` that many seconds after the others)."""
         self.round += 1
+        begins = [self.now + (late or {}).get(r, 0.0) for r in range(self.world)]
         rounds = [
             AllreduceRound(self.endpoints, r, self.world, self.round, dtype, op,
-                           arrays[r].nbytes, self.max_payload, self.rtts[r], self.now,
+                           arrays[r].nbytes, self.max_payload, self.rtts[r], begins[r],
                            uses=self.uses[r], order=self.orders[r], window=self.windows[r])
             for r in range(self.world)
         ]
@@ -236,11 +239,13 @@ class SimNet:
                 rnd.stored(k, self.now, h.rank, h.flags & Flags.QUEUED)
 
         for r in order or range(self.world):
-            self._send(r, rounds[r].due(self.now), lambda t, r=r: views[r])  # type: ignore[misc]
+            if begins[r] <= self.now:
+                self._send(r, rounds[r].due(self.now), lambda t, r=r: views[r])  # type: ignore[misc]
         while not all(r.done for r in rounds):
-            self._tick(min(r.wakeup() for r in rounds if not r.done), receive)
+            self._tick(min(rnd.wakeup() if begins[r] <= self.now else begins[r]
+                           for r, rnd in enumerate(rounds) if not rnd.done), receive)
             for r, rnd in enumerate(rounds):
-                if not rnd.done:
+                if not rnd.done and begins[r] <= self.now:
                     self._send(r, rnd.due(self.now), lambda t, r=r: views[r])  # type: ignore[misc]
         return rounds
 

@@ -47,8 +47,47 @@ def test_a_crowded_stall_is_asked_about_by_one_query_at_a_time() -> None:
     assert expire(signs, 0.15, stall=True, crowded=True) == Decision(Expiry.DEFER, 0.2)
     signs.heard_at[0] = signs.pending_at[0] = 0.18  # it heard a PENDING: the core waits
     assert expire(signs, 0.2, stall=True, crowded=True).expiry is Expiry.ASK  # the next alone
+    # ... and the others wait twice as long for it: the core waits for a late rank
     deferred = expire(signs, 0.25, stall=True, crowded=True)
-    assert deferred.expiry is Expiry.DEFER and deferred.at == pytest.approx(0.3)
+    assert deferred.expiry is Expiry.DEFER and deferred.at == pytest.approx(0.4)
     # No PENDING since that query: every timer goes.
-    assert expire(signs, 0.305, stall=True, crowded=True).expiry is Expiry.ASK
-    assert expire(signs, 0.31, stall=True, crowded=True).expiry is Expiry.ASK
+    assert expire(signs, 0.405, stall=True, crowded=True).expiry is Expiry.ASK
+    assert expire(signs, 0.41, stall=True, crowded=True).expiry is Expiry.ASK
+
+
+def test_a_crowded_stall_waits_longer_while_the_core_waits_for_peers() -> None:
+    """A rank late by seconds: each query hears a PENDING, and the wait for the next doubles,
+    up to one per `silent_query_gap` per segment in flight (64 here: capped by rto_max)."""
+    signs = CoreSigns(1)
+    asked, now = [], 0.1
+    while now < 5.0:
+        assert expire(signs, now, stall=True, crowded=True).expiry is Expiry.ASK
+        asked.append(round(now, 3))
+        signs.heard_at[0] = signs.pending_at[0] = now + 0.001  # ours is in: it waits
+        # another segment's timer, meanwhile: it waits for that query's turn to end
+        until = signs._stall_until[0]
+        assert expire(signs, now + 0.002, stall=True, crowded=True) == Decision(Expiry.DEFER, until)
+        now = until
+    assert asked[:5] == [0.1, 0.2, 0.4, 0.8, 1.6] and asked[5:] == [2.6, 3.6, 4.6]
+    # A result since the last query: the stall moved, and the gap is the RTO again.
+    signs.progress_at[0] = 4.7
+    assert expire(signs, 5.6, stall=True, crowded=True).expiry is Expiry.ASK
+    deferred = expire(signs, 5.65, stall=True, crowded=True)
+    assert deferred.expiry is Expiry.DEFER and deferred.at == pytest.approx(5.7)
+
+
+def test_a_core_waiting_for_peers_is_asked_with_backoff_in_a_clean_round_only() -> None:
+    signs = CoreSigns(1)
+    signs.heard_at[0] = signs.pending_at[0] = 0.05  # its latest word: it waits for peers
+    # A clean round's stall: backed off as for a silent core (8 in flight: up to 0.2)
+    assert expire(signs, 0.3, stall=True, last_sent=0.05, timeout=0.1, in_flight=8) == \
+        Decision(Expiry.ASK, 0.2, True)
+    assert expire(signs, 0.5, stall=True, last_sent=0.3, timeout=0.2, in_flight=8).at == \
+        pytest.approx(0.2)
+    # A round that repaired a loss: the late rank may be repairing too, asked at the RTO.
+    assert expire(signs, 0.3, last_sent=0.05, timeout=0.1, in_flight=8) == \
+        Decision(Expiry.ASK, 0.1, False)
+    # Its latest word a result (of another segment): ours was lost, asked at the RTO.
+    signs.heard_at[0] = 0.06
+    assert expire(signs, 0.3, stall=True, last_sent=0.05, timeout=0.1, in_flight=8) == \
+        Decision(Expiry.ASK, 0.1, True)
