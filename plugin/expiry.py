@@ -63,7 +63,6 @@ class CoreSigns:
         # for its answer.
         self._stall_query_at = [-1.0] * cores
         self._stall_until = [-1.0] * cores
-        self._stall_gap = [0.0] * cores  # how long the others wait for the current one
 
     def on_expiry(self, e: int, now: float, *, stall: bool, crowded: bool, last_sent: float,
                   timeout: float, rto: float, in_flight: int, timing: Timing) -> Decision:
@@ -99,8 +98,7 @@ class CoreSigns:
                     # since: the next one waits twice as long (a late rank's lateness is
                     # not a path's).
                     waits = until >= 0 and self.progress_at[e] < asked
-                    gap = min(cap, 2 * self._stall_gap[e]) if waits else rto
-                    self._stall_gap[e] = gap
+                    gap = min(cap, 2 * (until - asked)) if waits else rto
                     self._stall_query_at[e] = now
                     self._stall_until[e] = now + gap
         heard = self.heard_at[e]
