@@ -173,6 +173,10 @@ def test_deterministic_mode_is_bitwise_and_status_shows_the_queue_pairs(
         wait_until(lambda: all((shown / f"joined-{r}").exists() for r in (0, 1)), START_S,
                    0.05, "both ranks joined")
         answer = status(app)
+        # The operator's table too, while the ranks hold: reductionctl's start-up in a slow guest
+        # can take longer than the liveness timeout, after which the job is gone.
+        table = subprocess.run([*CTL, "status", "--socket", app.unix_socket],
+                               capture_output=True, text=True, timeout=120).stdout
     finally:
         finish(procs)  # (waiting closes each one's stdin: it exits)
     qps = answer["cores"][0]["queue_pairs"]
@@ -182,8 +186,6 @@ def test_deterministic_mode_is_bitwise_and_status_shows_the_queue_pairs(
         assert q["state"] == "RTS" and q["local"]["device"] == "rxe1", q
         assert q["remote"]["device"] in ("rxe2", "rxe3") and q["remote"]["qpn"] > 0, q
         assert q["local"]["mtu"] == 4096 and q["address"][0] in ("10.77.0.2", "10.77.0.3"), q
-    table = subprocess.run([*CTL, "status", "--socket", app.unix_socket], capture_output=True,
-                           text=True, timeout=120).stdout
     assert "roce: 2 queue pair(s)" in table and table.count("<-> qpn") == 2, table
     assert "[roce]" in table, table
 
