@@ -57,6 +57,7 @@ from .slotstate import CopyState, Event, JobState, Slot, SlotCopy, move
 from .spec import Address, JobSpec, JobStats
 from .transport import RxBatch, Send
 from .wire import (
+    FLAGS_AT,
     HEADER,
     HEADER_SIZE,
     ITEMSIZE,
@@ -80,6 +81,24 @@ __all__ = ["Aggregator", "CopyState"]
 
 _TOMBSTONES = 1024  # aborted jobs remembered, so their workers hear why instead of timing out
 ABORT_REASON_MAX = 512  # bytes of an ABORTED notice's reason: it fits any datagram
+_ECHOED = int(Flags.QUEUED | Flags.REPAIRED)
+_REPAIRED = int(Flags.REPAIRED)
+
+
+def resent(header: bytearray | memoryview) -> bytearray:
+    """A RESULT's header as resent to one rank that asked: flagged RETRANSMIT, so that the
+    rank knows it got the result after its peers (plugin/pipeline.py: its next round starts
+    late)."""
+    again = bytearray(header)
+    again[FLAGS_AT] |= Flags.RETRANSMIT
+    return again
+
+
+def echoed(flags: int) -> int:
+    """The flags a RESULT carries when a contribution with `flags` completes it: its QUEUED
+    and REPAIRED, and REPAIRED for a retransmission (wire.py: no rank samples that round
+    trip)."""
+    return flags & _ECHOED | (_REPAIRED if flags & Flags.RETRANSMIT else 0)
 
 
 class Aggregator:
@@ -306,14 +325,14 @@ class Aggregator:
                 self._waiting(job, copy, h, source, out)
                 return False
             cells[Counter.RESULTS_RESENT] += 1
-            out.append(Send(source, copy.header, copy.result))
+            out.append(Send(source, resent(copy.header), copy.result))
             return False
         if query or copy.arrived >> h.rank & 1:
             cells[Counter.DUPLICATES if not query else Counter.QUERIES] += 1
             if query or h.flags & Flags.RETRANSMIT:
                 self._waiting(job, copy, h, source, out)
             return False
-        return self._accumulate(job, copy, h.rank, index, now, out, h.flags & Flags.QUEUED)
+        return self._accumulate(job, copy, h.rank, index, now, out, echoed(h.flags))
 
     def _member(self, h: Header, source: Address, out: list[Send]) -> JobState | None:
         """The job `h` is from, when it comes from a rank bound there (its cookie, its rank,
@@ -384,12 +403,12 @@ class Aggregator:
         self._release_held(job, copy)
         copy.begin(h.use, h.round, h.offset, h.dtype, h.op, self._kernels.kernel(h.dtype, h.op),
                    h.length, now)
-        return self._accumulate(job, copy, h.rank, index, now, out, h.flags & Flags.QUEUED)
+        return self._accumulate(job, copy, h.rank, index, now, out, echoed(h.flags))
 
     def _accumulate(self, job: JobState, copy: SlotCopy, rank: int, index: int, now: float,
-                    out: list[Send], queued: int = 0) -> bool:
+                    out: list[Send], echo: int = 0) -> bool:
         """Fold the payload in buffer `index` in; True when the buffer is kept (held).
-        `queued`: the contribution's QUEUED flag, echoed if it completes the copy."""
+        `echo`: the flags its RESULT carries if it completes the copy (`echoed`)."""
         kernel = copy.kernel
         assert kernel is not None
         acc = copy.acc_n
@@ -428,14 +447,14 @@ class Aggregator:
             copy.state = move(copy.state, Event.ADD)
             return held
         copy.finished = now
-        self._finish(job, copy, kernel, acc, out, rank, queued, None)
+        self._finish(job, copy, kernel, acc, out, rank, echo, None)
         return held
 
     def _finish(self, job: JobState, copy: SlotCopy, kernel: SegmentKernel,
                 acc: NDArray[np.float32], out: list[Send], completer: int,
-                queued: int, result: NDArray[np.uint8] | None) -> None:
+                echo: int, result: NDArray[np.uint8] | None) -> None:
         """The contribution of rank `completer` made `copy` whole: send its result (the
-        header names `completer` and echoes its contribution's QUEUED flag, see wire.py).
+        header names `completer` and carries the flags `echo`: `echoed`, see wire.py).
         `result`: its bytes, when the burst path finished several copies at once."""
         spec = job.spec
         if result is None:
@@ -446,7 +465,7 @@ class Aggregator:
         # Into the arena right before the result (fp32: the accumulator; fp16/bf16: the
         # narrowed buffer), so that header and payload are one contiguous message.
         copy.header = copy.heads[copy.dtype is not DType.FLOAT32]
-        HEADER.pack_into(copy.header, 0, MAGIC, VERSION, Kind.RESULT, copy.dtype, copy.op, queued,
+        HEADER.pack_into(copy.header, 0, MAGIC, VERSION, Kind.RESULT, copy.dtype, copy.op, echo,
                          spec.job_id, completer, spec.epoch, spec.cookie, copy.round, copy.slot,
                          copy.offset, copy.length, copy.use)
         copy.serial = copy.header[SERIAL_AT] = job.serial

@@ -63,12 +63,14 @@ _TAIL_AT = HEADER_SIZE - _TAIL.size
 _DTYPES = {int(d): d for d in DType}
 _OPS = {int(o): o for o in Op}
 _FILLING = CopyState.FILLING
-_NOT_QUEUED = ~int(Flags.QUEUED)  # every other bit, known or not (as a plain int: an IntFlag's
-# complement keeps only the defined bits, and a stray bit would pass)
+# every bit but those a first transmission may carry, known or not (as a plain int: an
+# IntFlag's complement keeps only the defined bits, and a stray bit would pass)
+_NOT_FIRST = ~int(Flags.QUEUED | Flags.REPAIRED)
 
-#: finish(job, copy, kernel, acc, out, completer, queued, result): the aggregator's own, for a
-#: copy every rank is in (`completer` the rank whose contribution made it whole, `queued` that
-#: contribution's QUEUED flag, `result` its result bytes when already finished, else None)
+#: finish(job, copy, kernel, acc, out, completer, echo, result): the aggregator's own, for a
+#: copy every rank is in (`completer` the rank whose contribution made it whole, `echo` the
+#: flags its RESULT carries: here that contribution's QUEUED and REPAIRED, since a run holds
+#: first transmissions only; `result` its result bytes when already finished, else None)
 Finish = Callable[[JobState, SlotCopy, SegmentKernel, NDArray[np.float32], list[Send], int,
                    int, NDArray[np.uint8] | None], None]
 #: one(index, nbytes, source, now, out): the aggregator's one-by-one path, for a datagram in
@@ -135,10 +137,11 @@ class RunPath:
         buf = staging.buffer
         (magic, version, kind, dtype_no, op_no, flags, job_id, rank, epoch, cookie, round_no,
          _, _, length, _) = HEADER.unpack_from(buf, start)
-        # Only first transmissions of contributions (no flag but QUEUED, the same on every
-        # datagram of the run: the header tails compared below include it).
+        # Only first transmissions of contributions (no flags but QUEUED and REPAIRED, the
+        # same on every datagram of the run: the header tails compared below include them;
+        # a RESULT echoes both).
         if (magic != MAGIC or version != VERSION or kind != Kind.CONTRIBUTION
-                or flags & _NOT_QUEUED or length != size - HEADER_SIZE):
+                or flags & _NOT_FIRST or length != size - HEADER_SIZE):
             return 0
         job = self._jobs.get(job_id)
         if job is None:

@@ -58,7 +58,11 @@ Zero when unused.
 A RESULT's `rank` is the rank whose contribution completed it (the last to arrive): that
 rank alone may take the result's round trip as a sample of the path's queues, since it waited
 for no peer, and its contribution's QUEUED flag, echoed in the RESULT, tells the other ranks
-what it found (plugin/congestion.py).
+what it found (plugin/congestion.py). When that contribution was a retransmission, or a first
+transmission flagged REPAIRED (its sender began the round late: its previous round's last
+result came resent to it alone, flagged RETRANSMIT), the RESULT carries REPAIRED: its round
+trip holds a repair, and no rank takes it as a sample of the path (Karn's rule, kept for the
+peers too).
 
 A segment is named by (job, round, offset); the slot says where the appliance aggregates it and
 `use` which use of that slot it is. Every rank numbers the uses of each slot alike (1, 2, ... in
@@ -81,6 +85,7 @@ from typing import NamedTuple
 from .errors import PeerError
 
 __all__ = [
+    "FLAGS_AT",
     "HEADER",
     "HEADER_SIZE",
     "IP_UDP_HEADERS",
@@ -118,6 +123,7 @@ VERSION = 6  # 4: contributions numbered per core (serial), MISSING; 5: QUERY's 
 # packed with HEADER alone carries serial 0.
 HEADER = struct.Struct("!HBBBBBxIHHQIIQII")
 SERIAL_AT = 7
+FLAGS_AT = 6  # the flags byte (a RESULT resent to one rank is its stored header, re-flagged)
 SERIALS = 256  # serials wrap; see `serial_newer`
 # Rounds and a slot's uses are numbered 1, 2, ... WRAP, then 1 again (0: none yet): the header
 # holds 32 bits of each, and a long job passes them (a slot used 3,000 times a second passes
@@ -176,7 +182,9 @@ class Op(IntEnum):
 
 class Flags(IntFlag):
     NONE = 0
-    RETRANSMIT = 1  # the worker has sent this segment before (counted, not trusted)
+    # The worker has sent this segment before (counted, not trusted). On a RESULT: resent to
+    # the one rank that asked again (its first copy was lost): that rank got it after its peers.
+    RETRANSMIT = 1
     # On a QUERY: sent by a timer for a segment after which nothing sent to that core has been
     # answered, in a round that repaired no loss (a stall, not a hole): the result may well be
     # on its way already.
@@ -191,6 +199,14 @@ class Flags(IntFlag):
     # On a RESULT: the contribution that completed it said so, and every rank's window on the
     # core shrinks, not only the completer's (plugin/congestion.py): in-band, as ECN's echo.
     QUEUED = 16
+    # On a RESULT: the contribution that completed it was a retransmission, or carried this
+    # flag. Every rank's round trip for it holds a repair, so none takes it as a sample for
+    # its retransmission timer: with many ranks under loss, most results wait for some rank's
+    # repair, and samples that held one raised every rank's timer, so the next repairs waited
+    # longer, and the samples grew again (16 ranks at 2% loss: the timers reached their 1 s
+    # bound within 25 calls). On a first transmission: its sender starts the round late by a
+    # repair of its own (its previous round's last result was resent to it alone).
+    REPAIRED = 32
 
 
 class WireError(PeerError):

@@ -41,6 +41,8 @@ from .slotplan import Address, Endpoint
 __all__ = ["RoundAnswers"]
 
 QUEUED = int(Flags.QUEUED)
+REPAIRED = int(Flags.REPAIRED)
+RESENT = int(Flags.RETRANSMIT)  # on a RESULT: resent to this rank alone (wire.py)
 
 
 class RoundAnswers:
@@ -55,6 +57,10 @@ class RoundAnswers:
     segment_bytes: int
     segments: int
     remaining: int
+    # The round's last result came resent to this rank alone (its multicast copy was lost):
+    # the rank ends the round after its peers, late into the next by that repair
+    # (AllreduceRound's `late`).
+    ended_late: bool
     _result_at: float  # when the latest result was taken (the round's deadline counts from it)
     _rtt: RttEstimator
     _signs: CoreSigns
@@ -101,15 +107,18 @@ class RoundAnswers:
         else:
             serials.jump(e, serial)
 
-    def stored(self, k: int, now: float, completer: int = -1, queued: int = 0) -> None:
+    def stored(self, k: int, now: float, completer: int = -1, flags: int = 0) -> None:
         """The result of segment k is in place: release the slot's next segment. `completer`:
-        the rank whose contribution completed it (the RESULT's rank; -1: not known); `queued`:
-        the RESULT's QUEUED flag (that rank found a queue)."""
+        the rank whose contribution completed it (the RESULT's rank; -1: not known); `flags`:
+        the RESULT's (QUEUED: that rank found a queue; REPAIRED: a repair held it up, no
+        round-trip sample; RETRANSMIT: resent to this rank alone, see `ended_late`)."""
         done = self._done
         if done[k]:
             return
         done[k] = 1
         self.remaining -= 1
+        if not self.remaining:  # its last: resent to this rank alone?
+            self.ended_late = bool(flags & RESENT)
         self._result_at = now
         n_ep = len(self.endpoints)
         e = k % n_ep
@@ -118,15 +127,15 @@ class RoundAnswers:
         window = self._window
         if not self._retransmitted[k]:
             self._signs.progress_at[e] = now
-            if not self._timed_out[k]:
+            if not self._timed_out[k] and not flags & REPAIRED:
                 self._rtt.sample(e, now - self._sent_at[k], in_flight[e])
             if window is not None and window.shrunk:
                 window.on_answer(e)
         if window is not None and completer >= 0:
             if completer == self.rank:  # ours came last: our payload's round trip is the path's
                 window.on_delay(e, now - self._payload_sent[k], now)
-            elif queued or window.queued[e]:  # a peer's: what it found, echoed (congestion.py)
-                window.on_mark(e, bool(queued), now, self._rtt.srtt(e) or self._rtt.rto(e))
+            elif flags & QUEUED or window.queued[e]:  # a peer's finding, echoed (congestion.py)
+                window.on_mark(e, bool(flags & QUEUED), now, self._rtt.srtt(e) or self._rtt.rto(e))
         in_flight[e] -= 1
         self._mine[e] -= 1
         seq = self._seq[k]
@@ -174,7 +183,7 @@ class RoundAnswers:
         newest = -1
         progressed = False
         unanswered: dict[int, None] = {}
-        taken = 0
+        taken = last_flags = 0
         try:
             for at in range(start, nbytes, size):
                 end = at + size if at + size < nbytes else nbytes
@@ -213,9 +222,10 @@ class RoundAnswers:
                 # `stored`, with the lookups above
                 done[k] = 1
                 taken += 1
+                last_flags = flags
                 if not retransmitted[k]:
                     progressed = True
-                    if not timed_out[k]:
+                    if not timed_out[k] and not flags & REPAIRED:
                         sample(e, now - sent_at[k], in_flight)
                     if shrinking and window is not None:  # (whole again: a no-op)
                         window.on_answer(e)
@@ -242,6 +252,8 @@ class RoundAnswers:
         finally:
             if taken:
                 self.remaining -= taken
+                if not self.remaining:
+                    self.ended_late = bool(last_flags & RESENT)
                 self._result_at = now
                 self._signs.heard_at[e] = now
                 if progressed:

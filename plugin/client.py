@@ -29,7 +29,6 @@ from reduction_appliance.dataplane.transport import Address
 from reduction_appliance.dataplane.wire import (
     HEADER_SIZE,
     DType,
-    Flags,
     Header,
     Kind,
     Op,
@@ -479,7 +478,7 @@ class ApplianceClient:
             if wanted is not None:
                 rnd, k = wanted
                 self._views[rnd.ticket][h.offset:h.offset + h.length] = payload
-                pipeline.stored(rnd, k, now, h.rank, h.flags & Flags.QUEUED)
+                pipeline.stored(rnd, k, now, h.rank, h.flags)
         elif h.kind is Kind.PENDING:
             pipeline.on_pending(h, bytes(payload), now, source)
         elif h.kind is Kind.MISSING:

@@ -20,6 +20,7 @@ import struct
 import numpy as np
 
 from reduction_appliance.dataplane.wire import (
+    FLAGS_AT,
     HEADER_SIZE,
     MAGIC,
     SERIAL_AT,
@@ -42,7 +43,7 @@ HEADER_RECORD = np.dtype([
 ])
 assert HEADER_RECORD.itemsize == HEADER_SIZE
 assert HEADER_RECORD.fields is not None and HEADER_RECORD.fields["serial"][1] == SERIAL_AT
-FLAGS_AT = HEADER_RECORD.fields["flags"][1]
+assert HEADER_RECORD.fields["flags"][1] == FLAGS_AT
 USE_AT = HEADER_RECORD.fields["use"][1]
 USE = struct.Struct("!I")  # the use field, written as the segment leaves
 

@@ -152,6 +152,7 @@ class RoundPipeline:
         self._active: dict[int, AllreduceRound] = {}  # wire round number -> round
         self._requests: dict[int, _Request] = {}  # ticket -> what was asked, while active
         self._queued: deque[_Request] = deque()
+        self._late = False  # the last round to end ended late (AllreduceRound's `late`)
         self._finished: list[Outcome] = []
         # the appliance's ABORTED notice and its reason, once it came
         self._abort: tuple[Header, str] | None = None
@@ -233,7 +234,7 @@ class RoundPipeline:
                                      order=self.order,
                                      epoch=self.epoch, ticket=req.ticket,
                                      in_flight=self._in_flight, serials=self._serials,
-                                     window=self.window)
+                                     window=self.window, late=self._late)
             except ReductionError as exc:
                 self._finished.append(Outcome(req.ticket, exc))
                 continue
@@ -246,6 +247,7 @@ class RoundPipeline:
             self.most_in_flight = max(self.most_in_flight, len(self._active))
 
     def _finish(self, rnd: AllreduceRound, error: ReductionError | None) -> None:
+        self._late = rnd.ended_late  # the next round starts late by that repair
         self._finish_silently(rnd)
         self._finished.append(Outcome(rnd.ticket, error, rnd.repairs))
 
@@ -369,8 +371,8 @@ class RoundPipeline:
         return at
 
     def stored(self, rnd: AllreduceRound, k: int, now: float, completer: int = -1,
-               queued: int = 0) -> None:
-        rnd.stored(k, now, completer, queued)
+               flags: int = 0) -> None:
+        rnd.stored(k, now, completer, flags)
         if rnd.done:
             self._finish(rnd, None)
 

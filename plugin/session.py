@@ -100,7 +100,11 @@ class AllreduceRound(RoundAnswers, Overtaking):
         in_flight: list[int] | None = None,
         serials: ResultSerials | None = None,
         window: CongestionWindow | None = None,
+        late: bool = False,
     ) -> None:
+        """`late`: this rank starts the round late by a repair of its own (the previous
+        round's last result was resent to it alone): its first burst says so (REPAIRED),
+        so that no peer takes a round trip that waited for it as a sample of the path."""
         if not endpoints:
             raise ReductionError("an allreduce needs at least one appliance endpoint")
         if segment_bytes < dtype.itemsize or segment_bytes % dtype.itemsize:
@@ -161,6 +165,8 @@ class AllreduceRound(RoundAnswers, Overtaking):
         self._lowest = list(range(len(endpoints)))
         # What our contributions say of the path (wire.Flags.QUEUED): the window's own measure.
         self._measured = window.measured if window is not None else [False] * len(endpoints)
+        self._late = int(Flags.REPAIRED) if late else 0  # the first burst's mark (`late`)
+        self.ended_late = False
         # Retransmissions are QUERYs (48 bytes: "the result, or say what you lack") until the
         # appliance says our contribution never came; then, once, the payload.
         self._payload_sent = [0.0] * n
@@ -306,7 +312,8 @@ class AllreduceRound(RoundAnswers, Overtaking):
         endpoints, uses, use = self.endpoints, self._uses.counts, self._use
         numbers, numbered = self._order.next, self._order.sent
         firsts, firsts_view, pack_use = self._firsts, self._firsts_view, USE.pack_into
-        flags_of = [int(Flags.QUEUED) if queued else 0 for queued in self._measured]
+        flags_of = [(int(Flags.QUEUED) if queued else 0) | self._late for queued in self._measured]
+        self._late = 0  # later first transmissions are clocked by results, not late
         while ready:
             k = ready.popleft()
             e = k % n_ep

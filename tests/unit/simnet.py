@@ -32,7 +32,6 @@ from reduction_appliance.dataplane.wire import (
     HEADER_SIZE,
     WRAP,
     DType,
-    Flags,
     Header,
     Kind,
     Op,
@@ -236,7 +235,7 @@ class SimNet:
             k = rnd.accept(h, source)
             if k is not None:
                 views[rank][h.offset:h.offset + h.length] = np.frombuffer(payload, np.uint8)
-                rnd.stored(k, self.now, h.rank, h.flags & Flags.QUEUED)
+                rnd.stored(k, self.now, h.rank, h.flags)
 
         for r in order or range(self.world):
             if begins[r] <= self.now:
@@ -280,7 +279,7 @@ class SimNet:
                 rnd, k = wanted
                 views[rank][rnd.ticket][h.offset:h.offset + h.length] = np.frombuffer(
                     payload, np.uint8)
-                p.stored(rnd, k, self.now, h.rank, h.flags & Flags.QUEUED)
+                p.stored(rnd, k, self.now, h.rank, h.flags)
 
         while not all(p.idle for p in pipelines):
             for r in range(self.world):

@@ -148,6 +148,33 @@ def test_a_result_echoes_the_queued_flag_of_the_contribution_that_completed_it(
         assert bool(h.flags & Flags.QUEUED) is marks[-1]
 
 
+@pytest.mark.parametrize(("last", "repaired"), [
+    (0, False),  # a first transmission, on time
+    (Flags.RETRANSMIT, True),  # the completing contribution was sent again
+    (Flags.REPAIRED, True),  # ... or its sender started the round late by a repair
+    (Flags.RETRANSMIT | Flags.QUEUED, True),
+])
+def test_a_result_completed_by_a_repair_says_so_and_a_resend_is_flagged_for_its_rank(
+        arena: SlotArena, last: Flags, repaired: bool) -> None:
+    """No rank may take a round trip that waited for a peer's repair as a sample of the path
+    (wire.Flags.REPAIRED); a result resent to one rank tells it that it got it after its
+    peers (RETRANSMIT on a RESULT), while the multicast copy stays as it was."""
+    agg = make(arena)
+    one = np.ones(16, np.float32)
+    contribute(agg, 0, one, flags=Flags.REPAIRED)  # (an earlier rank's mark counts for nothing)
+    contribute(agg, 1, one)
+    (result,) = contribute(agg, 2, one, flags=last)
+    h = unpack(bytes(result.header))
+    assert bool(h.flags & Flags.REPAIRED) is repaired
+    assert bool(h.flags & Flags.QUEUED) is bool(last & Flags.QUEUED)
+    assert not h.flags & Flags.RETRANSMIT
+    (resent,) = contribute(agg, 1, one, flags=Flags.RETRANSMIT, now=1.0)
+    again = unpack(bytes(resent.header))
+    assert resent.dest == where(1) and again.flags == h.flags | Flags.RETRANSMIT
+    assert again._replace(flags=h.flags) == h
+    assert unpack(bytes(result.header)) == h  # the stored header is untouched
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_a_result_header_sits_right_before_its_payload_in_the_arena(
         arena: SlotArena, dtype: type) -> None:

@@ -150,28 +150,31 @@ def test_a_regular_run_is_taken_whole_with_one_fold(pair: tuple[Aggregator, Aggr
 
 def test_a_run_with_any_other_flag_goes_alone(pair: tuple[Aggregator, Aggregator]) -> None:
     a, b = pair
-    for rank, flags in enumerate((Flags.QUEUED | Flags.RETRANSMIT, 32)):  # a flag, a stray bit
+    for rank, flags in enumerate((Flags.QUEUED | Flags.RETRANSMIT, 64)):  # a flag, a stray bit
         run = [contribution(5, rank, s, 1, flags=flags) for s in range(SLOTS)]
         take_both(a, b, run, where(rank))
     assert taken(a) == 0
 
 
+@pytest.mark.parametrize("mark", [Flags.QUEUED, Flags.REPAIRED])
 @pytest.mark.parametrize("last_marked", [True, False])
-def test_a_run_marked_queued_is_taken_whole_and_its_mark_echoed_only_by_the_completer(
-        pair: tuple[Aggregator, Aggregator], last_marked: bool) -> None:
-    """QUEUED (plugin/congestion.py) keeps a run on the burst path; the RESULTs carry the
-    completing rank's mark, whatever the earlier ranks' said."""
+def test_a_run_marked_is_taken_whole_and_its_mark_echoed_only_by_the_completer(
+        pair: tuple[Aggregator, Aggregator], mark: Flags, last_marked: bool) -> None:
+    """QUEUED (plugin/congestion.py) and REPAIRED (a rank that starts its round late: wire.py)
+    keep a run on the burst path; the RESULTs carry the completing rank's mark, whatever the
+    earlier ranks' said."""
     a, b = pair
     for rank in range(WORLD):
         marked = last_marked if rank == WORLD - 1 else not last_marked
-        run = [contribution(5, rank, s, 1, flags=Flags.QUEUED if marked else 0)
+        run = [contribution(5, rank, s, 1, flags=mark if marked else 0)
                for s in range(SLOTS)]
         out = take_both(a, b, run, where(rank))
         assert taken(a) == rank + 1
     assert len(out) == SLOTS
     for _, header, _ in out:
         h = unpack(header)
-        assert h.rank == WORLD - 1 and bool(h.flags & Flags.QUEUED) is last_marked
+        assert h.rank == WORLD - 1 and bool(h.flags & mark) is last_marked
+        assert h.flags & ~mark == 0
 
 
 def test_fp16_runs_fold_row_by_row_and_match(pair: tuple[Aggregator, Aggregator]) -> None:

@@ -53,6 +53,23 @@ def test_window_releases_a_slot_only_after_its_result() -> None:
     assert rnd.accept(h) is None  # a duplicate result is not wanted twice
 
 
+def test_a_result_that_waited_for_a_repair_is_no_round_trip_sample() -> None:
+    """A RESULT flagged REPAIRED (its completing contribution was sent again, or sent late
+    after a repair: wire.py) held a repair in its round trip: no sample. An unflagged one on
+    the other core is, QUEUED or not."""
+    rtt = RttEstimator()
+    rnd = AllreduceRound(endpoints(2, 2), 0, 2, 1, DType.FLOAT32, Op.SUM, 4 * 64, 64, rtt, 0.0)
+    sent = rnd.due(0.0)
+    for t, flags in zip(sent, (Flags.REPAIRED, Flags.QUEUED, Flags.REPAIRED | Flags.QUEUED,
+                               Flags.NONE), strict=True):
+        k = rnd.accept(t.header._replace(kind=Kind.RESULT))
+        assert k is not None
+        rnd.stored(k, 0.004, 1, flags)
+    assert rnd.done
+    assert rtt.srtt(0) is None  # both of core 0's results were repaired
+    assert rtt.srtt(1) == pytest.approx(0.004)
+
+
 def queried_at(rnd: AllreduceRound, segment: int, times: int) -> list[float]:
     """When `segment` asks, over the round's first `times` queries of it, no core answering."""
     asked: list[float] = []

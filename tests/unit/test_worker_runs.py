@@ -5,12 +5,14 @@ Two clients of the same job and rank run the same round; each receives the same 
 as its transport coalesces them (`RoundPipeline.take_results`, the rest decoded one by one);
 the other's transport hands over one datagram at a time. They must end up alike: the same
 array, the same results rejected, the same round-trip estimates and congestion windows (the
-results name either rank as their completer, some with the QUEUED mark, after waits over the
-windows' target and under it), the same segments still to send or ask after."""
+results name either rank as their completer, some with the QUEUED or REPAIRED mark or resent,
+after waits over the windows' target and under it), the same segments still to send or ask
+after."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -54,11 +56,12 @@ def client(net: MemoryNetwork, where: Address, transport: type[MemoryWorkerTrans
 
 def result(k: int, *, kind: Kind = Kind.RESULT, use: int | None = None, round_no: int = 1,
            cookie: int = COOKIE, serial: int = 0, value: float = 3.0, completer: int = 0,
-           queued: bool = False) -> bytes:
-    """The RESULT of segment k (of the first round), as its core sends it; `completer`: the
-    rank whose contribution completed it (the clients are rank 0), `queued`: its mark."""
+           flags: Flags = Flags.NONE) -> bytes:
+    """The RESULT of segment k (of the first round, unless `round_no` and `use` say), as its
+    core sends it; `completer`: the rank whose contribution completed it (the clients are
+    rank 0), `flags`: its marks (QUEUED, REPAIRED; RETRANSMIT: resent to this rank alone)."""
     pending = kind is Kind.PENDING  # its payload: the ranks in (rank 1 only: ours never came)
-    h = Header(kind, DType.FLOAT32, Op.SUM, Flags.QUEUED if queued else Flags.NONE, JOB,
+    h = Header(kind, DType.FLOAT32, Op.SUM, Flags.NONE if pending else flags, JOB,
                completer, cookie, round_no,
                (k // 2) % SLOTS, k * SEGMENT, 1 if pending else SEGMENT,
                (k // 2) // SLOTS + 1 if use is None else use, 1, serial)
@@ -69,6 +72,8 @@ def result(k: int, *, kind: Kind = Kind.RESULT, use: int | None = None, round_no
     return bytes(buf) + np.full(SEGMENT // 4, value, np.float32).tobytes()
 
 
+_MARKS = st.sampled_from([Flags.NONE, Flags.QUEUED, Flags.REPAIRED, Flags.QUEUED | Flags.REPAIRED,
+                          Flags.RETRANSMIT])
 _SPOILS = st.sampled_from(["none"] * 8 + ["duplicate", "use", "round", "cookie", "garbage",
                                           "pending", "short", "stranger"])
 
@@ -84,7 +89,7 @@ def deliveries(draw: st.DrawFn) -> list[tuple[float, Address, list[bytes]]]:
         while at < len(segments):
             n = draw(st.integers(1, len(segments) - at))
             run = [result(k, serial=k, completer=draw(st.integers(0, WORLD - 1)),
-                          queued=draw(st.booleans())) for k in segments[at:at + n]]
+                          flags=draw(_MARKS)) for k in segments[at:at + n]]
             source = CORES[e]
             i = draw(st.integers(0, n - 1))
             spoil = draw(_SPOILS)
@@ -173,6 +178,57 @@ def test_a_coalesced_run_of_results_fills_the_array() -> None:
             outcomes = c.progress(timeout=0)
         assert [(o.ticket, o.error) for o in outcomes] == [(ticket, None)]
         assert np.all(array == 3.0) and c.pipeline.rejected == 0
+    finally:
+        c.close()
+        for core in cores:
+            core.close()
+
+
+@pytest.mark.parametrize("transport", [MemoryWorkerTransport, OneByOne])
+@pytest.mark.parametrize("resent", [True, False])
+def test_a_round_whose_last_result_was_resent_marks_the_next_rounds_first_burst(
+        transport: type[MemoryWorkerTransport], resent: bool) -> None:
+    """A rank that got its round's last result resent to it alone (RETRANSMIT on a RESULT)
+    ends after its peers: the first transmissions of its next round say so (REPAIRED, which
+    the RESULTs they complete echo), so that no peer takes the wait for it as a round trip of
+    the path. Later first transmissions go unmarked: results clock them, not the repair."""
+    net = MemoryNetwork()
+    cores = [net.bind(core) for core in CORES]
+    place = ("198.18.0.101", 40000)
+    c = client(net, place, transport)
+
+    def sent_flags() -> list[int]:
+        """The flags of what the cores got since the last call."""
+        while (arrival := net.next_arrival()) != float("inf"):
+            net.advance(arrival)
+        out = []
+        for core in cores:
+            while (got := core.recv()) is not None:
+                out.append(got[0][6])  # wire.FLAGS_AT
+        return out
+
+    def answer(ks: range, round_no: int, last_flags: Flags = Flags.NONE) -> None:
+        for k in ks:
+            use = (k // 2) // SLOTS + 1 + 2 * (round_no - 1)
+            flags = last_flags if k == ks[-1] else Flags.NONE
+            net.transmit(CORES[k % 2], place, result(k, round_no=round_no, use=use, flags=flags))
+        net.advance(net.next_arrival())
+
+    try:
+        first = c.start(np.zeros(ELEMENTS, np.float32))
+        c.progress(timeout=0)
+        assert sent_flags() == [0] * 8
+        answer(range(8), 1)
+        c.progress(timeout=0)
+        answer(range(8, 16), 1, Flags.RETRANSMIT if resent else Flags.NONE)
+        assert [(o.ticket, o.error) for o in c.progress(timeout=0)] == [(first, None)]
+        assert sent_flags() == [0] * 8  # the first round's second window
+        c.start(np.zeros(ELEMENTS, np.float32))
+        c.progress(timeout=0)
+        assert sent_flags() == [int(Flags.REPAIRED) if resent else 0] * 8
+        answer(range(8), 2)
+        c.progress(timeout=0)
+        assert sent_flags() == [0] * 8
     finally:
         c.close()
         for core in cores:
