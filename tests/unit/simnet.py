@@ -131,6 +131,10 @@ class SimNet:
         self.windows = [CongestionWindow([self.slots] * self.cores, self.congestion)
                         if self.congestion is not None else None for _ in range(self.world)]
         self.round = 0
+        # Each rank's last round: when it ended, and whether it ended late (its last result
+        # resent to it alone: AllreduceRound's `late`, as a worker's pipeline carries it)
+        self.ended_at = [0.0] * self.world
+        self.ended_late = [False] * self.world
         self._batch = RxBatch()
         self._header = bytearray(HEADER_SIZE)
 
@@ -213,7 +217,8 @@ class SimNet:
         rounds = [
             AllreduceRound(self.endpoints, r, self.world, self.round, dtype, op,
                            arrays[r].nbytes, self.max_payload, self.rtts[r], begins[r],
-                           uses=self.uses[r], order=self.orders[r], window=self.windows[r])
+                           uses=self.uses[r], order=self.orders[r], window=self.windows[r],
+                           late=self.ended_late[r])
             for r in range(self.world)
         ]
         views = [a.reshape(-1).view(np.uint8) for a in arrays]
@@ -237,6 +242,7 @@ class SimNet:
                 views[rank][h.offset:h.offset + h.length] = np.frombuffer(payload, np.uint8)
                 rnd.stored(k, self.now, h.rank, h.flags)
 
+        ended = [False] * self.world
         for r in order or range(self.world):
             if begins[r] <= self.now:
                 self._send(r, rounds[r].due(self.now), lambda t, r=r: views[r])  # type: ignore[misc]
@@ -244,6 +250,9 @@ class SimNet:
             self._tick(min(rnd.wakeup() if begins[r] <= self.now else begins[r]
                            for r, rnd in enumerate(rounds) if not rnd.done), receive)
             for r, rnd in enumerate(rounds):
+                if rnd.done and not ended[r]:
+                    ended[r] = True
+                    self.ended_at[r], self.ended_late[r] = self.now, rnd.ended_late
                 if not rnd.done and begins[r] <= self.now:
                     self._send(r, rnd.due(self.now), lambda t, r=r: views[r])  # type: ignore[misc]
         return rounds
