@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from reduction_appliance.dataplane.registration import EndpointInfo
 from reduction_appliance.dataplane.transport import Address, MemoryNetwork
 from reduction_appliance.dataplane.wire import (
+    FLAGS_AT,
     HEADER_SIZE,
     DType,
     Flags,
@@ -204,7 +205,7 @@ def test_a_round_whose_last_result_was_resent_marks_the_next_rounds_first_burst(
         out = []
         for core in cores:
             while (got := core.recv()) is not None:
-                out.append(got[0][6])  # wire.FLAGS_AT
+                out.append(got[0][FLAGS_AT])
         return out
 
     def answer(ks: range, round_no: int, last_flags: Flags = Flags.NONE) -> None:
