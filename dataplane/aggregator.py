@@ -49,7 +49,7 @@ from numpy.typing import NDArray
 from .counters import Counter, Counters
 from .errors import AdmissionError, PeerError
 from .gaps import forget_sequences, note_sent, note_sequence
-from .notices import answer, on_its_way, pending_notes, to_every_rank
+from .notices import answer, echoed, on_its_way, pending_notes, resent, to_every_rank
 from .reduce import KernelTable, SegmentKernel
 from .runs import RunPath
 from .slots import RxPool, SlotArena, holdable_buffers, receive_reserve
@@ -57,7 +57,6 @@ from .slotstate import CopyState, Event, JobState, Slot, SlotCopy, move
 from .spec import Address, JobSpec, JobStats
 from .transport import RxBatch, Send
 from .wire import (
-    FLAGS_AT,
     HEADER,
     HEADER_SIZE,
     ITEMSIZE,
@@ -81,24 +80,6 @@ __all__ = ["Aggregator", "CopyState"]
 
 _TOMBSTONES = 1024  # aborted jobs remembered, so their workers hear why instead of timing out
 ABORT_REASON_MAX = 512  # bytes of an ABORTED notice's reason: it fits any datagram
-_ECHOED = int(Flags.QUEUED | Flags.REPAIRED)
-_REPAIRED = int(Flags.REPAIRED)
-
-
-def resent(header: bytearray | memoryview) -> bytearray:
-    """A RESULT's header as resent to one rank that asked: flagged RETRANSMIT, so that the
-    rank knows it got the result after its peers (plugin/pipeline.py: its next round starts
-    late)."""
-    again = bytearray(header)
-    again[FLAGS_AT] |= Flags.RETRANSMIT
-    return again
-
-
-def echoed(flags: int) -> int:
-    """The flags a RESULT carries when a contribution with `flags` completes it: its QUEUED
-    and REPAIRED, and REPAIRED for a retransmission (wire.py: no rank samples that round
-    trip)."""
-    return flags & _ECHOED | (_REPAIRED if flags & Flags.RETRANSMIT else 0)
 
 
 class Aggregator:

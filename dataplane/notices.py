@@ -1,17 +1,30 @@
 """The notices an aggregator sends besides results, built as data (sans-I/O): PENDING to a rank
 that asks after an unfinished segment (and to the ranks whose contribution it lacks), a notice
-to every bound rank of a job, and a notice answering one datagram; and whether a query for a
-finished result hears PENDING because the result is still on its way. The caller counts them."""
+to every bound rank of a job, and a notice answering one datagram; whether a query for a
+finished result hears PENDING because the result is still on its way; and the flags a RESULT
+carries, as sent to all (`echoed`) and as resent to one rank (`resent`). The caller counts
+them."""
 
 from __future__ import annotations
 
 from .slotstate import JobState, SlotCopy
 from .spec import Address
 from .transport import Send
-from .wire import HEADER_SIZE, SERIALS, DType, Flags, Header, Kind, Op, pack_into, serial_newer
+from .wire import (
+    FLAGS_AT,
+    HEADER_SIZE,
+    SERIALS,
+    DType,
+    Flags,
+    Header,
+    Kind,
+    Op,
+    pack_into,
+    serial_newer,
+)
 
-__all__ = ["RESULT_IN_FLIGHT_S", "RESULT_QUEUED_S", "answer", "on_its_way", "pending_notes",
-           "to_every_rank"]
+__all__ = ["RESULT_IN_FLIGHT_S", "RESULT_QUEUED_S", "answer", "echoed", "on_its_way",
+           "pending_notes", "resent", "to_every_rank"]
 
 # A PROBE (wire.Flags) for a result that left less than this long ago gets a PENDING note: the
 # result is taken to be on its way. No longer than the workers' RTO floor (Timing.rto_min), so a
@@ -24,6 +37,8 @@ RESULT_IN_FLIGHT_S = 0.01
 # every resend a duplicate that lengthened it (docs/benchmarks-journal.md). The limit bounds
 # what a lost last result costs when the one before it was lost too: each is asked after again.
 RESULT_QUEUED_S = 0.1
+_ECHOED = int(Flags.QUEUED | Flags.REPAIRED)  # what a RESULT echoes of its completer's flags
+_REPAIRED = int(Flags.REPAIRED)
 
 
 def on_its_way(copy: SlotCopy, h: Header, age: float) -> bool:
@@ -85,3 +100,19 @@ def answer(kind: Kind, h: Header, dest: Address, epoch: int, payload: bytes = b"
     header = bytearray(HEADER_SIZE)
     pack_into(header, h._replace(kind=kind, length=len(payload), flags=0, epoch=epoch, serial=0))
     return Send(dest, header, payload)
+
+
+def resent(header: bytearray | memoryview) -> bytearray:
+    """A RESULT's header as resent to one rank that asked: flagged RETRANSMIT, so that the
+    rank knows it got the result after its peers (plugin/pipeline.py: its next round starts
+    late)."""
+    again = bytearray(header)
+    again[FLAGS_AT] |= Flags.RETRANSMIT
+    return again
+
+
+def echoed(flags: int) -> int:
+    """The flags a RESULT carries when a contribution with `flags` completes it: its QUEUED
+    and REPAIRED, and REPAIRED for a retransmission (wire.py: no rank samples that round
+    trip)."""
+    return flags & _ECHOED | (_REPAIRED if flags & Flags.RETRANSMIT else 0)
