@@ -146,6 +146,8 @@ class SweepPlan:
     queue_target_s: float = 0.025  # jobs.queue_target_s (plugin/congestion.py); 0: fixed windows
     gloo: bool = True
     loss_pct: float = 0.0  # random loss on every worker link, each direction (rack only)
+    # ... on the links of these ranks alone (None: every worker's): one bad cable
+    lossy_ranks: tuple[int, ...] | None = None
     # The appliance's own link (tc syntax); None: unshaped, standing for its fat uplink. Below
     # workers x rate, every worker's contributions converge on it: an incast.
     appliance_rate: str | None = None

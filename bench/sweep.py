@@ -49,8 +49,8 @@ from reduction_appliance.deploy.testnet.topology import Link
 
 from .plan import SweepPlan, add_sweep_arguments, dtype_name, plan_from_args, unwritable_output
 
-__all__ = ["LabNet", "Listener", "Row", "appliance_case", "gloo_case", "main", "open_network",
-           "run", "run_sweep"]
+__all__ = ["LabNet", "Listener", "Row", "appliance_case", "gloo_case", "lossy_where", "main",
+           "open_network", "run", "run_sweep"]
 
 Row = dict[str, Any]
 _GLOO_BASE_PORT = 29500
@@ -89,6 +89,7 @@ def open_network(plan: SweepPlan, workers: int) -> Iterator[LabNet]:
         raise HarnessError("--network rack needs root (network namespaces); try "
                            "--network loopback")
     with LabNetwork.rack(workers, rate=plan.rate, loss_pct=plan.loss_pct,
+                         impaired=plan.lossy_ranks,
                          appliance_link=Link(plan.appliance_rate) if plan.appliance_rate
                          else None) as lab:
         # cast: harness.Network declares `mtu` as a plain attribute, LabNetwork has a property.
@@ -96,8 +97,17 @@ def open_network(plan: SweepPlan, workers: int) -> Iterator[LabNet]:
                      f"emulated rack {lab.lab.topology.name_prefix}: workers at "
                      f"{lab.worker_address(0)}.., appliance at {lab.appliance_address(0)}, "
                      f"one bridge, MTU {lab.mtu}, worker links {plan.rate or 'unshaped'}"
-                     f"{f' with {plan.loss_pct:g}% loss each way' if plan.loss_pct else ''}, "
+                     f"{f' with {plan.loss_pct:g}% loss each way' if plan.loss_pct else ''}"
+                     f"{lossy_where(plan.lossy_ranks) if plan.loss_pct else ''}, "
                      f"appliance link {plan.appliance_rate or 'unshaped'}", links=True)
+
+
+def lossy_where(ranks: tuple[int, ...] | None) -> str:
+    """Whose links lose: every worker's, or the named ranks' alone."""
+    if ranks is None:
+        return ""
+    many = "s" if len(ranks) > 1 else ""
+    return f" on the link{many} of rank{many} {', '.join(map(str, ranks))} alone"
 
 
 def multicast_possible(plan: SweepPlan) -> bool:

@@ -10,7 +10,8 @@ import ipaddress
 import os
 import re
 import secrets
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 # Every lab's names start with this, so `clean(DEFAULT_PREFIX_ROOT)` finds leftovers of any run.
 DEFAULT_PREFIX_ROOT = "rlab"
@@ -55,6 +56,12 @@ def parse_rate(rate: str) -> int:
     if bps <= 0:
         raise ValueError(f"rate {rate!r} must be positive")
     return bps
+
+
+def _worker_index(index: int, workers: int) -> int:
+    if not 0 <= index < workers:
+        raise ValueError(f"impaired worker {index} is not in the rack's 0..{workers - 1}")
+    return index
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,9 @@ class Topology:
     appliance_link: Link = field(default_factory=Link)
     subnet: str = "198.18.0.0/24"
     multicast_range: str = "239.255.0.0/16"
+    # The workers whose cables carry worker_link's loss, duplication and reordering; None: every
+    # worker's. The others get the same rate, delay and MTU, clean: one bad cable in a rack.
+    impaired: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         net = ipaddress.IPv4Network(self.subnet)
@@ -136,6 +146,10 @@ class Topology:
         addresses = [h.address for h in self.hosts]
         if len(set(addresses)) != len(addresses):
             raise ValueError(f"host addresses not unique: {addresses}")
+        if self.impaired is not None:
+            strangers = sorted(self.impaired - {h.name for h in self.workers})
+            if strangers:
+                raise ValueError(f"impaired names no worker of this rack: {strangers}")
         for host in self.hosts:
             if not _HOST_NAME_RE.match(host.name) or host.name == "tor":
                 # "tor" would collide with the switch namespace name.
@@ -164,9 +178,11 @@ class Topology:
         mtu: int = 9000,
         appliance_link: Link | None = None,
         prefix: str | None = None,
+        impaired: Sequence[int] | None = None,
     ) -> Topology:
         """Appliances a0.. at 198.18.0.1.., workers w0.. at 198.18.0.101..; impairments apply
-        to worker links (the appliance link is unrestricted unless given)."""
+        to worker links (the appliance link is unrestricted unless given), to those of the
+        workers numbered in `impaired` alone where it is given."""
         if not 1 <= appliances <= 100 or not 1 <= workers <= RACK_WORKERS_MAX:
             raise ValueError(f"a rack holds 1..100 appliances and 1..{RACK_WORKERS_MAX} workers "
                              f"(one /24), not {appliances} and {workers}")
@@ -177,6 +193,8 @@ class Topology:
             appliances=tuple(Host(f"a{i}", str(base + 1 + i)) for i in range(appliances)),
             worker_link=Link(rate, delay_ms, loss_pct, duplicate_pct, reorder_pct, mtu),
             appliance_link=appliance_link if appliance_link is not None else Link(mtu=mtu),
+            impaired=None if impaired is None else frozenset(
+                f"w{_worker_index(i, workers)}" for i in impaired),
         )
 
     @property
@@ -195,7 +213,11 @@ class Topology:
 
     def link_of(self, name: str) -> Link:
         host = self.host(name)
-        return self.worker_link if host in self.workers else self.appliance_link
+        if host not in self.workers:
+            return self.appliance_link
+        if self.impaired is None or name in self.impaired:
+            return self.worker_link
+        return replace(self.worker_link, loss_pct=0.0, duplicate_pct=0.0, reorder_pct=0.0)
 
     # Names. Everything the lab creates starts with name_prefix, which is what clean() relies on.
     def netns_name(self, name: str) -> str:

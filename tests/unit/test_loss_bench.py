@@ -11,6 +11,7 @@ import pytest
 
 from reduction_appliance.bench import allreduce, loss
 from reduction_appliance.bench.plan import MAX_TIMED_CALLS, SHAPED_TIMED_BYTES, SweepPlan
+from reduction_appliance.bench.sweep import lossy_where
 from tests.refusals import refusal
 
 MIB = 1 << 20
@@ -38,9 +39,12 @@ def test_small_cases_get_enough_timed_calls_to_spend_the_shapers_bucket(
 
 def test_the_loss_bench_times_its_cases_so() -> None:
     args = argparse.Namespace(workers=4, rate="1gbit", sizes=[MIB, 64 * MIB], iters=3, cores=2,
-                              queue_target=0.025)
+                              queue_target=0.025, lossy_ranks=None)
     plan = loss.plan_of(args)
     assert [plan.iters_for(size) for size in plan.sizes] == [16, 3]
+    assert plan.lossy_ranks is None  # every worker's link
+    assert loss.plan_of(argparse.Namespace(**{**vars(args), "lossy_ranks": (3,)})
+                        ).lossy_ranks == (3,)
     lossy = dataclasses.replace(plan, loss_pct=5.0)  # each loss rate's plan: the same counts
     assert [lossy.iters_for(size) for size in lossy.sizes] == [16, 3]
 
@@ -56,10 +60,28 @@ def test_the_report_passes_a_target_only_when_the_median_repeat_meets_it(
     assert "FAIL >= 10%" in capsys.readouterr().out
 
 
+def test_one_bad_cable_is_reported_unjudged(capsys: pytest.CaptureFixture[str]) -> None:
+    times = {(0.0, MIB): [0.010], (5.0, MIB): [0.200]}  # 5%: far under the every-link target
+    assert loss.report([0.0, 5.0], [MIB], times, {key: [0.1] for key in times}, targets={})
+    out = capsys.readouterr().out
+    assert "PASS" not in out and "FAIL" not in out
+    assert "5%     1 MiB |" in out
+
+
+def test_whose_links_lose_is_said_in_words() -> None:
+    assert lossy_where(None) == ""
+    assert lossy_where((3,)) == " on the link of rank 3 alone"
+    assert lossy_where((1, 3)) == " on the links of ranks 1, 3 alone"
+
+
 @pytest.mark.parametrize("program, argv, message", [
     (loss.main, ["--iters", "0"], "at least 1"),
     (loss.main, ["--repeat", "0"], "at least 1"),
     (loss.main, ["--queue-target", "-1"], "--queue-target"),
+    (loss.main, ["--lossy-ranks", "4"], "names rank 4, but the rack's ranks are 0..3"),
+    (loss.main, ["--workers", "8", "--lossy-ranks", "2,8"], "ranks are 0..7"),
+    (loss.main, ["--lossy-ranks", "x"], "ranks are numbers, comma-separated"),
+    (loss.main, ["--lossy-ranks", "-1"], "ranks count from 0"),
     (allreduce.main, ["--iters", "0"], "at least 1"),
     (allreduce.main, ["--repeat", "0"], "at least 1"),
     (allreduce.main, ["--warmup", "-1"], "at least 0"),
