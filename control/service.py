@@ -363,6 +363,10 @@ class Appliance:
                 for rank, ago in st.heard.items():  # the core that heard it last
                     act.heard[rank] = min(act.heard.get(rank, ago), ago)
                 act.elsewhere.update(st.elsewhere)
+                for rank, n in st.missed_from.items():
+                    act.missed[rank] = act.missed.get(rank, 0) + n
+                for rank, n in st.resent_to.items():
+                    act.resent[rank] = act.resent.get(rank, 0) + n
                 # Heartbeats go to one core per appliance: a rank is silent only if every
                 # core says so, for as long as the one that heard it last.
                 act.silent_votes.append(st.silent)
@@ -395,6 +399,8 @@ class Appliance:
                 silent={r: round(s, 1) for r, s in sorted(act.silent.items())},
                 heard_s={r: round(s, 3) for r, s in sorted(act.heard.items())},
                 seen_elsewhere={r: f"{a[0]}:{a[1]}" for r, a in sorted(act.elsewhere.items())},
+                contributions_missed=dict(sorted(act.missed.items())),
+                results_resent=dict(sorted(act.resent.items())),
                 endpoints={r: f"{a[0]}:{a[1]}" for r, a in enumerate(plan.spec.endpoints)
                            if a is not None},
                 disruptions=tuple(
@@ -437,8 +443,8 @@ class Appliance:
 
 class _Activity:
     __slots__ = ("bytes_reduced", "diverged", "elsewhere", "heard", "job_id", "lagging",
-                 "last_activity", "quiet_s", "reports", "rounds", "segments_reduced",
-                 "silent_votes")
+                 "last_activity", "missed", "quiet_s", "reports", "resent", "rounds",
+                 "segments_reduced", "silent_votes")
 
     def __init__(self, job_id: int) -> None:
         self.job_id = job_id
@@ -453,6 +459,8 @@ class _Activity:
         self.lagging: dict[int, float] = {}
         self.heard: dict[int, float] = {}  # rank -> seconds since any core heard it
         self.elsewhere: dict[int, Address] = {}  # rank -> another source its datagrams had
+        self.missed: dict[int, int] = {}  # rank -> its contributions that never came, all cores
+        self.resent: dict[int, int] = {}  # rank -> results sent again to it alone, all cores
 
     @property
     def silent(self) -> dict[int, float]:

@@ -191,12 +191,13 @@ class Aggregator:
             return None
         waiting = job.awaited()
         silent = {s.rank: s.silent_s for s in job.silent(now, waiting)}
+        missed, resent = job.losses()
         return JobStats(job.rounds, job.bytes_reduced, job.segments_reduced,
                         job.last_activity, waiting, job.diverged, silent,
                         quiet_s=now - max(job.last_seen),
                         heard={rank: now - seen for rank, seen in enumerate(job.last_seen)
                                if job.spec.endpoints[rank] is not None},
-                        elsewhere=dict(job.elsewhere))
+                        elsewhere=dict(job.elsewhere), missed_from=missed, resent_to=resent)
 
     # ---- datagram path ----
     def on_batch(self, batch: RxBatch, now: float) -> list[Send]:
@@ -306,6 +307,7 @@ class Aggregator:
                 self._waiting(job, copy, h, source, out)
                 return False
             cells[Counter.RESULTS_RESENT] += 1
+            job.resent_to[h.rank] += 1
             out.append(Send(source, resent(copy.header), copy.result))
             return False
         if query or copy.arrived >> h.rank & 1:

@@ -72,6 +72,7 @@ def _tell_missing(job: JobState, rank: int, first: int, count: int, cells: NDArr
         return
     missing = bytes((first + i) % SERIALS for i in range(count))
     cells[Counter.CONTRIBUTIONS_MISSED] += count
+    job.missed_from[rank] += count
     header = bytearray(HEADER_SIZE)
     spec = job.spec
     pack_into(header, Header(Kind.MISSING, DType.FLOAT32, Op.SUM, 0, spec.job_id, rank,

@@ -142,8 +142,9 @@ class Slot:
 
 class JobState:
     __slots__ = ("all_ranks", "arena_first", "arena_slots", "bytes_reduced", "diverged",
-                 "elsewhere", "held", "last_activity", "last_data", "last_seen", "next_sequence",
-                 "rounds", "segments_reduced", "serial", "slots", "spec")
+                 "elsewhere", "held", "last_activity", "last_data", "last_seen", "missed_from",
+                 "next_sequence", "resent_to", "rounds", "segments_reduced", "serial", "slots",
+                 "spec")
 
     def __init__(self, spec: JobSpec, arena_slots: list[int], slots: list[Slot],
                  now: float) -> None:
@@ -170,6 +171,16 @@ class JobState:
         # rank -> the other endpoint its datagrams (its cookie and all) last came from: a NAT
         # between the worker and here, which the endpoint it joined with does not show
         self.elsewhere: dict[int, Address] = {}
+        # Where the job loses datagrams, by rank and direction: per rank, its contributions
+        # found never to have come (numbers skipped: dataplane.gaps), and results sent again to
+        # it alone. One rank far above the others is its cable, its port or its host.
+        self.missed_from = [0] * spec.world_size
+        self.resent_to = [0] * spec.world_size
+
+    def losses(self) -> tuple[dict[int, int], dict[int, int]]:
+        """JobStats' `missed_from` and `resent_to`: the ranks with any."""
+        return ({r: n for r, n in enumerate(self.missed_from) if n},
+                {r: n for r, n in enumerate(self.resent_to) if n})
 
     @property
     def bound(self) -> list[Address]:

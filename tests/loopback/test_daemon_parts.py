@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from reduction_appliance.control import daemon
-from reduction_appliance.control.ctl import render_job, render_status
+from reduction_appliance.control.ctl import losses, render_job, render_status
 from reduction_appliance.control.daemon import Janitor, raise_open_files_limit, sd_notify
 from reduction_appliance.dataplane.errors import Unavailable
 from reduction_appliance.deploy.testnet.harness import OutputTail
@@ -198,6 +198,25 @@ def test_status_names_a_rank_whose_datagrams_come_from_elsewhere() -> None:
             "between it and the appliance?), dropped") in render_status(snapshot).splitlines()
 
 
+def test_status_names_a_rank_that_loses_datagrams() -> None:
+    """One bad cable in a rack: every round waits for its repairs. The status names its rank
+    once its share of loss passes LOSSY_SHARE; a rank that lost a datagram or two is not."""
+    job = {"job_id": 3, "name": "resnet", "state": "active", "world_size": 4,
+           "joined": [0, 1, 2, 3], "epoch": 1, "rounds": 12, "bytes_reduced": 0,
+           "last_activity_s": 0.1, "lagging": {}, "endpoints": {"3": "198.18.0.104:40000"},
+           "segments_reduced": 1000, "contributions_missed": {"0": 2, "3": 51},
+           "results_resent": {"3": 80}}
+    snapshot = {"version": "0.1.0", "uptime_s": 5.0, "config": "a.toml", "cores": [],
+                "interfaces": [], "steering": [], "steering_notes": [], "rdma_devices": [],
+                "jobs": [job]}
+    named = [line for line in render_status(snapshot).splitlines() if "loses" in line]
+    assert named == ["     ! rank 3 (198.18.0.104:40000) loses datagrams: 51 contributions never "
+                     "came (5.1%), 80 results sent again (8.0%)"]
+    assert losses(job)[0] == (3, 51, 80, 0.08)
+    assert losses(job)[1] == (0, 2, 0, 0.002)  # under LOSSY_SHARE: in `jobs ID` alone
+    assert losses({"contributions_missed": {"1": 3}}) == [(1, 3, 0, None)]  # no segment yet
+
+
 def test_one_job_is_shown_in_an_operators_words() -> None:
     """`reductionctl jobs ID` printed its dictionaries raw ("last_activity_s:
     0.0331327340027201", the cores under "endpoints"); now a line per question."""
@@ -209,7 +228,8 @@ def test_one_job_is_shown_in_an_operators_words() -> None:
     live = {"epoch": 2, "rounds": 40, "bytes_reduced": 3 * 2**20, "last_activity_s": 0.25,
             "endpoints": {"0": "198.18.0.101:40000", "1": "198.18.0.102:40001"},
             "heard_s": {"1": 0.4, "0": 0.05}, "lagging": {"1": 2.5},
-            "seen_elsewhere": {"1": "10.0.0.5:32768"}}
+            "seen_elsewhere": {"1": "10.0.0.5:32768"}, "segments_reduced": 400,
+            "contributions_missed": {"0": 1, "1": 20}, "results_resent": {"1": 30}}
     assert render_job(job, live).splitlines() == [
         "         job: 3 resnet (active, epoch 2)",
         "       ranks: 2 of 2 joined [0, 1]",
@@ -219,6 +239,8 @@ def test_one_job_is_shown_in_an_operators_words() -> None:
         " joined from: 0: 198.18.0.101:40000, 1: 198.18.0.102:40001",
         "  last heard: 0: 0.1s ago, 1: 0.4s ago",
         "  waited for: 1: 2.5s",
+        "        lost: rank 1: 20 contributions never came (5.0%), 30 results sent again "
+        "(7.5%); rank 0: 1 contribution never came (0.2%), 0 results sent again (0.0%)",
         " ! elsewhere: 1: 10.0.0.5:32768",
     ]
     bare = render_job(job | {"multicast": None, "joined": []}, {}).splitlines()
@@ -226,7 +248,8 @@ def test_one_job_is_shown_in_an_operators_words() -> None:
                         "       cores: 198.18.0.1:7000 (64 slots), 198.18.0.1:7001 (64 slots)",
                         "    segments: 8896 bytes, results by unicast",
                         "     reduced: 0 rounds, 0 B, last never",
-                        " joined from: -", "  last heard: -", "  waited for: -"]
+                        " joined from: -", "  last heard: -", "  waited for: -",
+                        "        lost: -"]
 
 
 @pytest.mark.parametrize("taken", ["dataplane", "metrics"])

@@ -254,6 +254,8 @@ def test_a_query_gets_pending_then_the_result_and_never_adds(arena: SlotArena) -
     assert resend.dest == where(1) and bytes(resend.payload) == bytes(sends[0].payload)
     assert agg.counters[Counter.QUERIES] == 1 and agg.counters[Counter.RESULTS_RESENT] == 1
     assert agg.counters[Counter.DUPLICATES] == 0
+    stats = agg.stats(5, 0.0)  # the job's status names the rank it was resent to
+    assert stats is not None and stats.resent_to == {1: 1} and stats.missed_from == {}
 
 
 def test_a_query_for_a_use_never_begun_says_nothing_came_and_starts_nothing(

@@ -82,6 +82,8 @@ TRAINING = JobSnapshot(
     segments_reduced=250,
     last_activity_s=12.5,
     lagging={3: 12.5},
+    contributions_missed={3: 14},
+    results_resent={1: 2, 3: 20},
 )
 WAITING = JobSnapshot(
     job_id=8,
@@ -210,6 +212,15 @@ def test_lagging_ranks() -> None:
     assert value("reduction_job_lagging_ranks", job_id="8", name="bert") == 0
     lagging = [s for s in samples() if s.name == "reduction_job_lagging_rank_seconds"]
     assert [s.labels["rank"] for s in lagging] == ["3"]
+
+
+def test_loss_by_rank() -> None:
+    job = {"job_id": "7", "name": "resnet"}
+    assert value("reduction_job_rank_contributions_missed_total", rank="3", **job) == 14
+    assert value("reduction_job_rank_results_resent_total", rank="3", **job) == 20
+    assert value("reduction_job_rank_results_resent_total", rank="1", **job) == 2
+    missed = [s for s in samples() if s.name == "reduction_job_rank_contributions_missed_total"]
+    assert [s.labels["rank"] for s in missed] == ["3"]  # ranks without loss have no sample
 
 
 def test_job_without_activity_renders() -> None:
