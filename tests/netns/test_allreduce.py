@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from reduction_appliance.control.ctl import losses, render_status
 from reduction_appliance.deploy.testnet.harness import (
     ApplianceProcess,
     HarnessError,
@@ -96,6 +97,22 @@ def test_loss_duplication_and_reordering_still_exact() -> None:
     # The faults really happened and were absorbed by the protocol, not by luck.
     assert sum(c["retransmissions"] for rank in outputs for c in rank) > 0
     assert counters["duplicates"] + counters["results_resent"] > 0
+
+
+def test_one_bad_cable_is_named_in_the_status_and_no_other() -> None:
+    """10% loss each way on rank 2's cable alone: the results are exact, and the status names
+    rank 2, in both directions, and no clean rank: the operator finds the cable."""
+    with LabNetwork.rack(3, loss_pct=10.0, impaired=[2]) as net, \
+            start_appliance(net) as appliance:
+        outputs = run_workers(net, worker_argv(net, appliance.api, 3, "cable",
+                                               ["--sizes", "4MiB", "--iters", "3"]),
+                              timeout_s=300)
+        shown = appliance.status()
+    assert_all_exact(outputs, 1)
+    (job,) = shown["jobs"]
+    assert job["contributions_missed"]["2"] > 0 and job["results_resent"]["2"] > 0, job
+    named = [line for line in render_status(shown).splitlines() if "loses datagrams" in line]
+    assert len(named) == 1 and named[0].startswith("     ! rank 2 ("), (named, losses(job))
 
 
 def test_deterministic_mode_under_loss_is_bitwise_exact() -> None:
