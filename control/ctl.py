@@ -51,9 +51,10 @@ def _fit(name: str, width: int) -> str:
     return f"{name[:head]}~{name[len(name) - (width - 1 - head):]}"
 
 
-# A rank losing at least this share of its contributions or results is named in the status:
-# a clean rack loses next to none (lossless runs here: under 0.5% of segments sent again, most
-# of it queries of results that were late, not lost); one bad cable stands out far above it.
+# A rank losing at least this share of its contributions or results is named in the status.
+# A clean cable loses next to none (on the emulated rack, the clean ranks beside a bad cable
+# counted none: the workers' other repairs are queries after late results, which neither
+# counts); a bad one stands far above it.
 LOSSY_SHARE = 0.01
 
 
