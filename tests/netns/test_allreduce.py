@@ -233,4 +233,9 @@ def test_a_worker_that_hears_no_multicast_says_so_and_the_job_turns_unicast() ->
     assert all(len(c) == 2 and c[0]["ok"] and c[1]["ok"] for c in cases), cases
     deaf, heard = cases[1]
     assert deaf["retransmissions"] >= deaf["segments"]  # every result asked for again
-    assert heard["retransmissions"] < 0.1 * heard["segments"]  # by unicast: as on any network
+    # By unicast, the results come unasked. Not none asked for: CI runs this beside the
+    # emulated RoCE guest, whose QEMU stalls processes past a retransmission timer (there 24
+    # of 177 segments, 2026-12-06; none on a quiet machine, nor beside three busy loops). A
+    # job still deaf asks again for every one.
+    assert heard["retransmissions"] < 0.5 * heard["segments"], (heard["repairs"],
+                                                                deaf["repairs"])
