@@ -53,30 +53,30 @@ def _fit(name: str, width: int) -> str:
 
 # A rank losing at least this share of its contributions or results is named in the status.
 # A clean cable loses next to none (on the emulated rack, the clean ranks beside a bad cable
-# counted none: the workers' other repairs are queries after late results, which neither
-# counts); a bad one stands far above it.
+# counted none: the workers' other repairs are queries after late or unread results, which
+# neither counts); a bad one stands far above it.
 LOSSY_SHARE = 0.01
 
 
 def losses(job: dict[str, Any]) -> list[tuple[int, int, int, float | None]]:
     """Per rank with any loss, most first: (rank, its contributions that never came, results
-    sent again to it alone, the larger of the two as a share of the job's segments; None
-    before any segment completed). Each rank sends one contribution to every segment and gets
-    its result, so the segments are both counts' denominator."""
+    it lost on their way, the larger of the two as a share of the job's segments; None before
+    any segment completed). Each rank sends one contribution to every segment and gets its
+    result, so the segments are both counts' denominator."""
     missed = {int(r): n for r, n in job.get("contributions_missed", {}).items()}
-    resent = {int(r): n for r, n in job.get("results_resent", {}).items()}
+    lost = {int(r): n for r, n in job.get("results_lost", {}).items()}
     segments = job.get("segments_reduced", 0)
-    rows = [(r, missed.get(r, 0), resent.get(r, 0),
-             max(missed.get(r, 0), resent.get(r, 0)) / segments if segments else None)
-            for r in missed.keys() | resent.keys()]
+    rows = [(r, missed.get(r, 0), lost.get(r, 0),
+             max(missed.get(r, 0), lost.get(r, 0)) / segments if segments else None)
+            for r in missed.keys() | lost.keys()]
     return sorted(rows, key=lambda row: (-max(row[1], row[2]), row[0]))
 
 
-def _loss_words(missed: int, resent: int, share_of: int) -> str:
+def _loss_words(missed: int, lost: int, share_of: int) -> str:
     def share(n: int) -> str:
         return f" ({n / share_of:.1%})" if share_of else ""
     return (f"{missed} contribution{'s' * (missed != 1)} never came{share(missed)}, "
-            f"{resent} result{'s' * (resent != 1)} sent again{share(resent)}")
+            f"{lost} result{'s' * (lost != 1)} lost on the way to it{share(lost)}")
 
 
 def render_status(s: dict[str, Any]) -> str:
@@ -126,10 +126,10 @@ def render_status(s: dict[str, Any]) -> str:
             for rank, source in j.get("seen_elsewhere", {}).items():
                 lines.append(f"     ! rank {rank} ({_joined_from(j, rank)}): its datagrams came "
                              f"from {source} (a NAT between it and the appliance?), dropped")
-            for rank, missed, resent, share in losses(j):
+            for rank, missed, lost, share in losses(j):
                 if share is not None and share >= LOSSY_SHARE:
                     lines.append(f"     ! rank {rank} ({_joined_from(j, rank)}) loses datagrams: "
-                                 + _loss_words(missed, resent, j["segments_reduced"]))
+                                 + _loss_words(missed, lost, j["segments_reduced"]))
             for rank, silent_s in j.get("silent", {}).items():
                 where = _joined_from(j, rank)
                 if int(rank) in j["joined"]:
@@ -232,9 +232,9 @@ def render_job(job: dict[str, Any], live: dict[str, Any]) -> str:
         ("joined from", ranks(live.get("endpoints", {}), str)),
         ("last heard", ranks(live.get("heard_s", {}), lambda s: f"{s:.1f}s ago")),
         ("waited for", ranks(live.get("lagging", {}), lambda s: f"{s:.1f}s")),
-        ("lost", "; ".join(f"rank {rank}: " + _loss_words(missed, resent,
+        ("lost", "; ".join(f"rank {rank}: " + _loss_words(missed, lost,
                                                           live.get("segments_reduced", 0))
-                           for rank, missed, resent, _ in losses(live)) or "-"),
+                           for rank, missed, lost, _ in losses(live)) or "-"),
     ]
     rows += [("! elsewhere", ranks(live["seen_elsewhere"], str))] \
         if live.get("seen_elsewhere") else []

@@ -17,7 +17,7 @@ Families (all prefixed `reduction_`):
   the last accepted contribution (absent until the first one), and the lagging ranks:
   `job_lagging_rank_seconds{rank}` (one sample per rank a started segment still waits for) and
   `job_lagging_ranks` (how many), so a stuck job is diagnosable at a glance;
-  `job_rank_contributions_missed{rank}` and `job_rank_results_resent{rank}` (where its datagrams
+  `job_rank_contributions_missed{rank}` and `job_rank_results_lost{rank}` (where its datagrams
   are lost: one rank far above the others is its cable, its port or its host);
 - per interface, labelled `interface`: `interface_up`, `interface_mtu_bytes`.
 
@@ -432,18 +432,19 @@ def _job_families(jobs: tuple[JobSnapshot, ...]) -> Iterator[Metric]:
         "summed over cores; one sample per rank with any. Its uplink's loss.",
         labels=[*JOB_LABELS, "rank"],
     )
-    resent = CounterMetricFamily(
-        PREFIX + "job_rank_results_resent",
-        "Results sent again to this rank alone (it asked after one it never got), summed over "
-        "cores; one sample per rank with any. Its downlink's loss, or its host's socket's.",
+    lost = CounterMetricFamily(
+        PREFIX + "job_rank_results_lost",
+        "Results this rank lost on their way (it heard a later one of the core first, then "
+        "asked for this one), summed over cores; one sample per rank with any. Its downlink's "
+        "loss, or its host's socket's.",
         labels=[*JOB_LABELS, "rank"],
     )
     for job in jobs:
         labels = [str(job.job_id), job.name]
         for rank, n in job.contributions_missed.items():
             missed.add_metric([*labels, str(rank)], n)
-        for rank, n in job.results_resent.items():
-            resent.add_metric([*labels, str(rank)], n)
+        for rank, n in job.results_lost.items():
+            lost.add_metric([*labels, str(rank)], n)
         info.add_metric(
             labels,
             {
@@ -465,7 +466,7 @@ def _job_families(jobs: tuple[JobSnapshot, ...]) -> Iterator[Metric]:
             lagging.add_metric([*labels, str(rank)], waited)
         n_lagging.add_metric(labels, len(job.lagging))
     yield from (info, state, rounds, nbytes, segments, world, joined, age, idle)
-    yield from (lagging, n_lagging, missed, resent)
+    yield from (lagging, n_lagging, missed, lost)
 
 
 def _interface_families(snap: ApplianceSnapshot) -> Iterator[Metric]:

@@ -365,8 +365,8 @@ class Appliance:
                 act.elsewhere.update(st.elsewhere)
                 for rank, n in st.missed_from.items():
                     act.missed[rank] = act.missed.get(rank, 0) + n
-                for rank, n in st.resent_to.items():
-                    act.resent[rank] = act.resent.get(rank, 0) + n
+                for rank, n in st.lost_to.items():
+                    act.lost[rank] = act.lost.get(rank, 0) + n
                 # Heartbeats go to one core per appliance: a rank is silent only if every
                 # core says so, for as long as the one that heard it last.
                 act.silent_votes.append(st.silent)
@@ -400,7 +400,7 @@ class Appliance:
                 heard_s={r: round(s, 3) for r, s in sorted(act.heard.items())},
                 seen_elsewhere={r: f"{a[0]}:{a[1]}" for r, a in sorted(act.elsewhere.items())},
                 contributions_missed=dict(sorted(act.missed.items())),
-                results_resent=dict(sorted(act.resent.items())),
+                results_lost=dict(sorted(act.lost.items())),
                 endpoints={r: f"{a[0]}:{a[1]}" for r, a in enumerate(plan.spec.endpoints)
                            if a is not None},
                 disruptions=tuple(
@@ -443,7 +443,7 @@ class Appliance:
 
 class _Activity:
     __slots__ = ("bytes_reduced", "diverged", "elsewhere", "heard", "job_id", "lagging",
-                 "last_activity", "missed", "quiet_s", "reports", "resent", "rounds",
+                 "last_activity", "lost", "missed", "quiet_s", "reports", "rounds",
                  "segments_reduced", "silent_votes")
 
     def __init__(self, job_id: int) -> None:
@@ -460,7 +460,7 @@ class _Activity:
         self.heard: dict[int, float] = {}  # rank -> seconds since any core heard it
         self.elsewhere: dict[int, Address] = {}  # rank -> another source its datagrams had
         self.missed: dict[int, int] = {}  # rank -> its contributions that never came, all cores
-        self.resent: dict[int, int] = {}  # rank -> results sent again to it alone, all cores
+        self.lost: dict[int, int] = {}  # rank -> results it is known to have lost, all cores
 
     @property
     def silent(self) -> dict[int, float]:

@@ -57,10 +57,10 @@ class JobSnapshot:
     # rank -> "host:port" its datagrams came from instead of where it joined (a NAT between)
     seen_elsewhere: dict[int, str] = field(default_factory=dict)
     # Where its datagrams are lost, by rank (ranks with none left out), summed over cores:
-    # the rank's contributions that never came (its uplink), results sent again to it alone
-    # (its downlink, or its host's socket)
+    # the rank's contributions that never came (its uplink), results it is known to have lost
+    # (it heard a later one first: its downlink, or its host's socket)
     contributions_missed: dict[int, int] = field(default_factory=dict)
-    results_resent: dict[int, int] = field(default_factory=dict)
+    results_lost: dict[int, int] = field(default_factory=dict)
     transport: str = "udp"  # or "roce": its ranks' queue pairs are in the cores' queue_pairs
 
 

@@ -49,7 +49,15 @@ from numpy.typing import NDArray
 from .counters import Counter, Counters
 from .errors import AdmissionError, PeerError
 from .gaps import forget_sequences, note_sent, note_sequence
-from .notices import answer, echoed, on_its_way, pending_notes, resent, to_every_rank
+from .notices import (
+    answer,
+    echoed,
+    lost_on_the_way,
+    on_its_way,
+    pending_notes,
+    resent,
+    to_every_rank,
+)
 from .reduce import KernelTable, SegmentKernel
 from .runs import RunPath
 from .slots import RxPool, SlotArena, holdable_buffers, receive_reserve
@@ -191,13 +199,13 @@ class Aggregator:
             return None
         waiting = job.awaited()
         silent = {s.rank: s.silent_s for s in job.silent(now, waiting)}
-        missed, resent = job.losses()
+        missed, lost = job.losses()
         return JobStats(job.rounds, job.bytes_reduced, job.segments_reduced,
                         job.last_activity, waiting, job.diverged, silent,
                         quiet_s=now - max(job.last_seen),
                         heard={rank: now - seen for rank, seen in enumerate(job.last_seen)
                                if job.spec.endpoints[rank] is not None},
-                        elsewhere=dict(job.elsewhere), missed_from=missed, resent_to=resent)
+                        elsewhere=dict(job.elsewhere), missed_from=missed, lost_to=lost)
 
     # ---- datagram path ----
     def on_batch(self, batch: RxBatch, now: float) -> list[Send]:
@@ -307,7 +315,8 @@ class Aggregator:
                 self._waiting(job, copy, h, source, out)
                 return False
             cells[Counter.RESULTS_RESENT] += 1
-            job.resent_to[h.rank] += 1
+            if lost_on_the_way(copy, h):
+                job.lost_to[h.rank] += 1
             out.append(Send(source, resent(copy.header), copy.result))
             return False
         if query or copy.arrived >> h.rank & 1:

@@ -23,8 +23,8 @@ from .wire import (
     serial_newer,
 )
 
-__all__ = ["RESULT_IN_FLIGHT_S", "RESULT_QUEUED_S", "answer", "echoed", "on_its_way",
-           "pending_notes", "resent", "to_every_rank"]
+__all__ = ["RESULT_IN_FLIGHT_S", "RESULT_QUEUED_S", "answer", "echoed", "lost_on_the_way",
+           "on_its_way", "pending_notes", "resent", "to_every_rank"]
 
 # A PROBE (wire.Flags) for a result that left less than this long ago gets a PENDING note: the
 # result is taken to be on its way. No longer than the workers' RTO floor (Timing.rto_min), so a
@@ -54,6 +54,16 @@ def on_its_way(copy: SlotCopy, h: Header, age: float) -> bool:
         return False  # it heard this one or a later one: lost
     lacks = (copy.serial - h.serial) % SERIALS  # the results it lacks, up to this one
     return age < (RESULT_QUEUED_S if lacks > 1 else RESULT_IN_FLIGHT_S)
+
+
+def lost_on_the_way(copy: SlotCopy, h: Header) -> bool:
+    """Is the result of `copy`, asked after again by `h`, known to have been lost on its way,
+    not late or unread? It is when that worker heard a later result of this core (SERIAL):
+    results travel one path in order. A query without that proof (a timer ran out while the
+    worker's process was not running, or while the result sat unread in its socket) says
+    nothing about the path: a busy host's ranks asked again for 3-6% of their results on a
+    clean rack."""
+    return bool(h.flags & Flags.SERIAL) and serial_newer(h.serial, copy.serial)
 
 
 def pending_notes(job: JobState, copy: SlotCopy, h: Header, source: Address) -> list[Send]:

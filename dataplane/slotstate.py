@@ -142,8 +142,8 @@ class Slot:
 
 class JobState:
     __slots__ = ("all_ranks", "arena_first", "arena_slots", "bytes_reduced", "diverged",
-                 "elsewhere", "held", "last_activity", "last_data", "last_seen", "missed_from",
-                 "next_sequence", "resent_to", "rounds", "segments_reduced", "serial", "slots",
+                 "elsewhere", "held", "last_activity", "last_data", "last_seen", "lost_to",
+                 "missed_from", "next_sequence", "rounds", "segments_reduced", "serial", "slots",
                  "spec")
 
     def __init__(self, spec: JobSpec, arena_slots: list[int], slots: list[Slot],
@@ -172,15 +172,16 @@ class JobState:
         # between the worker and here, which the endpoint it joined with does not show
         self.elsewhere: dict[int, Address] = {}
         # Where the job loses datagrams, by rank and direction: per rank, its contributions
-        # found never to have come (numbers skipped: dataplane.gaps), and results sent again to
-        # it alone. One rank far above the others is its cable, its port or its host.
+        # found never to have come (numbers skipped: dataplane.gaps), and results it is known
+        # to have lost (it heard a later one first: notices.lost_on_the_way). One rank far
+        # above the others is its cable, its port or its host.
         self.missed_from = [0] * spec.world_size
-        self.resent_to = [0] * spec.world_size
+        self.lost_to = [0] * spec.world_size
 
     def losses(self) -> tuple[dict[int, int], dict[int, int]]:
-        """JobStats' `missed_from` and `resent_to`: the ranks with any."""
+        """JobStats' `missed_from` and `lost_to`: the ranks with any."""
         return ({r: n for r, n in enumerate(self.missed_from) if n},
-                {r: n for r, n in enumerate(self.resent_to) if n})
+                {r: n for r, n in enumerate(self.lost_to) if n})
 
     @property
     def bound(self) -> list[Address]:

@@ -140,10 +140,10 @@ class JobStats:
     # as DROP_BAD_SOURCE; a NAT between it and the appliance, or a restarted worker not yet
     # re-joined
     elsewhere: dict[int, Address] = field(default_factory=dict)
-    # rank -> its contributions found never to have come / results sent again to it alone
+    # rank -> its contributions found never to have come / results it is known to have lost
     # (ranks with none left out): where the job's datagrams are lost
     missed_from: dict[int, int] = field(default_factory=dict)
-    resent_to: dict[int, int] = field(default_factory=dict)
+    lost_to: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

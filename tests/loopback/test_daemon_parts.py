@@ -205,13 +205,13 @@ def test_status_names_a_rank_that_loses_datagrams() -> None:
            "joined": [0, 1, 2, 3], "epoch": 1, "rounds": 12, "bytes_reduced": 0,
            "last_activity_s": 0.1, "lagging": {}, "endpoints": {"3": "198.18.0.104:40000"},
            "segments_reduced": 1000, "contributions_missed": {"0": 2, "3": 51},
-           "results_resent": {"3": 80}}
+           "results_lost": {"3": 80}}
     snapshot = {"version": "0.1.0", "uptime_s": 5.0, "config": "a.toml", "cores": [],
                 "interfaces": [], "steering": [], "steering_notes": [], "rdma_devices": [],
                 "jobs": [job]}
     named = [line for line in render_status(snapshot).splitlines() if "loses" in line]
     assert named == ["     ! rank 3 (198.18.0.104:40000) loses datagrams: 51 contributions never "
-                     "came (5.1%), 80 results sent again (8.0%)"]
+                     "came (5.1%), 80 results lost on the way to it (8.0%)"]
     assert losses(job)[0] == (3, 51, 80, 0.08)
     assert losses(job)[1] == (0, 2, 0, 0.002)  # under LOSSY_SHARE: in `jobs ID` alone
     assert losses({"contributions_missed": {"1": 3}}) == [(1, 3, 0, None)]  # no segment yet
@@ -229,7 +229,7 @@ def test_one_job_is_shown_in_an_operators_words() -> None:
             "endpoints": {"0": "198.18.0.101:40000", "1": "198.18.0.102:40001"},
             "heard_s": {"1": 0.4, "0": 0.05}, "lagging": {"1": 2.5},
             "seen_elsewhere": {"1": "10.0.0.5:32768"}, "segments_reduced": 400,
-            "contributions_missed": {"0": 1, "1": 20}, "results_resent": {"1": 30}}
+            "contributions_missed": {"0": 1, "1": 20}, "results_lost": {"1": 30}}
     assert render_job(job, live).splitlines() == [
         "         job: 3 resnet (active, epoch 2)",
         "       ranks: 2 of 2 joined [0, 1]",
@@ -239,8 +239,9 @@ def test_one_job_is_shown_in_an_operators_words() -> None:
         " joined from: 0: 198.18.0.101:40000, 1: 198.18.0.102:40001",
         "  last heard: 0: 0.1s ago, 1: 0.4s ago",
         "  waited for: 1: 2.5s",
-        "        lost: rank 1: 20 contributions never came (5.0%), 30 results sent again "
-        "(7.5%); rank 0: 1 contribution never came (0.2%), 0 results sent again (0.0%)",
+        "        lost: rank 1: 20 contributions never came (5.0%), 30 results lost on the way "
+        "to it (7.5%); rank 0: 1 contribution never came (0.2%), 0 results lost on the way to "
+        "it (0.0%)",
         " ! elsewhere: 1: 10.0.0.5:32768",
     ]
     bare = render_job(job | {"multicast": None, "joined": []}, {}).splitlines()

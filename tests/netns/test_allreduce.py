@@ -101,7 +101,10 @@ def test_loss_duplication_and_reordering_still_exact() -> None:
 
 def test_one_bad_cable_is_named_in_the_status_and_no_other() -> None:
     """10% loss each way on rank 2's cable alone: the results are exact, and the status names
-    rank 2, in both directions, and no clean rank: the operator finds the cable."""
+    rank 2, in both directions, and no clean rank: the operator finds the cable. (Counting
+    every result sent again, CI once named the clean ranks too, at 3.1% and 6.3%: beside its
+    QEMU guest their timers ran out on results late or unread. Only a result whose rank heard
+    a later one first counts as lost.)"""
     with LabNetwork.rack(3, loss_pct=10.0, impaired=[2]) as net, \
             start_appliance(net) as appliance:
         outputs = run_workers(net, worker_argv(net, appliance.api, 3, "cable",
@@ -110,7 +113,7 @@ def test_one_bad_cable_is_named_in_the_status_and_no_other() -> None:
         shown = appliance.status()
     assert_all_exact(outputs, 1)
     (job,) = shown["jobs"]
-    assert job["contributions_missed"]["2"] > 0 and job["results_resent"]["2"] > 0, job
+    assert job["contributions_missed"]["2"] > 0 and job["results_lost"]["2"] > 0, job
     named = [line for line in render_status(shown).splitlines() if "loses datagrams" in line]
     assert len(named) == 1 and named[0].startswith("     ! rank 2 ("), (named, losses(job))
 

@@ -56,7 +56,7 @@ def test_skipped_numbers_are_told_to_their_rank_at_once_on_either_path(
     assert a.counters.cells[Counter.CONTRIBUTIONS_MISSED] == 2
     for agg in (a, b):  # and the job's status says whose they were
         stats = agg.stats(5, 0.0)
-        assert stats is not None and stats.missed_from == {0: 2} and stats.resent_to == {}
+        assert stats is not None and stats.missed_from == {0: 2} and stats.lost_to == {}
 
 
 def test_late_retransmitted_and_queried_contributions_tell_nothing(

@@ -83,7 +83,7 @@ TRAINING = JobSnapshot(
     last_activity_s=12.5,
     lagging={3: 12.5},
     contributions_missed={3: 14},
-    results_resent={1: 2, 3: 20},
+    results_lost={1: 2, 3: 20},
 )
 WAITING = JobSnapshot(
     job_id=8,
@@ -217,8 +217,8 @@ def test_lagging_ranks() -> None:
 def test_loss_by_rank() -> None:
     job = {"job_id": "7", "name": "resnet"}
     assert value("reduction_job_rank_contributions_missed_total", rank="3", **job) == 14
-    assert value("reduction_job_rank_results_resent_total", rank="3", **job) == 20
-    assert value("reduction_job_rank_results_resent_total", rank="1", **job) == 2
+    assert value("reduction_job_rank_results_lost_total", rank="3", **job) == 20
+    assert value("reduction_job_rank_results_lost_total", rank="1", **job) == 2
     missed = [s for s in samples() if s.name == "reduction_job_rank_contributions_missed_total"]
     assert [s.labels["rank"] for s in missed] == ["3"]  # ranks without loss have no sample
 
