@@ -16,6 +16,11 @@ checks that every rank ends with bit-identical parameters, and reports the held-
 must agree across the three runs up to fp32 summation order (the appliance adds in a different
 order than the ring).
 
+With ``--ranks-per-host k``, k ranks share each host and its link (a server with k GPUs and
+one NIC): the backend and the hook reduce on the host first and one rank per host talks to
+the appliance (`plugin.torch_hosts`), while Gloo's ring passes between a host's ranks over
+loopback.
+
 Prints a table; with --out writes ddp_steps.json (plan, environment, one row per run).
 Exits 1 if a run failed or its ranks disagree.
 """
@@ -73,6 +78,7 @@ class Plan:
     cores: int  # appliance data-plane cores
     lanes: int | None  # appliance rounds in flight; None = the plugin's default
     device: str = "cpu"  # where each rank's model lives (cuda: every rank on a GPU)
+    ranks_per_host: int = 1  # ranks behind one host's link (a server with several GPUs)
 
     def options(self) -> list[str]:
         """The example's flags that every rank of every run shares."""
@@ -180,7 +186,8 @@ def run_comm(net: Network, comm: str, world: int, index: int, options: Sequence[
 
 @contextlib.contextmanager
 def _rack(plan: Plan) -> Iterator[Network]:
-    with LabNetwork.rack(plan.workers, rate=plan.rate) as lab:
+    with LabNetwork.rack(plan.workers, rate=plan.rate,
+                         ranks_per_host=plan.ranks_per_host) as lab:
         # cast: harness.Network declares `mtu` as a plain attribute, LabNetwork has a property.
         yield cast(Network, lab)
 
@@ -213,6 +220,9 @@ def format_table(plan: Plan, runs: list[CommRun]) -> str:
     first = runs[0].ranks[0]
     buckets = ", ".join(f"{b / 2**20:.2f}" for b in first["bucket_bytes"])
     where = "" if plan.device == "cpu" else f" (models on {first.get('device', plan.device)})"
+    if plan.ranks_per_host > 1:
+        where += (f" on {plan.workers // plan.ranks_per_host} hosts of {plan.ranks_per_host} "
+                  "(the appliance's runs reduce on each host first)")
     lines = [
         f"DDP on {plan.workers} workers{where}, worker links {plan.rate or 'unshaped'}: MLP "
         f"{first['params']:,} params, gradient {first['grad_bytes'] / 2**20:.2f} MiB in buckets "
@@ -276,6 +286,9 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, Path | None]:
     p.add_argument("--device", default="cpu",
                    help="the ranks' device: cpu, or cuda (rank r on GPU r modulo the GPUs: "
                         "the appliance's CUDA staging path; Gloo stages CUDA tensors too)")
+    p.add_argument("--ranks-per-host", type=int, default=1,
+                   help="ranks sharing each host's link (default 1; --workers must be a "
+                        "multiple): the appliance's runs reduce on each host first")
     p.add_argument("--out", type=Path, default=None, help="directory for ddp_steps.json")
     args = p.parse_args(argv)
     if (unwritable := unwritable_output(args.out, directory=True)) is not None:
@@ -296,10 +309,13 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, Path | None]:
     if (args.workers < 2 or args.steps <= args.warmup or args.cores < 1
             or (args.lanes is not None and args.lanes < 1)):
         p.error("--workers >= 2, --steps > --warmup, --cores >= 1 and --lanes >= 1, please")
+    if args.ranks_per_host < 1 or args.workers % args.ranks_per_host:
+        p.error(f"--ranks-per-host {args.ranks_per_host}: a whole divisor of --workers "
+                f"{args.workers}, please")
     plan = Plan(workers=args.workers, rate=rate, steps=args.steps, warmup=args.warmup,
                 batch=args.batch, hidden=args.hidden, layers=args.layers,
                 bucket_mb=args.bucket_mb, seed=args.seed, cores=args.cores,
-                lanes=args.lanes, device=args.device)
+                lanes=args.lanes, device=args.device, ranks_per_host=args.ranks_per_host)
     return plan, args.out
 
 

@@ -34,6 +34,11 @@ Configuration comes from the environment:
     ``udp`` (default), ``roce`` (RDMA queue pairs: every rank needs an RDMA device on its
     ``REDUCTION_LOCAL_ADDRESS``, the appliance a ``[roce]`` device; docs/roce.md) or ``auto``
     (RoCE where both ends can, else UDP, said once at INFO).
+``REDUCTION_HIERARCHY``
+    ``auto`` (default): where several ranks of a group share a host (the same host name and
+    ``REDUCTION_LOCAL_ADDRESS``) and the group spans two hosts or more, they reduce on the host
+    first and one of them talks to the appliance (`plugin.torch_hosts`), unless the job is
+    deterministic; ``flat``: every rank talks to the appliance.
 
 What goes where:
 
@@ -87,6 +92,7 @@ from reduction_appliance.dataplane.registration import JOB_NAME_CHARS, JOB_NAME_
 from .client import ApplianceClient
 from .rendezvous import JobInfo, api_address, leave, register
 from .rtt import Timing
+from .torch_hosts import HIERARCHIES, HostLayout, HostStage, host_key, open_stage
 from .torch_pump import APPLIANCE_DTYPES, RoundPump
 
 __all__ = [
@@ -121,6 +127,7 @@ class ApplianceConfig:
     lanes: int = DEFAULT_LANES
     secret: str | None = None
     transport: str = "udp"  # udp, roce or auto (REDUCTION_TRANSPORT)
+    hierarchy: str = "auto"  # auto or flat (REDUCTION_HIERARCHY)
 
 
 def config_from_env(environ: dict[str, str] | None = None) -> ApplianceConfig:
@@ -143,6 +150,10 @@ def config_from_env(environ: dict[str, str] | None = None) -> ApplianceConfig:
         lanes = 0
     if lanes < 1:
         raise ReductionError(f"REDUCTION_LANES must be a whole number >= 1, not {raw_lanes!r}")
+    hierarchy = env.get("REDUCTION_HIERARCHY", "").strip().lower() or "auto"
+    if hierarchy not in HIERARCHIES:
+        raise ReductionError(f"REDUCTION_HIERARCHY must be one of {', '.join(HIERARCHIES)}, "
+                             f"not {hierarchy!r}")
     return ApplianceConfig(
         appliances=appliances,
         token=env.get("REDUCTION_TOKEN") or None,
@@ -153,6 +164,7 @@ def config_from_env(environ: dict[str, str] | None = None) -> ApplianceConfig:
         in {"1", "true", "yes", "on"},
         lanes=lanes,
         transport=_transport(env.get("REDUCTION_TRANSPORT", "")),
+        hierarchy=hierarchy,
     )
 
 
@@ -333,8 +345,27 @@ class ApplianceProcessGroup(ProcessGroup):
         job = keys.get("job").decode()
         secret = keys.get("secret").decode()
         self.job = job
-        self.client, self.jobs = connect(config, job, secret, rank, world_size, timeout)
-        self._pump = RoundPump(self.client, f"reduction-appliance-{job}-{rank}")
+        name = f"reduction-appliance-{job}-{rank}"
+        # This rank's rank in the appliance's job: its host's, where the group is staged.
+        self.appliance_rank = rank
+        self.client: ApplianceClient | None = None
+        self.jobs: list[JobInfo] = []
+        layout = (HostLayout.gather(keys, rank, world_size, host_key(config.local_address))
+                  if config.hierarchy == "auto" and not config.deterministic else None)
+        self._pump: RoundPump | HostStage
+        if layout is not None and layout.staged:
+            def connect_leader(host: int, hosts: int) -> RoundPump:
+                self.client, self.jobs = connect(config, job, secret, host, hosts, timeout)
+                self.appliance_rank = host
+                return RoundPump(self.client, f"{name}-leader")
+
+            self.layout: HostLayout | None = layout
+            self._pump = open_stage(keys, rank, world_size, timeout, layout, connect_leader,
+                                    name, on_broken=self._leave)
+        else:
+            self.layout = None
+            self.client, self.jobs = connect(config, job, secret, rank, world_size, timeout)
+            self._pump = RoundPump(self.client, name)
         self._shut = False
 
     # -- identity --
@@ -390,15 +421,21 @@ class ApplianceProcessGroup(ProcessGroup):
         """Like shutdown, but outstanding all_reduces fail at once instead of finishing."""
         self._stop(abandon=True)
 
+    def _leave(self) -> None:
+        """Leave the job at every appliance (the others are told at once); once is enough."""
+        jobs, self.jobs = self.jobs, []
+        for info in jobs:
+            with contextlib.suppress(ReductionError):
+                leave(info, self.appliance_rank)
+
     def _stop(self, abandon: bool) -> None:
         if self._shut:
             return
         self._shut = True
         self._pump.close(abandon=abandon)
-        for info in self.jobs:
-            with contextlib.suppress(ReductionError):
-                leave(info, self._rank)
-        self.client.close()
+        self._leave()
+        if self.client is not None:
+            self.client.close()
         with contextlib.suppress(RuntimeError, AttributeError):
             self.gloo.shutdown()
 

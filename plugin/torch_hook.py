@@ -20,6 +20,9 @@ with a Future that completes with the averaged bucket, or fails with the applian
 `ReductionError` (e.g. `AllreduceTimeout`, `JobAborted`), which DDP raises from backward().
 CUDA buckets go through pinned host buffers (`plugin.torch_pump`; `bench.ddp_steps --device
 cuda` is the check on a machine with a GPU).
+
+On the default group, ranks that share a host reduce there first, as on the backend
+(`plugin.torch_hosts`; ``REDUCTION_HIERARCHY``): a state on another group stays flat.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at run time.
@@ -29,7 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .rendezvous import leave
+from .client import ApplianceClient
+from .rendezvous import JobInfo, leave
 from .torch_backend import (
     BACKEND_NAME,
     ApplianceConfig,
@@ -40,6 +44,7 @@ from .torch_backend import (
     new_job_name,
     new_secret,
 )
+from .torch_hosts import HostLayout, HostStage, host_key
 from .torch_pump import RoundPump
 
 __all__ = ["ApplianceHookState", "appliance_allreduce_hook"]
@@ -91,19 +96,60 @@ class ApplianceHookState:
         # writing a checkpoint while the others go on into the next backward), not just the
         # appliance's advised deadline.
         timeout = group_timeout(group) or dist.default_pg_timeout
-        self.client, self.jobs = connect(config, self.job, secret, self.rank, self.world_size,
-                                         timeout)
-        self.pump = RoundPump(self.client, f"reduction-ddp-hook-{self.rank}")
+        name = f"reduction-ddp-hook-{self.rank}"
+        layout = self._layout(config, group)
+        self.appliance_rank = self.rank  # its host's, where the ranks are staged on hosts
+        self.client: ApplianceClient | None = None
+        self.jobs: list[JobInfo] = []
+        self.pump: RoundPump | HostStage
+        if layout is None:
+            self.client, self.jobs = connect(config, self.job, secret, self.rank,
+                                             self.world_size, timeout)
+            self.pump = RoundPump(self.client, name)
+            return
+        groups: tuple[Any, Any] | None = None
+        for ranks in layout.hosts:  # every rank makes every host's groups (new_group's rule)
+            made = (dist.new_group(list(ranks), backend="gloo"),
+                    dist.new_group(list(ranks), backend="gloo"))
+            if self.rank in ranks:
+                groups = made
+        assert groups is not None
+        host = layout.host_of(self.rank)
+        leader_rank = layout.hosts[host][0]
+        leader = None
+        if self.rank == leader_rank:
+            self.client, self.jobs = connect(config, self.job, secret, host, len(layout.hosts),
+                                             timeout)
+            self.appliance_rank = host
+            leader = RoundPump(self.client, f"{name}-leader")
+        self.pump = HostStage(groups, leader, self.world_size, leader_rank, name,
+                              on_broken=self._leave, hosts=layout.describe())
+
+    def _layout(self, config: ApplianceConfig, group: dist.ProcessGroup) -> HostLayout | None:
+        """How the ranks share hosts, where they stage on hosts (`plugin.torch_hosts`): on
+        the default group only, whose every rank makes this state and so can make the
+        hosts' Gloo groups."""
+        if config.hierarchy != "auto" or config.deterministic or group is not dist.group.WORLD:
+            return None
+        keys: list[Any] = [None] * self.world_size
+        dist.all_gather_object(keys, host_key(config.local_address))
+        layout = HostLayout.of([str(k) for k in keys])
+        return layout if layout.staged else None
+
+    def _leave(self) -> None:
+        jobs, self.jobs = self.jobs, []
+        for info in jobs:
+            leave(info, self.appliance_rank)
 
     def close(self) -> None:
         """Finish the buckets in flight, leave the job at every appliance, close the client
         (even if leaving fails: that error is raised after)."""
         try:
             self.pump.close()
-            for info in self.jobs:
-                leave(info, self.rank)
+            self._leave()
         finally:
-            self.client.close()
+            if self.client is not None:
+                self.client.close()
 
     def __enter__(self) -> "ApplianceHookState":
         return self

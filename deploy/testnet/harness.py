@@ -39,7 +39,7 @@ from reduction_appliance.control.config import (
 
 from .lab import Lab, remove_namespaces
 from .output import OutputTail
-from .topology import Topology
+from .topology import Host, Topology
 from .unwind import unwinding_on_termination
 
 __all__ = [
@@ -119,10 +119,13 @@ def _env() -> dict[str, str]:
 
 @dataclass
 class LabNetwork:
-    """The emulated rack: one namespace per host on a bridge, shaped links."""
+    """The emulated rack: one namespace per host on a bridge, shaped links. With
+    `ranks_per_host` k, ranks k*h .. k*h + k - 1 share host h's namespace and link (a server
+    with k GPUs and one NIC)."""
 
     lab: Lab
     multicast: bool = True
+    ranks_per_host: int = 1
 
     @property
     def mtu(self) -> int:
@@ -130,28 +133,35 @@ class LabNetwork:
 
     @property
     def workers(self) -> int:
-        return len(self.lab.topology.workers)
+        return len(self.lab.topology.workers) * self.ranks_per_host
+
+    def _host(self, rank: int) -> Host:
+        return self.lab.topology.workers[rank // self.ranks_per_host]
 
     def appliance_address(self, index: int) -> str:
         return self.lab.topology.appliances[index].address
 
     def worker_address(self, rank: int) -> str:
-        return self.lab.topology.workers[rank].address
+        return self._host(rank).address
 
     def worker_interface(self, rank: int) -> str:
-        return self.lab.interface_of(self.lab.topology.workers[rank].name)
+        return self.lab.interface_of(self._host(rank).name)
 
     def popen_appliance(self, index: int, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
         return self.lab.popen(self.lab.topology.appliances[index].name, argv, env=_env(), **kw)
 
     def popen_worker(self, rank: int, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
-        return self.lab.popen(self.lab.topology.workers[rank].name, argv, env=_env(), **kw)
+        return self.lab.popen(self._host(rank).name, argv, env=_env(), **kw)
 
     @classmethod
     @contextlib.contextmanager
-    def rack(cls, workers: int, multicast: bool = True, **links: Any) -> Iterator[LabNetwork]:
-        with Lab(Topology.rack(workers=workers, **links)) as lab:
-            yield cls(lab, multicast)
+    def rack(cls, workers: int, multicast: bool = True, ranks_per_host: int = 1,
+             **links: Any) -> Iterator[LabNetwork]:
+        """A rack for `workers` ranks, `ranks_per_host` of them on each host."""
+        if ranks_per_host < 1 or workers % ranks_per_host:
+            raise ValueError(f"{workers} ranks do not fill hosts of {ranks_per_host}")
+        with Lab(Topology.rack(workers=workers // ranks_per_host, **links)) as lab:
+            yield cls(lab, multicast, ranks_per_host)
 
 
 @dataclass

@@ -14,9 +14,9 @@ STORE_PORT_ON_RACK = 29500  # a fresh namespace: nothing else listens there
 # What a rank in torch_worker.py's "backend" mode reports, (check, dtype, op) each.
 BACKEND_CHECKS = {("allreduce", d, o) for d in ("fp32", "fp16", "bf16")
                   for o in ("sum", "avg", "min", "max")} | {
-    (c, None, None) for c in ("async", "barrier", "broadcast", "delegated-int", "strided",
-                              "transposed", "coalesced", "parameter", "scalar", "subgroup", "empty",
-                              "overlapping", "cuda-delegated")}
+    (c, None, None) for c in ("layout", "async", "barrier", "broadcast", "delegated-int",
+                              "strided", "transposed", "coalesced", "parameter", "scalar",
+                              "subgroup", "empty", "overlapping", "cuda-delegated")}
 
 
 def store_address(net: Network) -> str:

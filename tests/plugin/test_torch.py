@@ -78,6 +78,7 @@ def test_ddp_hook_matches_gloo(rack: tuple[LoopbackNetwork, ApplianceProcess],
         assert all(r["ok"] for r in records), f"rank {rank}: {records}"
     first = next(r for r in outputs[0] if r["check"] == "ddp-vs-gloo")
     assert first["hooked"] < first["first"]  # it trained
+    assert first["staged"] == [False]  # one host: every rank talks to the appliance
 
 
 def test_one_configured_job_name_gives_each_group_and_hook_state_a_job(
@@ -280,6 +281,17 @@ def test_cuda_without_a_gpu_is_refused_up_front(capsys: pytest.CaptureFixture[st
     assert "cpu or cuda" in capsys.readouterr().err
     plan, _ = ddp_steps.parse_args([])
     assert plan.device == "cpu" and plan.options()[-2:] == ["--device", "cpu"]
+
+
+def test_ddp_steps_puts_ranks_on_hosts_only_where_they_fill_them(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from reduction_appliance.bench import ddp_steps
+
+    with pytest.raises(SystemExit):
+        ddp_steps.parse_args(["--workers", "4", "--ranks-per-host", "3"])
+    assert "--ranks-per-host 3: a whole divisor of --workers 4" in capsys.readouterr().err
+    plan, _ = ddp_steps.parse_args(["--workers", "4", "--ranks-per-host", "2"])
+    assert plan.ranks_per_host == 2
 
 
 def test_missing_appliance_names_the_variable() -> None:

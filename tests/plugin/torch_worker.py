@@ -4,14 +4,16 @@
 MODE "backend": collectives on the "reduction" backend against a Gloo group on the same ranks
 (bitwise against the fixed-order reference when REDUCTION_DETERMINISTIC is set).
 MODE "overlap": eight async all_reduces at once; reports how many were on the wire together.
-MODE "stall": every rank but the last calls all_reduce (which cannot finish); reports the
-exception wait() raised, and after how long; then all meet at a Gloo barrier and leave.
+MODE "stall": every rank but the last (the last STALLED_RANKS) calls all_reduce (which cannot
+finish); reports the exception wait() raised, and after how long; then all meet at a Gloo
+barrier and leave.
 MODE "ddp": a tiny model in DDP with Gloo default, once with the appliance hook and once plain.
 MODE "named": with REDUCTION_JOB set, several groups on the backend and several hook states.
 MODE "patience": rank 0 writes a "checkpoint" (sleeps) while the others wait at the next
 collective, on the backend and in a DDP step through the hook: longer than the appliance's
 advised deadline, within the process group's timeout.
 MODE "stranded": the last rank leaves after two DDP steps; the others' next step must fail.
+MODE "loop": all_reduces until one fails (the test kills a rank), then says how it failed.
 Prints one JSON line per check.
 """
 
@@ -37,6 +39,7 @@ from reduction_appliance.plugin.torch_backend import (
 )
 from reduction_appliance.plugin.torch_exit import exit_without_finalizing
 from reduction_appliance.plugin.torch_hook import ApplianceHookState, appliance_allreduce_hook
+from reduction_appliance.plugin.torch_hosts import HostStage
 from reduction_appliance.plugin.torch_pump import numpy_view
 
 DTYPES = {d.short: getattr(torch, d.name) for d in WIRE_TABLE}
@@ -91,7 +94,10 @@ def backend(rank: int, world: int, store: str) -> None:
     init("reduction", rank, world, store)
     gloo = dist.new_group(backend="gloo")
     assert dist.get_backend() == "reduction"
-    if appliance_group().jobs[0].deterministic:
+    layout = appliance_group().layout
+    emit(check="layout", ok=True, staged=layout is not None,
+         hosts=[list(h) for h in layout.hosts] if layout else None)
+    if os.environ.get("REDUCTION_DETERMINISTIC"):
         deterministic_checks(rank, world, gloo)
         dist.destroy_process_group()
         return
@@ -217,6 +223,7 @@ def overlap(rank: int, world: int, store: str) -> None:
         dist.all_reduce(t)
         dist.all_reduce(ref, group=gloo)
         ok = ok and torch.equal(t, ref.to(dtype))
+    assert pg.client is not None  # a flat group: every rank has its own
     emit(check="overlap", ok=bool(ok), most_in_flight=pg.client.pipeline.most_in_flight,
          lanes=pg.client.pipeline.lanes, rounds=pg.client.pipeline.submitted,
          segment_bytes=pg.client.pipeline.segment_bytes,
@@ -230,7 +237,7 @@ def stall(rank: int, world: int, store: str) -> None:
     # does not leave before the others have joined, so the job goes ACTIVE, which is what the
     # test waits for before it aborts the job.
     gloo = dist.new_group(backend="gloo")
-    if rank < world - 1:
+    if rank < world - int(os.environ.get("STALLED_RANKS", "1")):
         t = torch.ones(100_000)
         began = time.monotonic()
         work = dist.all_reduce(t, async_op=True)
@@ -242,6 +249,27 @@ def stall(rank: int, world: int, store: str) -> None:
                  seconds=time.monotonic() - began)
     dist.barrier(group=gloo)
     dist.destroy_process_group()
+
+
+def loop(rank: int, world: int, store: str) -> None:
+    """All_reduces until one fails (the test kills a rank meanwhile): says when the first
+    is done, then how the failure came and after how long since the last success."""
+    init("reduction", rank, world, store)
+    t = torch.ones(200_000)
+    calls, last = 0, time.monotonic()
+    while True:
+        try:
+            dist.all_reduce(t)
+        except Exception as exc:
+            emit(check="loop", raised=type(exc).__name__, message=str(exc), calls=calls,
+                 seconds=time.monotonic() - last)
+            break
+        last = time.monotonic()
+        t.fill_(1.0)
+        calls += 1
+        if calls == 1:
+            emit(check="looping")
+    exit_without_finalizing(0)  # the group is broken: destroying it would wait on Gloo
 
 
 def named(rank: int, world: int, store: str) -> None:
@@ -283,6 +311,9 @@ def named(rank: int, world: int, store: str) -> None:
     dist.destroy_process_group()
 
 
+STAGED: list[bool] = []  # whether each hook state made reduced on the host first
+
+
 def train(hooked: bool, rank: int, world: int) -> tuple[list[float], list[torch.Tensor]]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
@@ -290,6 +321,7 @@ def train(hooked: bool, rank: int, world: int) -> tuple[list[float], list[torch.
     state = None
     if hooked:
         state = ApplianceHookState()
+        STAGED.append(isinstance(state.pump, HostStage))
         ddp.register_comm_hook(state, appliance_allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(100 + rank)
@@ -320,7 +352,7 @@ def ddp(rank: int, world: int, store: str) -> None:
     params_close = all(torch.allclose(a, b, atol=1e-5)
                        for a, b in zip(hooked_params, plain_params, strict=True))
     emit(check="ddp-vs-gloo", ok=bool(close and params_close), hooked=hooked_losses[-1],
-         plain=plain_losses[-1], first=hooked_losses[0])
+         plain=plain_losses[-1], first=hooked_losses[0], staged=STAGED)
     dist.destroy_process_group()
 
 
@@ -382,6 +414,6 @@ if __name__ == "__main__":
     os.environ["REDUCTION_LOCAL_ADDRESS"] = local
     os.environ["GLOO_SOCKET_IFNAME"] = ifname
     modes = {"backend": backend, "overlap": overlap, "stall": stall, "ddp": ddp, "named": named,
-             "patience": patience, "stranded": stranded}
+             "patience": patience, "stranded": stranded, "loop": loop}
     modes[mode](int(rank), int(world), store)
     exit_without_finalizing(0)  # all printed; see plugin.torch_exit for why

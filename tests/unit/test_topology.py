@@ -44,3 +44,11 @@ def test_an_impaired_worker_outside_the_rack_is_refused(impaired: list[int]) -> 
     with pytest.raises(ValueError, match=rf"impaired worker {impaired[0]} is not in the rack's "
                                          r"0\.\.3"):
         Topology.rack(4, loss_pct=5.0, impaired=impaired)
+
+
+def test_a_rack_of_ranks_on_shared_hosts_must_fill_every_host() -> None:
+    from reduction_appliance.deploy.testnet.harness import LabNetwork
+
+    with pytest.raises(ValueError, match="5 ranks do not fill hosts of 2"), \
+            LabNetwork.rack(5, ranks_per_host=2):
+        pass
