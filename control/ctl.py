@@ -36,8 +36,8 @@ def _api(args: argparse.Namespace) -> UnixApi:
 def _age(seconds: float | None) -> str:
     if seconds is None:
         return "never"
-    if seconds < 120:
-        return f"{seconds:.1f}s ago"
+    if seconds < 120:  # (a moment ago can round to -0.0 on the daemon's side)
+        return f"{max(seconds, 0.0):.1f}s ago"
     return f"{seconds / 60:.0f}m ago"
 
 
@@ -70,6 +70,20 @@ def losses(job: dict[str, Any]) -> list[tuple[int, int, int, float | None]]:
              max(missed.get(r, 0), lost.get(r, 0)) / segments if segments else None)
             for r in missed.keys() | lost.keys()]
     return sorted(rows, key=lambda row: (-max(row[1], row[2]), row[0]))
+
+
+def shared_hosts(job: dict[str, Any]) -> list[tuple[str, list[int]]]:
+    """The addresses that several of a job's ranks joined from, with those ranks, where the
+    job spans two addresses or more: each such rank sends its whole tensor through its host's
+    one link (a torch group reduces on the host first unless told not to; numpy clients do
+    not). A job whose ranks are all at one address has no link between them to spare."""
+    by_host: dict[str, list[int]] = {}
+    for rank, endpoint in job.get("endpoints", {}).items():
+        by_host.setdefault(str(endpoint).rsplit(":", 1)[0], []).append(int(rank))
+    if len(by_host) < 2:
+        return []
+    return sorted(((host, sorted(ranks)) for host, ranks in by_host.items() if len(ranks) > 1),
+                  key=lambda shared: shared[1][0])
 
 
 def _loss_words(missed: int, lost: int, share_of: int) -> str:
@@ -130,6 +144,11 @@ def render_status(s: dict[str, Any]) -> str:
                 if share is not None and share >= LOSSY_SHARE:
                     lines.append(f"     ! rank {rank} ({_joined_from(j, rank)}) loses datagrams: "
                                  + _loss_words(missed, lost, j["segments_reduced"]))
+            for host, ranks in shared_hosts(j):
+                lines.append(f"     ! ranks {','.join(map(str, ranks))} share {host}: each sends "
+                             "its whole tensor through that host's link (torch groups reduce "
+                             "on the host first unless REDUCTION_HIERARCHY=flat or "
+                             "deterministic)")
             for rank, silent_s in j.get("silent", {}).items():
                 where = _joined_from(j, rank)
                 if int(rank) in j["joined"]:

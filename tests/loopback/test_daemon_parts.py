@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from reduction_appliance.control import daemon
-from reduction_appliance.control.ctl import losses, render_job, render_status
+from reduction_appliance.control.ctl import losses, render_job, render_status, shared_hosts
 from reduction_appliance.control.daemon import Janitor, raise_open_files_limit, sd_notify
 from reduction_appliance.dataplane.errors import Unavailable
 from reduction_appliance.deploy.testnet.harness import OutputTail
@@ -215,6 +215,30 @@ def test_status_names_a_rank_that_loses_datagrams() -> None:
     assert losses(job)[0] == (3, 51, 80, 0.08)
     assert losses(job)[1] == (0, 2, 0, 0.002)  # under LOSSY_SHARE: in `jobs ID` alone
     assert losses({"contributions_missed": {"1": 3}}) == [(1, 3, 0, None)]  # no segment yet
+
+
+def test_status_names_ranks_that_share_a_hosts_link() -> None:
+    """Several ranks behind one NIC, talking to the appliance each (numpy clients, a flat
+    torch group): each sends its whole tensor through that link. One host's job alone has no
+    link to spare, and is not named."""
+    def job(endpoints: dict[str, str]) -> dict[str, object]:
+        return {"job_id": 3, "name": "packed", "state": "active", "world_size": 4,
+                "joined": [0, 1, 2, 3], "epoch": 1, "rounds": 12, "bytes_reduced": 0,
+                "last_activity_s": 0.1, "lagging": {}, "endpoints": endpoints}
+    snapshot = {"version": "0.1.0", "uptime_s": 5.0, "config": "a.toml", "cores": [],
+                "interfaces": [], "steering": [], "steering_notes": [], "rdma_devices": []}
+    packed = job({"0": "198.18.0.101:4000", "1": "198.18.0.101:4001",
+                  "2": "198.18.0.102:4000", "3": "198.18.0.101:4002"})
+    named = [line for line in render_status(snapshot | {"jobs": [packed]}).splitlines()
+             if " share " in line]
+    assert named == ["     ! ranks 0,1,3 share 198.18.0.101: each sends its whole tensor "
+                     "through that host's link (torch groups reduce on the host first unless "
+                     "REDUCTION_HIERARCHY=flat or deterministic)"]
+    assert shared_hosts(packed) == [("198.18.0.101", [0, 1, 3])]
+    one_host = job({str(r): f"127.0.0.1:{4000 + r}" for r in range(4)})
+    spread = job({str(r): f"198.18.0.{101 + r}:4000" for r in range(4)})
+    assert shared_hosts(one_host) == shared_hosts(spread) == []
+    assert " share " not in render_status(snapshot | {"jobs": [one_host, spread]})
 
 
 def test_one_job_is_shown_in_an_operators_words() -> None:

@@ -34,8 +34,9 @@ from reduction_appliance.dataplane.dtypes import by_short
 from reduction_appliance.dataplane.errors import ReductionError
 from reduction_appliance.dataplane.wire import Op
 from reduction_appliance.deploy.testnet.reference import random_values, reference, same_bits
-from reduction_appliance.plugin.torch_backend import (
-    ApplianceProcessGroup,  # importing registers the backend
+from reduction_appliance.plugin.torch_backend import (  # importing registers the backend
+    ApplianceProcessGroup,
+    config_from_env,
 )
 from reduction_appliance.plugin.torch_exit import exit_without_finalizing
 from reduction_appliance.plugin.torch_hook import ApplianceHookState, appliance_allreduce_hook
@@ -97,7 +98,7 @@ def backend(rank: int, world: int, store: str) -> None:
     layout = appliance_group().layout
     emit(check="layout", ok=True, staged=layout is not None,
          hosts=[list(h) for h in layout.hosts] if layout else None)
-    if os.environ.get("REDUCTION_DETERMINISTIC"):
+    if config_from_env().deterministic:
         deterministic_checks(rank, world, gloo)
         dist.destroy_process_group()
         return
