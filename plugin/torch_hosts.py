@@ -62,6 +62,7 @@ _OUTCOME_BYTES = 4096
 # broadcast 16 MiB over loopback in 34 ms on this 2-core machine). Pieces of 1 MiB did no
 # better with 8 ranks on 2 hosts at 4 MiB, pieces of 512 KiB worse (the Gloo calls' cost).
 _PIECE_BYTES = 4 << 20
+_ABANDON_S = 5.0  # how long a broken stage waits for its leader's pump to fail its rounds
 
 
 def host_key(local_address: str) -> str:
@@ -221,6 +222,11 @@ class HostStage:
             # Before the caller hears: a process that ends on this error must have left.
             with contextlib.suppress(Exception):  # best effort: the caller has the reason
                 self._on_broken()
+            if self._leader is not None:
+                # Its rounds in flight can never be broadcast: failed at once, they do not
+                # hold up a shutdown after this (closing waits for rounds still running).
+                with contextlib.suppress(Exception):
+                    self._leader.close(_ABANDON_S, abandon=True)
         if not item.future.done():
             item.future.set_exception(ReductionError(
                 f"this host's group of ranks failed (a rank gone?): {exc}"))

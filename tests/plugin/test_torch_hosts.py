@@ -57,6 +57,7 @@ class StandIn:
     def __init__(self, failure: BaseException | None = None) -> None:
         self.failure = failure
         self.rounds: list[tuple[int, str]] = []
+        self.closed: list[bool] = []  # each close(), whether it abandoned the rounds
 
     def submit(self, tensors: list[torch.Tensor], op: str) -> torch.futures.Future[Any]:
         fut: torch.futures.Future[Any] = torch.futures.Future()
@@ -76,7 +77,7 @@ class StandIn:
         return fut
 
     def close(self, timeout_s: float = 60.0, *, abandon: bool = False) -> None:
-        pass
+        self.closed.append(abandon)
 
 
 def _on_every_rank(body: Callable[[int, HostStage], Any], leader: StandIn,
@@ -236,7 +237,8 @@ def test_a_broken_host_group_leaves_fails_this_call_and_every_later_one_at_once(
     host.go.clear()
     calls: list[torch.futures.Future[Any]] = []
     done_when_left: list[bool] = []
-    stage = HostStage((host, host), StandIn(), 4, 0, "broken",  # type: ignore[arg-type]
+    leader = StandIn()
+    stage = HostStage((host, host), leader, 4, 0, "broken",  # type: ignore[arg-type]
                       on_broken=lambda: done_when_left.append(calls[0].done()))
     try:
         calls.append(stage.submit([torch.ones(10)], "sum"))
@@ -248,6 +250,7 @@ def test_a_broken_host_group_leaves_fails_this_call_and_every_later_one_at_once(
                                                  "Connection closed"):
             stage.submit([torch.ones(10)], "sum").wait()
         assert done_when_left == [False]  # left once, before the caller heard
+        assert leader.closed == [True]  # the leader's rounds in flight failed at once
     finally:
         stage.close()
     with pytest.raises(ReductionError, match="the host stage is closed"):
