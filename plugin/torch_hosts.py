@@ -47,7 +47,7 @@ from torch._C._distributed_c10d import (
 
 from reduction_appliance.dataplane.errors import ReductionError
 
-from .torch_pump import APPLIANCE_DTYPES, RoundPump
+from .torch_pump import RoundPump, refuse_unreducible
 
 __all__ = ["HIERARCHIES", "HostLayout", "HostStage", "host_key"]
 
@@ -251,9 +251,7 @@ class HostStage:
         alone, before any step) for a tensor the appliance cannot reduce."""
         try:
             for t in item.tensors:
-                if t.dtype not in APPLIANCE_DTYPES:
-                    raise ReductionError(f"the appliance reduces float32, float16 and bfloat16, "
-                                         f"not {t.dtype}")
+                refuse_unreducible(t)
             for event in item.ready:
                 event.synchronize()
             item.hosts = [_host_copy(t) for t in item.tensors]
@@ -353,11 +351,6 @@ def _pieces(flat: torch.Tensor) -> list[torch.Tensor]:
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     """`t` itself where Gloo can reduce it in place (a contiguous CPU tensor), else a
     contiguous CPU copy, written back after."""
-    if any(step == 0 and n > 1 for step, n in zip(t.stride(), t.shape, strict=True)):
-        raise ReductionError(
-            f"all_reduce writes its result into the tensor, and this one's elements share "
-            f"memory (shape {tuple(t.shape)}, stride {t.stride()}: an expand()ed view): pass "
-            "a clone()")
     if t.device.type == "cpu" and t.is_contiguous():
         return t.detach()
     return t.detach().to("cpu", copy=True).contiguous()

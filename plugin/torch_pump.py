@@ -40,7 +40,7 @@ from reduction_appliance.dataplane.errors import ReductionError
 from .client import ApplianceClient
 from .pipeline import Outcome
 
-__all__ = ["APPLIANCE_DTYPES", "PinnedPool", "RoundPump", "numpy_view"]
+__all__ = ["APPLIANCE_DTYPES", "PinnedPool", "RoundPump", "numpy_view", "refuse_unreducible"]
 
 APPLIANCE_DTYPES = tuple(getattr(torch, d.name) for d in DTYPES)  # what the appliance reduces
 
@@ -50,6 +50,19 @@ def numpy_view(t: torch.Tensor) -> NDArray[Any]:
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
+
+
+def refuse_unreducible(t: torch.Tensor) -> None:
+    """Raise `ReductionError` for a tensor the appliance cannot reduce in place: a dtype it
+    does not reduce, or elements that share memory (an expand()ed view)."""
+    if t.dtype not in APPLIANCE_DTYPES:
+        raise ReductionError(f"the appliance reduces float32, float16 and bfloat16, "
+                             f"not {t.dtype}")
+    if any(step == 0 and n > 1 for step, n in zip(t.stride(), t.shape, strict=True)):
+        raise ReductionError(
+            f"all_reduce writes its result into the tensor, and this one's elements "
+            f"share memory (shape {tuple(t.shape)}, stride {t.stride()}: an expand()ed "
+            "view): pass a clone()")
 
 
 class PinnedPool:
@@ -194,14 +207,7 @@ class RoundPump:
     def _start(self, coll: _Collective, active: dict[int, _Collective]) -> None:
         try:
             for t in coll.tensors:
-                if t.dtype not in APPLIANCE_DTYPES:
-                    raise ReductionError(f"the appliance reduces float32, float16 and bfloat16, "
-                                         f"not {t.dtype}")
-                if any(step == 0 and n > 1 for step, n in zip(t.stride(), t.shape, strict=True)):
-                    raise ReductionError(
-                        f"all_reduce writes its result into the tensor, and this one's elements "
-                        f"share memory (shape {tuple(t.shape)}, stride {t.stride()}: an expand()ed "
-                        "view): pass a clone()")
+                refuse_unreducible(t)
             for event in coll.ready:
                 event.synchronize()
             for t in coll.tensors:
