@@ -161,6 +161,12 @@ CORE_COUNTERS: dict[str, tuple[str, str]] = {
         "told at once with a MISSING note and resends them, without waiting for its peers' "
         "queries; moves by the number of contributions each note lists.",
     ),
+    "path_probes": (
+        "core_path_probes",
+        "PATH_PROBEs from joined ranks, each answered with a PATH_ECHO: a worker that joins "
+        "sends a few of each size it tests, to learn whether the path carries the job's "
+        "datagrams whole in both directions.",
+    ),
     "declined_datagrams": (
         "core_declined_datagrams",
         "Datagrams of coalesced receives the burst path left to the one-by-one path (a "

@@ -35,6 +35,7 @@ Slot protocol (after SwitchML, without its limits):
   is answered with LIVENESS listing the ranks silent longer than `JobSpec.liveness_timeout`
   (and at once a rank that left while a use here waits for it), so every rank learns within a
   heartbeat that a peer died; and an answer at all tells the worker the appliance lives.
+  A PATH_PROBE is echoed at the size it asks for (a joining worker's test of its path).
 
 The states of a slot copy and their transition table live in `slotstate`.
 """
@@ -239,6 +240,8 @@ class Aggregator:
             return
         if h.kind is Kind.HEARTBEAT:
             self._heartbeat(h, source, now, out)
+        elif h.kind is Kind.PATH_PROBE:
+            self._path_probe(h, nbytes - HEADER_SIZE, source, now, out)
         else:
             cells[Counter.DROP_MALFORMED] += 1
         pool.release(index)
@@ -366,6 +369,22 @@ class Aggregator:
             out.append(self._notice(Kind.RESYNC, h, source))
             return
         out.append(self._notice(Kind.LIVENESS, h, source, pack_silent(job.silent(now))))
+
+    def _path_probe(self, h: Header, received: int, source: Address, now: float,
+                    out: list[Send]) -> None:
+        """Echo a PATH_PROBE (wire.py) at the size it asks: only to a bound rank's own endpoint
+        and never longer than a segment, so it amplifies nothing for a stranger."""
+        cells = self._cells
+        job = self._member(h, source, out)
+        if job is None:
+            return
+        job.last_seen[h.rank] = now
+        if received != h.length or h.offset > self._arena.max_payload:
+            cells[Counter.DROP_BAD_LENGTH] += 1
+            return
+        cells[Counter.PATH_PROBES] += 1
+        out.append(answer(Kind.PATH_ECHO, h._replace(offset=received), source, job.spec.epoch,
+                          bytes(h.offset)))
 
     def _diverge(self, job: JobState, copy: SlotCopy, h: Header, out: list[Send]) -> None:
         """The ranks disagree on what one use of a slot is: tell every rank why, now and on

@@ -66,6 +66,8 @@ class Counter(IntEnum):
     DECLINED_DATAGRAMS = 44
     # Contributions a rank's numbering showed lost (a jump), told to that rank (MISSING)
     CONTRIBUTIONS_MISSED = 45
+    # PATH_PROBEs from bound ranks, each answered with a PATH_ECHO (plugin/pathprobe.py)
+    PATH_PROBES = 46
 
 
 N_COUNTERS = len(Counter)

@@ -29,6 +29,7 @@ __all__ = [
     "JobDiverged",
     "JobResynchronised",
     "NotFound",
+    "PathTooNarrow",
     "PeerError",
     "RankHeld",
     "RankLeft",
@@ -137,6 +138,13 @@ class RankLeft(RankSilent):
 class ApplianceSilent(ReductionError):
     """An appliance (or the network to it) has not answered for longer than the liveness
     timeout: the message names it. Restart it, or register the job elsewhere."""
+
+
+class PathTooNarrow(ReductionError):
+    """The path between this worker and an appliance drops the job's datagrams while small ones
+    pass (a link between with a smaller MTU than both ends): found when the worker joined, by
+    probes of several sizes each way. The message says which sizes passed; raise that link's
+    MTU, or lower the appliance's `dataplane.mtu` to what passes."""
 
 
 class JobDiverged(ReductionError):

@@ -3,8 +3,8 @@
 Every datagram is a fixed 48-byte header followed by the payload (a segment of a tensor in the
 dtype named by the header, a rank bitmap for PENDING, a reason for DIVERGED, silent-rank records
 for LIVENESS, send sequences for MISSING, its sender's newest send sequence for a QUERY
-flagged SENT; nothing for the other notices). All fields
-are in network byte order::
+flagged SENT, padding for a path probe and its echo; nothing for the other notices). All
+fields are in network byte order::
 
      0                   1                   2                   3
      0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 7 8 9 0 1
@@ -117,7 +117,8 @@ __all__ = [
 ]
 
 MAGIC = 0x5241
-VERSION = 6  # 4: contributions numbered per core (serial), MISSING; 5: QUERY's SENT; 6: L
+VERSION = 7  # 4: contributions numbered per core (serial), MISSING; 5: QUERY's SENT; 6: L;
+# 7: PATH_PROBE and PATH_ECHO
 
 # Byte 7 (`serial`) is read and written apart from HEADER, whose pad byte it is: a datagram
 # packed with HEADER alone carries serial 0.
@@ -158,6 +159,15 @@ class Kind(IntEnum):
     # appliance core -> one worker: contributions of yours that never came, though later ones
     # did; payload = their send sequences (one byte each, see `serial`). Resend them now.
     MISSING = 10
+    # worker -> appliance core, when it joins: does the path carry the job's datagrams whole?
+    # payload = padding (the size under test on the way up); `offset` = the payload size of
+    # the PATH_ECHO wanted (the size under test on the way down); `round` = a number the echo
+    # carries back. Answered to a bound rank only, never longer than a segment
+    # (plugin/pathprobe.py).
+    PATH_PROBE = 11
+    # appliance core -> one worker: the answer to PATH_PROBE; payload = zeros of the size it
+    # asked for; `offset` = the payload size the probe arrived with; `round` its number.
+    PATH_ECHO = 12
 
 
 class DType(IntEnum):

@@ -42,6 +42,7 @@ from .arguments import check_array, dtype_of, op_of
 from .congestion import Congestion
 from .lease import Lease
 from .multicast_watch import MulticastWatch
+from .pathprobe import PathTarget, probe_paths
 from .pipeline import Outcome, RoundPipeline
 from .rendezvous import JobInfo
 from .rtt import RttEstimator, Timing
@@ -84,7 +85,10 @@ class ApplianceClient:
 
     The client joins every registered job as `rank` from the endpoint its transport sends from
     (`rejoin=True` for a restarted worker: see plugin/rendezvous.py); a job given already joined
-    (with its cookie) is used as it is. Without `timing`, the appliance's advised deadline
+    (with its cookie) is used as it is. Over UDP it then probes each appliance's path with
+    datagrams of the job's size both ways (plugin/pathprobe.py; `probe_path=False` skips it,
+    for a transport with no appliance behind it) and raises `PathTooNarrow` where they are
+    lost while small ones pass. Without `timing`, the appliance's advised deadline
     applies. `congestion` is the policy of each core's congestion window (plugin/congestion.py;
     over datagrams only: RoCE's reliable connections lose nothing to queues); without it, the
     appliances' advised target (the least of them) applies, and none where one advises 0. A
@@ -109,6 +113,7 @@ class ApplianceClient:
         join: Callable[..., JobInfo] = rendezvous.join,
         rejoin: bool = False,
         lease: bool = True,
+        probe_path: bool = True,
     ) -> None:
         if not jobs:
             raise ReductionError("ApplianceClient needs at least one registered job")
@@ -170,6 +175,8 @@ class ApplianceClient:
                              "segments: they travel as IP fragments (slower; a lost fragment "
                              "loses the segment). Give the path one MTU end to end, or set the "
                              "appliance's dataplane.mtu to this path's.", rank, ", ".join(fresh))
+            if probe_path:
+                self._probe_paths()
         timing = timing or Timing(deadline=min(j.deadline_s for j in self.jobs))
         if self.transport.reliable:
             # RC loses nothing in transit: a timer only repairs what the appliance dropped on
@@ -214,6 +221,20 @@ class ApplianceClient:
             if groups and isinstance(self.transport, UdpWorkerTransport) else None)
         if lease:
             self._lease = Lease(self.heartbeat, self._beat_s, f"reduction-lease-{rank}")
+
+    def _probe_paths(self) -> None:
+        """Before any allreduce: does the path to each appliance carry the job's datagrams
+        whole both ways? (plugin/pathprobe.py; raises `PathTooNarrow` where it does not)."""
+        targets = []
+        for job in self.jobs:
+            assert job.cookie is not None
+            targets.append(PathTarget((job.cores[0].host, job.cores[0].port), job.job_id,
+                                      self.rank, job.cookie, job.epoch))
+        try:
+            probe_paths(self.transport, targets, self.segment_bytes, self.rank)
+        except BaseException:
+            self.transport.close()
+            raise
 
     @property
     def retransmissions(self) -> int:

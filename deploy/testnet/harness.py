@@ -334,12 +334,14 @@ def start_appliance(net: Network, index: int = 0, *, cores: int = 2, slots: int 
                     liveness_s: float = 5.0,
                     queue_target_s: float = JobDefaults.queue_target_s,
                     deadline_s: float = JobDefaults.deadline_s,
+                    mtu: int | None = None,
                     ) -> Iterator[ApplianceProcess]:
     """Run `reductiond` on appliance `index` until the block ends (then SIGTERM, then kill).
     `multicast` overrides the network's default (False: results by unicast fan-out only);
     `token` makes the TCP API require it; `liveness_s` is the jobs' liveness timeout;
     `queue_target_s` the workers' advised congestion target (0: fixed windows); `deadline_s`
-    the workers' advised deadline."""
+    the workers' advised deadline; `mtu` the appliance's `dataplane.mtu` (None: the network's,
+    as an operator sets it for the rack's links)."""
     address = net.appliance_address(index)
     # SIGTERM and SIGHUP stop the daemon too (it would outlive this process, cores and all).
     with unwinding_on_termination(), tempfile.TemporaryDirectory(prefix="reductiond-") as tmp:
@@ -350,7 +352,8 @@ def start_appliance(net: Network, index: int = 0, *, cores: int = 2, slots: int 
             Path(token_file).write_text(token)
         unix_socket = str(Path(tmp) / "api.sock")
         mc = net.multicast if multicast is None else multicast
-        cfg = appliance_config(address, cores=cores, mtu=net.mtu, slots=slots, multicast=mc,
+        cfg = appliance_config(address, cores=cores, mtu=net.mtu if mtu is None else mtu,
+                               slots=slots, multicast=mc,
                                poll=poll, spin_us=spin_us, kernels=kernels,
                                unix_socket=unix_socket, token_file=token_file,
                                interface=interface, groups=groups, liveness_s=liveness_s,

@@ -1,0 +1,213 @@
+"""Does the path to each appliance carry the job's datagrams whole? Asked once, as a worker joins.
+
+A link between a worker and the appliance with a smaller MTU than both ends (jumbo frames on
+the hosts, 1500 on one switch port) drops every full-size datagram without a word: a switch
+forwards frames and sends no ICMP, so neither host learns of a smaller path MTU, while the
+48-byte heartbeats and queries still pass. Such a job used to wait out its deadline (60 s) and
+then blame the rank behind that port, whose contributions had all been sent.
+
+So a worker that joins over UDP sends each appliance PATH_PROBEs (dataplane/wire.py): a
+header-only one, and one of each size on a ladder of common MTUs up to the job's own datagram,
+padded on the way up; and as many small ones that ask for echoes padded to those sizes on the
+way down. It repeats every `TRY_EVERY_S` what has not come back. Every size back both ways:
+the path is fine, usually within one round trip. Sizes still missing after the header-only
+probe came back `TRIES_FOR_VERDICT` times: the path is narrower than the job's datagrams, and
+`PathTooNarrow` says which sizes passed each way and what to change. Nothing back within
+`BUDGET_S` (a firewall, an appliance that is gone): no verdict here; the client's own
+diagnosis (plugin/silence.py) says more at the first allreduce.
+
+`PathProbe` is the sans-I/O core (what to send when, what the echoes say); `probe_paths` drives
+it over a worker transport.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from reduction_appliance.dataplane.errors import PathTooNarrow
+from reduction_appliance.dataplane.transport import Address
+from reduction_appliance.dataplane.wire import (
+    HEADER_SIZE,
+    IP_UDP_HEADERS,
+    DType,
+    Header,
+    Kind,
+    Op,
+    pack_into,
+)
+
+from .transport import WorkerTransport
+
+__all__ = ["BUDGET_S", "TRIES_FOR_VERDICT", "TRY_EVERY_S", "PathProbe", "PathTarget",
+           "Verdict", "probe_paths"]
+
+# Where Ethernet paths usually stop: IPv6's minimum, plain Ethernet, 4K frames, jumbo frames.
+COMMON_MTUS = (1280, 1500, 4096, 9000)
+TRY_EVERY_S = 0.05
+# Header-only echoes needed before a size never answered counts as lost on the path, not to
+# chance: with 20% loss each way a size misses 16 tries in a row about once in 10 million.
+TRIES_FOR_VERDICT = 16
+BUDGET_S = 3.0
+_OVERHEAD = HEADER_SIZE + IP_UDP_HEADERS  # a payload's datagram on the wire, less its payload
+
+
+@dataclass(frozen=True)
+class PathTarget:
+    """One appliance to probe: where its first core listens, and this rank's place in its job."""
+
+    dest: Address
+    job_id: int
+    rank: int
+    cookie: int
+    epoch: int
+
+
+@dataclass
+class Verdict:
+    """What came back from one appliance, as IP datagram sizes (what an MTU bounds)."""
+
+    target: PathTarget
+    up_ok: list[int] = field(default_factory=list)  # sizes that reached the appliance
+    up_lost: list[int] = field(default_factory=list)  # sizes that did not
+    down_ok: list[int] = field(default_factory=list)
+    down_lost: list[int] = field(default_factory=list)
+
+    @property
+    def narrow(self) -> bool:
+        return bool(self.up_lost or self.down_lost)
+
+
+def ladder(payload_bytes: int) -> list[int]:
+    """The payload sizes probed for a job of `payload_bytes` segments: those whose datagrams
+    are the common MTUs below the job's, then the job's own."""
+    return [mtu - _OVERHEAD for mtu in COMMON_MTUS if mtu - _OVERHEAD < payload_bytes] + [
+        payload_bytes]
+
+
+class PathProbe:
+    """The probes of one join (sans-I/O): `due` what to send, `answered` each echo, `outcome`
+    the verdicts once there are any."""
+
+    def __init__(self, targets: Sequence[PathTarget], payload_bytes: int, now: float) -> None:
+        self.targets = list(targets)
+        self.sizes = ladder(payload_bytes)
+        self._started = now
+        self._next_try = now
+        self._tries = 0
+        # per target: sizes not yet back each way, and the tries whose header-only probe came
+        # back (a set: a duplicated echo is one try)
+        self._up = {t.dest: set(self.sizes) for t in self.targets}
+        self._down = {t.dest: set(self.sizes) for t in self.targets}
+        self._baseline: dict[Address, set[int]] = {t.dest: set() for t in self.targets}
+
+    def next_at(self) -> float:
+        """When `due` next has something to send."""
+        return self._next_try
+
+    def due(self, now: float) -> list[tuple[Address, bytes]]:
+        """The datagrams of the next try, if it is time: per target a header-only probe first,
+        then the sizes still missing, smallest first (a receiver's GRO never merges a larger
+        datagram after a smaller one, so each stays a datagram of its own)."""
+        if now < self._next_try:
+            return []
+        self._tries += 1
+        self._next_try = now + TRY_EVERY_S
+        out = []
+        for t in self.targets:
+            out.append((t.dest, self._datagram(t, 0, 0)))
+            out.extend((t.dest, self._datagram(t, 0, s)) for s in sorted(self._down[t.dest]))
+            out.extend((t.dest, self._datagram(t, s, 0)) for s in sorted(self._up[t.dest]))
+        return out
+
+    def _datagram(self, t: PathTarget, up: int, down: int) -> bytes:
+        buf = bytearray(HEADER_SIZE + up)
+        pack_into(buf, Header(Kind.PATH_PROBE, DType.FLOAT32, Op.SUM, 0, t.job_id, t.rank,
+                              t.cookie, self._tries, 0, down, up, 0, t.epoch))
+        return bytes(buf)
+
+    def answered(self, h: Header, source: Address) -> None:
+        """An echo: `h.offset` is the size its probe arrived with, `h.length` its own padding.
+        Anything else, or from elsewhere, is ignored."""
+        if h.kind is not Kind.PATH_ECHO or source not in self._up:
+            return
+        t = next(t for t in self.targets if t.dest == source)
+        if h.job_id != t.job_id or h.cookie != t.cookie:
+            return
+        if h.offset == 0 and h.length == 0:
+            self._baseline[source].add(h.round)
+        self._up[source].discard(h.offset)
+        self._down[source].discard(h.length)
+
+    def outcome(self, now: float) -> list[Verdict] | None:
+        """The verdicts, once every size came back or every target's missing sizes missed
+        enough tries; [] when nothing can be said within the budget (no verdict); None while
+        the probes go on."""
+        settled = all((not self._up[d] and not self._down[d])
+                      or len(self._baseline[d]) >= TRIES_FOR_VERDICT for d in self._up)
+        if not settled:
+            return [] if now - self._started >= BUDGET_S else None
+        return [self._verdict(t) for t in self.targets]
+
+    def _verdict(self, t: PathTarget) -> Verdict:
+        up, down = self._up[t.dest], self._down[t.dest]
+        return Verdict(t, [s + _OVERHEAD for s in self.sizes if s not in up],
+                       [s + _OVERHEAD for s in self.sizes if s in up],
+                       [s + _OVERHEAD for s in self.sizes if s not in down],
+                       [s + _OVERHEAD for s in self.sizes if s in down])
+
+
+def _listed(sizes: Sequence[int]) -> str:
+    return " and ".join([", ".join(map(str, sizes[:-1])), str(sizes[-1])] if len(sizes) > 1
+                        else [str(sizes[0])])
+
+
+def _way(ok: Sequence[int], lost: Sequence[int]) -> str:
+    arrive = f"{_listed(ok)} B arrive" if ok else "none of the sizes tried arrives"
+    return f"{min(lost)} B and more are lost ({arrive})"
+
+
+def narrow_error(rank: int, verdicts: Sequence[Verdict], payload_bytes: int) -> PathTooNarrow:
+    """What a user reads when a path drops the job's datagrams: which sizes passed each way,
+    and the two ways out."""
+    datagram = payload_bytes + _OVERHEAD
+    paths = []
+    widest = datagram  # the largest size that passed every narrow way
+    for v in verdicts:
+        ways = []
+        if v.up_lost:
+            ways.append(f"to the appliance, {_way(v.up_ok, v.up_lost)}")
+        if v.down_lost:
+            same = v.up_lost and (v.down_ok, v.down_lost) == (v.up_ok, v.up_lost)
+            ways.append("from it, the same" if same else f"from it, {_way(v.down_ok, v.down_lost)}")
+        for ok, lost in ((v.up_ok, v.up_lost), (v.down_ok, v.down_lost)):
+            if lost:
+                widest = min(widest, max(ok, default=0))
+        if ways:
+            paths.append(f"appliance {v.target.dest[0]}:{v.target.dest[1]} loses this job's "
+                         f"datagrams ({datagram} B, for {payload_bytes} B segments) while "
+                         f"{_OVERHEAD} B ones pass both ways: " + "; ".join(ways))
+    fit = (f"set the appliance's dataplane.mtu to {widest} (segments of {widest - _OVERHEAD} B)"
+           if widest > _OVERHEAD else "find the link that drops them")
+    return PathTooNarrow(
+        f"rank {rank}: the path between this host and " + ". The path to ".join(paths) +
+        ". A link between has a smaller MTU than both ends (a switch port left at 1500 on a "
+        f"jumbo-frame rack?): give every link on the path an MTU of at least {datagram}, or "
+        f"{fit}.")
+
+
+def probe_paths(transport: WorkerTransport, targets: Sequence[PathTarget], payload_bytes: int,
+                rank: int, clock: Callable[[], float] = time.monotonic) -> list[Verdict]:
+    """Probe every target's path; raise `PathTooNarrow` if one drops the job's datagrams.
+    Returns the verdicts ([] when nothing could be said within `BUDGET_S`). Anything else
+    that arrives meanwhile is dropped: before the first allreduce nothing else is due."""
+    probe = PathProbe(targets, payload_bytes, clock())
+    while (verdicts := probe.outcome(clock())) is None:
+        for dest, datagram in probe.due(clock()):
+            transport.send_raw(datagram, dest)
+        transport.wait(max(0.0, probe.next_at() - clock()))
+        transport.receive(lambda h, _payload, source: probe.answered(h, source))
+    if any(v.narrow for v in verdicts):
+        raise narrow_error(rank, verdicts, payload_bytes)
+    return verdicts

@@ -1,0 +1,200 @@
+"""Path probes at join (plugin/pathprobe.py) against the real aggregator's echoes: a path whose
+links drop datagrams above some size, each way, on a simulated clock; no sockets."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from reduction_appliance.dataplane.aggregator import Aggregator
+from reduction_appliance.dataplane.counters import Counter, Counters
+from reduction_appliance.dataplane.errors import PathTooNarrow
+from reduction_appliance.dataplane.reduce import select_kernels
+from reduction_appliance.dataplane.slots import SlotArena
+from reduction_appliance.dataplane.spec import JobSpec
+from reduction_appliance.dataplane.wire import (
+    HEADER_SIZE,
+    IP_UDP_HEADERS,
+    DType,
+    Header,
+    Kind,
+    Op,
+    pack_into,
+    unpack,
+)
+from reduction_appliance.plugin.pathprobe import (
+    BUDGET_S,
+    TRIES_FOR_VERDICT,
+    TRY_EVERY_S,
+    PathProbe,
+    PathTarget,
+    Verdict,
+    ladder,
+    narrow_error,
+)
+
+from .feeding import feed
+
+SEGMENT = 8896  # an MTU 9000 path's segments
+JUMBO = SEGMENT + HEADER_SIZE + IP_UDP_HEADERS  # 9000 less the Ethernet header: 8972 B
+COOKIE = 0x0DDC_0FFE_E15B_AD00
+CORE = ("198.18.0.1", 7000)
+WORKER = ("198.18.0.103", 40000)
+TARGET = PathTarget(CORE, 5, 2, COOKIE, 1)
+
+
+@pytest.fixture
+def agg() -> Iterator[Aggregator]:
+    with SlotArena(capacity=8, max_payload=SEGMENT, rx_buffers=32) as arena:
+        agg = Aggregator(arena, select_kernels(), Counters())
+        endpoints = (("198.18.0.101", 1), ("198.18.0.102", 1), WORKER)
+        agg.add_job(JobSpec(5, COOKIE, 3, 2, False, None, epoch=1, endpoints=endpoints), 0.0)
+        yield agg
+
+
+def wire_size(datagram: bytes | int) -> int:
+    """The IP datagram a UDP payload of ours travels as (what an MTU bounds)."""
+    return (datagram if isinstance(datagram, int) else len(datagram)) + IP_UDP_HEADERS
+
+
+Passes = Callable[[int], bool]
+
+
+def run(agg: Aggregator, up: Passes, down: Passes,
+        lost_at_random: Callable[[int], bool] = lambda _: False) -> tuple[list[Verdict], float]:
+    """Drive a probe of TARGET until it has an outcome: each datagram crosses the path if its
+    size `up` (or `down`) passes and `lost_at_random(n)` spares it; (verdicts, time taken)."""
+    now = 0.0
+    probe = PathProbe([TARGET], SEGMENT, now)
+    sent = 0
+    while True:
+        for dest, datagram in probe.due(now):
+            assert dest == CORE
+            sent += 1
+            if not up(wire_size(datagram)) or lost_at_random(sent):
+                continue
+            for echo in feed(agg, [(datagram, WORKER)], now):
+                sent += 1
+                reply = bytes(echo.header) + bytes(echo.payload)
+                assert echo.dest == WORKER
+                if down(wire_size(reply)) and not lost_at_random(sent):
+                    probe.answered(unpack(reply), CORE)
+        if (verdicts := probe.outcome(now)) is not None:
+            return verdicts, now
+        now = probe.next_at()
+
+
+def under(mtu: int) -> Passes:
+    return lambda size: size <= mtu
+
+
+def test_the_ladder_is_the_common_mtus_below_the_job_and_the_job_itself() -> None:
+    assert [wire_size(s + HEADER_SIZE) for s in ladder(SEGMENT)] == [1280, 1500, 4096, JUMBO]
+    assert [wire_size(s + HEADER_SIZE) for s in ladder(1424)] == [1280, 1500]
+    assert ladder(1000) == [1000]  # below every common MTU: the job's own alone
+
+
+def test_a_clean_path_is_settled_in_one_try(agg: Aggregator) -> None:
+    (verdict,), took = run(agg, under(9000), under(9000))
+    assert not verdict.narrow and took == 0.0  # every echo in the first try
+    assert verdict.up_ok == verdict.down_ok == [1280, 1500, 4096, JUMBO]
+    # the header-only probe and four sizes each way, every one echoed
+    assert agg.counters[Counter.PATH_PROBES] == 9
+
+
+@pytest.mark.parametrize(("up_mtu", "down_mtu"), [(1500, 1500), (9000, 1500), (4096, 9000)])
+def test_a_narrow_link_is_found_each_way_with_the_sizes_that_pass(
+        agg: Aggregator, up_mtu: int, down_mtu: int) -> None:
+    (verdict,), took = run(agg, under(up_mtu), under(down_mtu))
+    assert verdict.narrow
+    sizes = [1280, 1500, 4096, JUMBO]
+    assert verdict.up_ok == [s for s in sizes if s <= up_mtu]
+    assert verdict.up_lost == [s for s in sizes if s > up_mtu]
+    assert verdict.down_ok == [s for s in sizes if s <= down_mtu]
+    assert verdict.down_lost == [s for s in sizes if s > down_mtu]
+    # decided once the header-only probe came back often enough, well within the budget
+    assert took == pytest.approx((TRIES_FOR_VERDICT - 1) * TRY_EVERY_S)
+
+
+def test_the_error_says_which_sizes_passed_and_what_to_set(agg: Aggregator) -> None:
+    verdicts, _ = run(agg, under(1500), under(9000))
+    error = narrow_error(2, verdicts, SEGMENT)
+    assert isinstance(error, PathTooNarrow)
+    text = str(error)
+    assert text.startswith("rank 2: the path between this host and appliance "
+                           "198.18.0.1:7000 loses this job's datagrams (8972 B, for 8896 B "
+                           "segments) while 76 B ones pass both ways"), text
+    assert "to the appliance, 4096 B and more are lost (1280 and 1500 B arrive)" in text
+    assert "from it" not in text  # that way carries them all
+    assert "an MTU of at least 8972" in text
+    assert "or set the appliance's dataplane.mtu to 1500 (segments of 1424 B)" in text
+
+
+def test_random_loss_alone_is_never_taken_for_a_narrow_path(agg: Aggregator) -> None:
+    """20% of datagrams lost each way, whatever their size (a lossy-link test's rack): every
+    size gets through within the budget, and no verdict says narrow."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(50):
+        verdicts, _ = run(agg, under(9000), under(9000), lambda _n: rng.random() < 0.2)
+        assert verdicts and not any(v.narrow for v in verdicts)
+
+
+def test_nothing_back_at_all_is_no_verdict_within_the_budget(agg: Aggregator) -> None:
+    """A firewall, or an appliance gone: the probe says nothing (the client's silence
+    diagnosis does, at the first allreduce) and gives up after its budget."""
+    verdicts, took = run(agg, lambda _: False, under(9000))
+    assert verdicts == [] and BUDGET_S <= took < BUDGET_S + TRY_EVERY_S
+
+
+def probe_datagram(up: int, down: int, *, cookie: int = COOKIE, length: int | None = None,
+                   rank: int = 2) -> bytes:
+    buf = bytearray(HEADER_SIZE + up)
+    pack_into(buf, Header(Kind.PATH_PROBE, DType.FLOAT32, Op.SUM, 0, 5, rank, cookie, 9, 0,
+                          down, up if length is None else length, 0, 1))
+    return bytes(buf)
+
+
+def test_the_echo_carries_the_size_that_came_padded_to_the_size_asked(
+        agg: Aggregator) -> None:
+    (echo,) = feed(agg, [(probe_datagram(1000, 3000), WORKER)])
+    h = unpack(bytes(echo.header))
+    assert (h.kind, h.offset, h.length, h.round, h.rank) == (Kind.PATH_ECHO, 1000, 3000, 9, 2)
+    assert bytes(echo.payload) == bytes(3000) and echo.dest == WORKER
+
+
+def test_only_a_bound_rank_gets_an_echo_and_never_longer_than_a_segment(
+        agg: Aggregator) -> None:
+    """An echo padded to a size asked is an amplifier: a stranger (another cookie, another
+    source) gets nothing, nor does a probe that asks for more than a segment or lies about
+    its own length."""
+    assert feed(agg, [(probe_datagram(0, 4000, cookie=1), WORKER)]) == []
+    assert feed(agg, [(probe_datagram(0, 4000), ("203.0.113.9", 40000))]) == []
+    assert feed(agg, [(probe_datagram(0, SEGMENT + 1), WORKER)]) == []
+    assert feed(agg, [(probe_datagram(10, 0, length=20), WORKER)]) == []
+    counters = agg.counters
+    assert (counters[Counter.DROP_BAD_COOKIE], counters[Counter.DROP_BAD_SOURCE],
+            counters[Counter.DROP_BAD_LENGTH], counters[Counter.PATH_PROBES]) == (1, 1, 2, 0)
+
+
+def test_echoes_of_another_job_or_kind_are_ignored() -> None:
+    probe = PathProbe([TARGET], SEGMENT, 0.0)
+    probe.due(0.0)
+    for h in (Header(Kind.PATH_ECHO, DType.FLOAT32, Op.SUM, 0, 6, 2, COOKIE, 1, 0, 0, 0),
+              Header(Kind.PATH_ECHO, DType.FLOAT32, Op.SUM, 0, 5, 2, 1, 1, 0, 0, 0),
+              Header(Kind.LIVENESS, DType.FLOAT32, Op.SUM, 0, 5, 2, COOKIE, 1, 0, 0, 0)):
+        for round_no in range(1, 40):
+            probe.answered(h._replace(round=round_no), CORE)
+    probe.answered(Header(Kind.PATH_ECHO, DType.FLOAT32, Op.SUM, 0, 5, 2, COOKIE, 1, 0, 0, 0),
+                   ("198.18.0.2", 7000))  # from another appliance than the one probed
+    assert probe.outcome(1.0) is None  # nothing counted: still probing
+
+
+def test_a_duplicated_echo_counts_once() -> None:
+    probe = PathProbe([TARGET], SEGMENT, 0.0)
+    baseline = Header(Kind.PATH_ECHO, DType.FLOAT32, Op.SUM, 0, 5, 2, COOKIE, 1, 0, 0, 0)
+    for _ in range(TRIES_FOR_VERDICT):
+        probe.answered(baseline, CORE)
+    assert probe.outcome(1.0) is None  # one try's echo, many times: not enough
