@@ -42,7 +42,7 @@ from .arguments import check_array, dtype_of, op_of
 from .congestion import Congestion
 from .lease import Lease
 from .multicast_watch import MulticastWatch
-from .pathprobe import PathTarget, probe_paths
+from .pathprobe import check_paths
 from .pipeline import Outcome, RoundPipeline
 from .rendezvous import JobInfo
 from .rtt import RttEstimator, Timing
@@ -176,7 +176,11 @@ class ApplianceClient:
                              "loses the segment). Give the path one MTU end to end, or set the "
                              "appliance's dataplane.mtu to this path's.", rank, ", ".join(fresh))
             if probe_path:
-                self._probe_paths()
+                try:
+                    check_paths(self.transport, self.jobs, rank, self.segment_bytes)
+                except BaseException:
+                    self.transport.close()
+                    raise
         timing = timing or Timing(deadline=min(j.deadline_s for j in self.jobs))
         if self.transport.reliable:
             # RC loses nothing in transit: a timer only repairs what the appliance dropped on
@@ -221,20 +225,6 @@ class ApplianceClient:
             if groups and isinstance(self.transport, UdpWorkerTransport) else None)
         if lease:
             self._lease = Lease(self.heartbeat, self._beat_s, f"reduction-lease-{rank}")
-
-    def _probe_paths(self) -> None:
-        """Before any allreduce: does the path to each appliance carry the job's datagrams
-        whole both ways? (plugin/pathprobe.py; raises `PathTooNarrow` where it does not)."""
-        targets = []
-        for job in self.jobs:
-            assert job.cookie is not None
-            targets.append(PathTarget((job.cores[0].host, job.cores[0].port), job.job_id,
-                                      self.rank, job.cookie, job.epoch))
-        try:
-            probe_paths(self.transport, targets, self.segment_bytes, self.rank)
-        except BaseException:
-            self.transport.close()
-            raise
 
     @property
     def retransmissions(self) -> int:

@@ -6,27 +6,30 @@ forwards frames and sends no ICMP, so neither host learns of a smaller path MTU,
 48-byte heartbeats and queries still pass. Such a job used to wait out its deadline (60 s) and
 then blame the rank behind that port, whose contributions had all been sent.
 
-So a worker that joins over UDP sends each appliance PATH_PROBEs (dataplane/wire.py): a
+So a worker that joins over UDP sends each appliance core PATH_PROBEs (dataplane/wire.py): a
 header-only one, and one of each size on a ladder of common MTUs up to the job's own datagram,
 padded on the way up; and as many small ones that ask for echoes padded to those sizes on the
 way down. It repeats every `TRY_EVERY_S` what has not come back. Every size back both ways:
 the path is fine, usually within one round trip. Sizes still missing after the header-only
 probe came back `TRIES_FOR_VERDICT` times: the path is narrower than the job's datagrams, and
-`PathTooNarrow` says which sizes passed each way and what to change. Nothing back within
-`BUDGET_S` (a firewall, an appliance that is gone): no verdict here; the client's own
-diagnosis (plugin/silence.py) says more at the first allreduce.
+`PathTooNarrow` says which sizes passed each way and what to change. Nothing back from a core
+within `SILENT_S` (a firewall, a NAT, an appliance that is gone), or no verdict within
+`BUDGET_S`: nothing said here about that path; the client's own diagnosis
+(plugin/silence.py) says more at the first allreduce.
 
 `PathProbe` is the sans-I/O core (what to send when, what the echoes say); `probe_paths` drives
-it over a worker transport.
+it over a worker transport, and `check_paths` (what `ApplianceClient` calls) probes every core
+of the jobs joined and leaves them where a path is narrow.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from reduction_appliance.dataplane.errors import PathTooNarrow
+from reduction_appliance.dataplane.errors import PathTooNarrow, ReductionError
 from reduction_appliance.dataplane.transport import Address
 from reduction_appliance.dataplane.wire import (
     HEADER_SIZE,
@@ -38,10 +41,12 @@ from reduction_appliance.dataplane.wire import (
     pack_into,
 )
 
+from . import rendezvous
+from .rendezvous import JobInfo
 from .transport import WorkerTransport
 
-__all__ = ["BUDGET_S", "TRIES_FOR_VERDICT", "TRY_EVERY_S", "PathProbe", "PathTarget",
-           "Verdict", "probe_paths"]
+__all__ = ["BUDGET_S", "SILENT_S", "TRIES_FOR_VERDICT", "TRY_EVERY_S", "PathProbe", "PathTarget",
+           "Verdict", "check_paths", "probe_paths"]
 
 # Where Ethernet paths usually stop: IPv6's minimum, plain Ethernet, 4K frames, jumbo frames.
 COMMON_MTUS = (1280, 1500, 4096, 9000)
@@ -50,12 +55,18 @@ TRY_EVERY_S = 0.05
 # chance: with 20% loss each way a size misses 16 tries in a row about once in 10 million.
 TRIES_FOR_VERDICT = 16
 BUDGET_S = 3.0
+# A core that echoes nothing at all for this long is silent (a firewall, a NAT, gone): no
+# verdict on its path, and no longer held up for it. Its job's liveness timeout (5 s, 2 s in
+# tests) runs meanwhile without heartbeats, and the client's own diagnosis of the silence
+# (plugin/silence.py) asks the appliance before it evicts the job.
+SILENT_S = 0.5
+LEAVE_S = 2.0  # a rank whose path is narrow leaves its jobs within this (best effort)
 _OVERHEAD = HEADER_SIZE + IP_UDP_HEADERS  # a payload's datagram on the wire, less its payload
 
 
 @dataclass(frozen=True)
 class PathTarget:
-    """One appliance to probe: where its first core listens, and this rank's place in its job."""
+    """One appliance core to probe, and this rank's place in its job."""
 
     dest: Address
     job_id: int
@@ -101,6 +112,7 @@ class PathProbe:
         self._up = {t.dest: set(self.sizes) for t in self.targets}
         self._down = {t.dest: set(self.sizes) for t in self.targets}
         self._baseline: dict[Address, set[int]] = {t.dest: set() for t in self.targets}
+        self._heard = {t.dest: False for t in self.targets}  # any echo at all
 
     def next_at(self) -> float:
         """When `due` next has something to send."""
@@ -135,20 +147,26 @@ class PathProbe:
         t = next(t for t in self.targets if t.dest == source)
         if h.job_id != t.job_id or h.cookie != t.cookie:
             return
+        self._heard[source] = True
         if h.offset == 0 and h.length == 0:
             self._baseline[source].add(h.round)
         self._up[source].discard(h.offset)
         self._down[source].discard(h.length)
 
     def outcome(self, now: float) -> list[Verdict] | None:
-        """The verdicts, once every size came back or every target's missing sizes missed
-        enough tries; [] when nothing can be said within the budget (no verdict); None while
-        the probes go on."""
-        settled = all((not self._up[d] and not self._down[d])
-                      or len(self._baseline[d]) >= TRIES_FOR_VERDICT for d in self._up)
-        if not settled:
-            return [] if now - self._started >= BUDGET_S else None
-        return [self._verdict(t) for t in self.targets]
+        """None while the probes go on; then the verdicts of the paths it could judge (every
+        size back, or the missing ones missed enough tries), once every other core has been
+        silent for `SILENT_S` or the budget has run out ([]: none could be judged)."""
+        elapsed = now - self._started
+        waiting = [d for d in self._up if not self._settled(d)
+                   and (self._heard[d] or elapsed < SILENT_S)]
+        if waiting and elapsed < BUDGET_S:
+            return None
+        return [self._verdict(t) for t in self.targets if self._settled(t.dest)]
+
+    def _settled(self, dest: Address) -> bool:
+        return ((not self._up[dest] and not self._down[dest])
+                or len(self._baseline[dest]) >= TRIES_FOR_VERDICT)
 
     def _verdict(self, t: PathTarget) -> Verdict:
         up, down = self._up[t.dest], self._down[t.dest]
@@ -169,32 +187,40 @@ def _way(ok: Sequence[int], lost: Sequence[int]) -> str:
 
 
 def narrow_error(rank: int, verdicts: Sequence[Verdict], payload_bytes: int) -> PathTooNarrow:
-    """What a user reads when a path drops the job's datagrams: which sizes passed each way,
-    and the two ways out."""
+    """What a user reads when paths drop the job's datagrams: which sizes passed each way (the
+    cores whose paths agree, together), which paths carry them whole, and the two ways out."""
     datagram = payload_bytes + _OVERHEAD
-    paths = []
+    alike: dict[tuple[tuple[int, ...], ...], list[str]] = {}
     widest = datagram  # the largest size that passed every narrow way
     for v in verdicts:
-        ways = []
-        if v.up_lost:
-            ways.append(f"to the appliance, {_way(v.up_ok, v.up_lost)}")
-        if v.down_lost:
-            same = v.up_lost and (v.down_ok, v.down_lost) == (v.up_ok, v.up_lost)
-            ways.append("from it, the same" if same else f"from it, {_way(v.down_ok, v.down_lost)}")
+        if v.narrow:
+            sizes = (tuple(v.up_ok), tuple(v.up_lost), tuple(v.down_ok), tuple(v.down_lost))
+            alike.setdefault(sizes, []).append(f"{v.target.dest[0]}:{v.target.dest[1]}")
         for ok, lost in ((v.up_ok, v.up_lost), (v.down_ok, v.down_lost)):
             if lost:
                 widest = min(widest, max(ok, default=0))
-        if ways:
-            paths.append(f"appliance {v.target.dest[0]}:{v.target.dest[1]} loses this job's "
-                         f"datagrams ({datagram} B, for {payload_bytes} B segments) while "
-                         f"{_OVERHEAD} B ones pass both ways: " + "; ".join(ways))
+    paths = []
+    for (up_ok, up_lost, down_ok, down_lost), dests in alike.items():
+        ways = []
+        if up_lost:
+            ways.append(f"to the appliance, {_way(up_ok, up_lost)}")
+        if down_lost:
+            ways.append("from it, the same" if (down_ok, down_lost) == (up_ok, up_lost)
+                        else f"from it, {_way(down_ok, down_lost)}")
+        one = len(dests) == 1
+        paths.append(f"the path{'' if one else 's'} between this host and appliance "
+                     f"{'' if one else 'cores '}{', '.join(dests)} {'loses' if one else 'lose'} "
+                     f"this job's datagrams ({datagram} B, for {payload_bytes} B segments) "
+                     f"while {_OVERHEAD} B ones pass both ways: " + "; ".join(ways))
+    whole = [f"{v.target.dest[0]}:{v.target.dest[1]}" for v in verdicts if not v.narrow]
+    some = (f" The paths to {', '.join(whole)} carry them whole: a link on some paths only "
+            "(a member of an ECMP group or a LAG) has the smaller MTU." if whole else "")
     fit = (f"set the appliance's dataplane.mtu to {widest} (segments of {widest - _OVERHEAD} B)"
            if widest > _OVERHEAD else "find the link that drops them")
     return PathTooNarrow(
-        f"rank {rank}: the path between this host and " + ". The path to ".join(paths) +
-        ". A link between has a smaller MTU than both ends (a switch port left at 1500 on a "
-        f"jumbo-frame rack?): give every link on the path an MTU of at least {datagram}, or "
-        f"{fit}.")
+        f"rank {rank}: " + ". And ".join(paths) + "." + some + " A link between has a smaller "
+        "MTU than both ends (a switch port left at 1500 on a jumbo-frame rack?): give every "
+        f"link on the path an MTU of at least {datagram}, or {fit}.")
 
 
 def probe_paths(transport: WorkerTransport, targets: Sequence[PathTarget], payload_bytes: int,
@@ -211,3 +237,24 @@ def probe_paths(transport: WorkerTransport, targets: Sequence[PathTarget], paylo
     if any(v.narrow for v in verdicts):
         raise narrow_error(rank, verdicts, payload_bytes)
     return verdicts
+
+
+def check_paths(transport: WorkerTransport, jobs: Sequence[JobInfo], rank: int,
+                payload_bytes: int) -> list[Verdict]:
+    """Probe the path to every core of the `jobs` this rank has joined (each core apart: its
+    port may hash onto another member of an ECMP group or a LAG). Where one is narrow, leave
+    the jobs, then raise `PathTooNarrow`: no client comes of this join, so nobody else would
+    leave for this rank, and its peers hear at once that it left, not after the liveness
+    timeout (best effort: the error about the path is the one to raise)."""
+    targets: list[PathTarget] = []
+    for job in jobs:
+        assert job.cookie is not None
+        targets.extend(PathTarget((core.host, core.port), job.job_id, rank, job.cookie,
+                                  job.epoch) for core in job.cores)
+    try:
+        return probe_paths(transport, targets, payload_bytes, rank)
+    except PathTooNarrow:
+        for job in jobs:
+            with contextlib.suppress(ReductionError):
+                rendezvous.leave(job, rank, timeout_s=LEAVE_S)
+        raise

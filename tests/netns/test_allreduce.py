@@ -135,8 +135,8 @@ def test_multicast_sends_one_copy_per_segment_unicast_sends_n() -> None:
     def first_copies(c: dict[str, int]) -> float:
         """Result datagrams sent per reduced segment, not counting the answers to
         retransmissions (stored results resent, PENDING notes), which go to one worker, nor
-        the answers to heartbeats and other notices."""
-        answers = c["heartbeats"] + c["job_notices"] + c["abort_notices"]
+        the answers to heartbeats, path probes and other notices."""
+        answers = c["heartbeats"] + c["path_probes"] + c["job_notices"] + c["abort_notices"]
         sent = c["packets_out"] - c["results_resent"] - c["pending_sent"] - answers
         assert c["segments_reduced"] > 0
         return sent / c["segments_reduced"]
@@ -198,13 +198,13 @@ def test_a_switch_port_narrower_than_the_hosts_is_named_at_join_and_its_mtu_work
     """Jumbo frames on every host, one switch port left at 1500: the switch drops every full
     datagram to and from rank 2 without a word, while heartbeats pass. The job once waited out
     its 60 s deadline and then blamed rank 2, whose contributions had all left. Rank 2 now
-    names the path at join, with the sizes that pass; its peers hear it is gone within the
-    liveness timeout; and the MTU it advises works on that rack."""
+    names the path at join, with the sizes that pass, and leaves the job, so its peers hear
+    at once that it left; and the MTU it advises works on that rack."""
     with LabNetwork.rack(3) as net:
         topology = net.lab.topology
         subprocess.run(["ip", "-n", topology.switch_netns, "link", "set",
                         topology.port_ifname("w2"), "mtu", "1500"], check=True)
-        with start_appliance(net, liveness_s=2.0) as appliance:
+        with start_appliance(net) as appliance:
             argv = worker_argv(net, appliance.api, 3, "narrow", ["--sizes", "1MiB"])
             started = time.monotonic()
             with pytest.raises(HarnessError) as failure:
@@ -212,13 +212,14 @@ def test_a_switch_port_narrower_than_the_hosts_is_named_at_join_and_its_mtu_work
             took = time.monotonic() - started
         text = str(failure.value)
         assert took < 30, text  # not the 60 s deadline
-        assert ("rank 2: PathTooNarrow: rank 2: the path between this host and appliance "
-                "198.18.0.1:7000 loses this job's datagrams (8972 B, for 8896 B segments) "
+        assert ("rank 2: PathTooNarrow: rank 2: the paths between this host and appliance "
+                "cores 198.18.0.1:7000, 198.18.0.1:7001 lose this job's datagrams (8972 B, "
+                "for 8896 B segments) "
                 "while 76 B ones pass both ways: to the appliance, 4096 B and more are lost "
                 "(1280 and 1500 B arrive); from it, the same.") in text, text
         assert "set the appliance's dataplane.mtu to 1500 (segments of 1424 B)" in text
-        for rank in (0, 1):
-            assert f"rank {rank}: RankSilent: rank 2 (198.18.0.103:" in text, text
+        for rank in (0, 1):  # told at once: rank 2 left the job before it raised
+            assert f"rank {rank}: RankLeft: rank 2 (198.18.0.103:" in text, text
         with start_appliance(net, mtu=1500) as appliance:
             argv = worker_argv(net, appliance.api, 3, "advised", ["--sizes", "64KiB,1MiB"])
             assert_all_exact(run_workers(net, argv, timeout_s=120), 2)

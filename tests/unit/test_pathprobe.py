@@ -25,6 +25,7 @@ from reduction_appliance.dataplane.wire import (
 )
 from reduction_appliance.plugin.pathprobe import (
     BUDGET_S,
+    SILENT_S,
     TRIES_FOR_VERDICT,
     TRY_EVERY_S,
     PathProbe,
@@ -131,6 +132,31 @@ def test_the_error_says_which_sizes_passed_and_what_to_set(agg: Aggregator) -> N
     assert "or set the appliance's dataplane.mtu to 1500 (segments of 1424 B)" in text
 
 
+def test_cores_whose_paths_agree_are_named_together_and_whole_paths_apart() -> None:
+    """Each core listens on its own port, and a port can hash onto another member of an ECMP
+    group or a LAG: a narrow member shows as some cores' paths narrow, the others whole."""
+    sizes = [1280, 1500, 4096, JUMBO]
+
+    def at(port: int, up_mtu: int, down_mtu: int) -> Verdict:
+        return Verdict(PathTarget(("198.18.0.1", port), 5, 2, COOKIE, 1),
+                       [s for s in sizes if s <= up_mtu], [s for s in sizes if s > up_mtu],
+                       [s for s in sizes if s <= down_mtu], [s for s in sizes if s > down_mtu])
+
+    text = str(narrow_error(2, [at(7000, 1500, 4096), at(7001, 9000, 9000),
+                                at(7002, 1500, 4096)], SEGMENT))
+    assert text.startswith(
+        "rank 2: the paths between this host and appliance cores 198.18.0.1:7000, "
+        "198.18.0.1:7002 lose this job's datagrams (8972 B, for 8896 B segments) while 76 B "
+        "ones pass both ways: to the appliance, 4096 B and more are lost (1280 and 1500 B "
+        "arrive); from it, 8972 B and more are lost (1280, 1500 and 4096 B arrive). The paths "
+        "to 198.18.0.1:7001 carry them whole: a link on some paths only (a member of an ECMP "
+        "group or a LAG) has the smaller MTU."), text
+    assert "dataplane.mtu to 1500 (segments of 1424 B)" in text  # what passes every way
+    text = str(narrow_error(2, [at(7000, 1000, 9000)], SEGMENT))
+    assert "to the appliance, 1280 B and more are lost (none of the sizes tried arrives)" in text
+    assert text.endswith("an MTU of at least 8972, or find the link that drops them.")
+
+
 def test_random_loss_alone_is_never_taken_for_a_narrow_path(agg: Aggregator) -> None:
     """20% of datagrams lost each way, whatever their size (a lossy-link test's rack): every
     size gets through within the budget, and no verdict says narrow."""
@@ -142,11 +168,29 @@ def test_random_loss_alone_is_never_taken_for_a_narrow_path(agg: Aggregator) -> 
         assert verdicts and not any(v.narrow for v in verdicts)
 
 
-def test_nothing_back_at_all_is_no_verdict_within_the_budget(agg: Aggregator) -> None:
-    """A firewall, or an appliance gone: the probe says nothing (the client's silence
-    diagnosis does, at the first allreduce) and gives up after its budget."""
+def test_nothing_back_at_all_is_no_verdict_and_soon(agg: Aggregator) -> None:
+    """A firewall, a NAT, or an appliance gone: the probe says nothing (the client's silence
+    diagnosis does, at the first allreduce, before the job's liveness timeout evicts it) and
+    gives up once the core has been silent for SILENT_S."""
     verdicts, took = run(agg, lambda _: False, under(9000))
-    assert verdicts == [] and BUDGET_S <= took < BUDGET_S + TRY_EVERY_S
+    assert verdicts == [] and SILENT_S <= took < SILENT_S + TRY_EVERY_S
+
+
+def test_a_silent_core_holds_up_no_verdict_on_the_others() -> None:
+    """Two cores: one echoes only header-only probes (narrow), the other nothing at all.
+    The narrow one is judged as soon as it can be; the silent one is left out."""
+    narrow, silent = TARGET, PathTarget(("198.18.0.1", 7001), 5, 2, COOKIE, 1)
+    probe = PathProbe([narrow, silent], SEGMENT, 0.0)
+    now, tries = 0.0, 0
+    while (verdicts := probe.outcome(now)) is None:
+        assert now < BUDGET_S
+        probe.due(now)
+        tries += 1
+        probe.answered(Header(Kind.PATH_ECHO, DType.FLOAT32, Op.SUM, 0, 5, 2, COOKIE, tries,
+                              0, 0, 0), CORE)
+        now = probe.next_at()
+    assert [v.target for v in verdicts] == [narrow] and verdicts[0].narrow
+    assert now == pytest.approx(max(SILENT_S, TRIES_FOR_VERDICT * TRY_EVERY_S))
 
 
 def probe_datagram(up: int, down: int, *, cookie: int = COOKIE, length: int | None = None,
@@ -189,7 +233,7 @@ def test_echoes_of_another_job_or_kind_are_ignored() -> None:
             probe.answered(h._replace(round=round_no), CORE)
     probe.answered(Header(Kind.PATH_ECHO, DType.FLOAT32, Op.SUM, 0, 5, 2, COOKIE, 1, 0, 0, 0),
                    ("198.18.0.2", 7000))  # from another appliance than the one probed
-    assert probe.outcome(1.0) is None  # nothing counted: still probing
+    assert probe.outcome(1.0) == []  # nothing counted: a silent core, no verdict
 
 
 def test_a_duplicated_echo_counts_once() -> None:
