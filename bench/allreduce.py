@@ -162,7 +162,8 @@ def _report_appliance(plan: SweepPlan, pairs: list[dict[str, Any]]) -> None:
     for p in pairs:
         for key, value in p["appliance"].get("counters", {}).items():
             c[key] = c.get(key, 0) + value
-    reduced, out = c.get("bytes_reduced", 0), c.get("bytes_out", 0)
+    # (less the echoes of the workers' path probes at join: no result byte's cost)
+    reduced, out = c.get("bytes_reduced", 0), c.get("bytes_out", 0) - c.get("path_echo_bytes", 0)
     drops = ", ".join(f"{k}={v}" for k, v in c.items() if k.startswith("drop_") and v) or "none"
     retx = sum(p["appliance"].get("retransmissions") or 0 for p in pairs)
     multicast = bool(pairs) and pairs[0]["multicast"]

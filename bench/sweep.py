@@ -304,8 +304,10 @@ def _run_pass(plan: SweepPlan, net: LabNet, workers: int, system: str,
             delta = {k: v - counters.get(k, 0) for k, v in after.items()}
             row["counters"] = delta
             if delta.get("bytes_reduced"):
-                # 1 with multicast, ~n with unicast fan-out (plus headers and resends).
-                row["appliance_out_per_byte"] = delta.get("bytes_out", 0) / delta["bytes_reduced"]
+                # 1 with multicast, ~n with unicast fan-out (plus headers and resends); the
+                # echoes of the workers' path probes at join are no reduced byte's cost.
+                sent = delta.get("bytes_out", 0) - delta.get("path_echo_bytes", 0)
+                row["appliance_out_per_byte"] = sent / delta["bytes_reduced"]
             counters = after
             rows.append(row)
             listener.row(row)

@@ -167,6 +167,11 @@ CORE_COUNTERS: dict[str, tuple[str, str]] = {
         "sends a few of each size it tests, to learn whether the path carries the job's "
         "datagrams whole in both directions.",
     ),
+    "path_echo_bytes": (
+        "core_path_echo_bytes",
+        "Bytes of the PATH_ECHOs sent (counted in bytes_out too): what joins cost, apart from "
+        "the bytes of results.",
+    ),
     "declined_datagrams": (
         "core_declined_datagrams",
         "Datagrams of coalesced receives the burst path left to the one-by-one path (a "

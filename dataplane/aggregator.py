@@ -383,6 +383,7 @@ class Aggregator:
             cells[Counter.DROP_BAD_LENGTH] += 1
             return
         cells[Counter.PATH_PROBES] += 1
+        cells[Counter.PATH_ECHO_BYTES] += HEADER_SIZE + h.offset
         out.append(answer(Kind.PATH_ECHO, h._replace(offset=received), source, job.spec.epoch,
                           bytes(h.offset)))
 

@@ -66,8 +66,10 @@ class Counter(IntEnum):
     DECLINED_DATAGRAMS = 44
     # Contributions a rank's numbering showed lost (a jump), told to that rank (MISSING)
     CONTRIBUTIONS_MISSED = 45
-    # PATH_PROBEs from bound ranks, each answered with a PATH_ECHO (plugin/pathprobe.py)
+    # PATH_PROBEs from bound ranks, each answered with a PATH_ECHO (plugin/pathprobe.py), and
+    # the echoes' bytes (of BYTES_OUT: a join's cost, not a reduced byte's)
     PATH_PROBES = 46
+    PATH_ECHO_BYTES = 47
 
 
 N_COUNTERS = len(Counter)

@@ -207,6 +207,7 @@ def test_the_echo_carries_the_size_that_came_padded_to_the_size_asked(
     h = unpack(bytes(echo.header))
     assert (h.kind, h.offset, h.length, h.round, h.rank) == (Kind.PATH_ECHO, 1000, 3000, 9, 2)
     assert bytes(echo.payload) == bytes(3000) and echo.dest == WORKER
+    assert agg.counters[Counter.PATH_ECHO_BYTES] == HEADER_SIZE + 3000
 
 
 def test_only_a_bound_rank_gets_an_echo_and_never_longer_than_a_segment(
