@@ -152,6 +152,10 @@ class _InMemoryTransport(UdpWorkerTransport):
                            payload_bytes: int) -> list[str]:
         return []  # no routes in memory
 
+    @property
+    def receive_buffer(self) -> int:
+        return 64 << 20  # a tuned host's: the windows stay the slots
+
 
 def _per_receive(segment: int) -> int:
     """Datagrams of `segment` payload bytes that one coalesced receive holds (at least one)."""

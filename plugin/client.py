@@ -40,6 +40,7 @@ from reduction_appliance.dataplane.wire import (
 from . import rendezvous
 from .arguments import check_array, dtype_of, op_of
 from .congestion import Congestion
+from .hostchecks import buffer_window, fragmenting_routes, say_refusals
 from .lease import Lease
 from .multicast_watch import MulticastWatch
 from .pathprobe import check_paths
@@ -54,8 +55,6 @@ __all__ = ["ApplianceClient", "dtype_of", "op_of"]  # (the last two from plugin.
 
 _log = logging.getLogger(__name__)
 RELIABLE_RTO_S = 1.0  # first retransmission timeout over a reliable transport (RoCE)
-_REFUSALS_LOGGED: set[tuple[str, str]] = set()  # (what the kernel refused, why): logged once
-_FRAGMENTING_LOGGED: set[str] = set()
 
 
 _new_tuple = tuple.__new__
@@ -134,14 +133,7 @@ class ApplianceClient:
         if transport is None:
             udp = UdpWorkerTransport(local_address,
                                      [j.multicast for j in jobs if j.multicast is not None])
-            if udp.gro_refused and ("gro", udp.gro_refused) not in _REFUSALS_LOGGED:
-                _REFUSALS_LOGGED.add(("gro", udp.gro_refused))
-                _log.info("fallback: UDP GRO refused by the kernel (%s): one receive call per "
-                          "result datagram", udp.gro_refused)
-            if udp.stamps_refused and ("stamps", udp.stamps_refused) not in _REFUSALS_LOGGED:
-                _REFUSALS_LOGGED.add(("stamps", udp.stamps_refused))
-                _log.info("fallback: SO_TIMESTAMPNS refused by the kernel (%s): congestion delay "
-                          "samples include this host's own wait", udp.stamps_refused)
+            say_refusals(udp)
             transport = udp
         self.transport: WorkerTransport = transport
         try:
@@ -162,19 +154,11 @@ class ApplianceClient:
         self.endpoints: tuple[Endpoint, ...] = tuple(
             replace(e, appliance=a) for a, j in enumerate(self.jobs) for e in j.endpoints)
         self.segment_bytes = min(j.segment_bytes for j in self.jobs)
-        #: routes to cores that fragment this job's datagrams (the appliance's MTU is larger
-        #: than this host's path): each named once at WARNING
+        #: routes to cores that fragment this job's datagrams (hostchecks.py)
         self.fragmenting: list[str] = []
         if isinstance(self.transport, UdpWorkerTransport):
-            self.fragmenting = self.transport.fragmenting_routes(
-                [e.address for e in self.endpoints], self.segment_bytes)
-            fresh = [r for r in self.fragmenting if r not in _FRAGMENTING_LOGGED]
-            if fresh:
-                _FRAGMENTING_LOGGED.update(fresh)
-                _log.warning("rank %d: this host's route to %s is narrower than the job's "
-                             "segments: they travel as IP fragments (slower; a lost fragment "
-                             "loses the segment). Give the path one MTU end to end, or set the "
-                             "appliance's dataplane.mtu to this path's.", rank, ", ".join(fresh))
+            self.fragmenting = fragmenting_routes(self.transport, self.endpoints,
+                                                  self.segment_bytes, rank)
             if probe_path:
                 try:
                     check_paths(self.transport, self.jobs, rank, self.segment_bytes)
@@ -192,12 +176,16 @@ class ApplianceClient:
                              rto_min=max(timing.rto_min, RELIABLE_RTO_S / 5),
                              rto_max=rto_max, silent_query_gap=rto_max)
         self.rtt = RttEstimator(timing)
+        #: the window per core this host's receive buffer holds, where fewer than the slots
+        self.window_cap = (buffer_window(self.transport, self.endpoints, self.segment_bytes, rank)
+                           if isinstance(self.transport, UdpWorkerTransport) else None)
         liveness = min(j.liveness_s for j in self.jobs)
         self.pipeline = RoundPipeline(self.endpoints, rank, self.world_size, self.segment_bytes,
                                       self.rtt, lanes, epoch=epochs.pop(),
                                       liveness_timeout=liveness,
                                       congestion=None if self.transport.reliable
-                                      else congestion or self._advised_congestion())
+                                      else congestion or self._advised_congestion(),
+                                      window_cap=self.window_cap)
         self._appliance_of = {e.address: e.appliance for e in self.endpoints}
         self._beat_to = [(j.cores[0].host, j.cores[0].port) for j in self.jobs]
         self._beat_header = bytearray(HEADER_SIZE)

@@ -124,7 +124,8 @@ class RoundPipeline:
     def __init__(self, endpoints: tuple[Endpoint, ...], rank: int, world_size: int,
                  segment_bytes: int, rtt: RttEstimator, lanes: int = 1, epoch: int = 1,
                  liveness_timeout: float = float("inf"),
-                 congestion: Congestion | None = None) -> None:
+                 congestion: Congestion | None = None,
+                 window_cap: int | None = None) -> None:
         if not endpoints:
             raise ReductionError("an allreduce needs at least one appliance endpoint")
         self.endpoints = endpoints
@@ -142,10 +143,14 @@ class RoundPipeline:
         self._busy: list[AllreduceRound | None] = [None] * lanes
         self._in_flight = [0] * len(endpoints)  # per core, over every active round
         # ... and how many it may be (plugin/congestion.py): at most the core's slots, the
-        # job's whole window
+        # job's whole window, and `window_cap` (what this worker's receive buffer holds)
         self.window: CongestionWindow | None = None
+        slots = [ep.slots for ep in endpoints]
+        ceilings = [min(n, window_cap or n) for n in slots]
         if congestion is not None and congestion.enabled:
-            self.window = CongestionWindow([ep.slots for ep in endpoints], congestion)
+            self.window = CongestionWindow(ceilings, congestion, slots)
+        elif ceilings != slots:  # fixed windows, but held below the slots
+            self.window = CongestionWindow(ceilings, Congestion(enabled=False), slots)
         self._serials = ResultSerials(len(endpoints))  # the results heard from each core
         self.order = SendOrder(len(endpoints))  # first transmissions' numbers, every round's
         self._core_at = {ep.address: e for e, ep in enumerate(endpoints)}

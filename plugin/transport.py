@@ -210,6 +210,12 @@ class UdpWorkerTransport:
                 host = str(probe.getsockname()[0])
         return host, port
 
+    @property
+    def receive_buffer(self) -> int:
+        """The least receive buffer of its sockets, as the kernel charges it (SO_RCVBUF: twice
+        what was granted; capped by net.core.rmem_max for a process that is not root)."""
+        return min(int(s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)) for s in self._sockets)
+
     def route_mtu(self, dest: Address) -> int | None:
         """The MTU of this host's route to `dest` (where the kernel would fragment a datagram
         from our address), or None when the kernel does not say."""

@@ -18,6 +18,7 @@ from reduction_appliance.plugin.congestion import (
     CongestionWindow,
     admit,
     any_admitted,
+    fitting_window,
 )
 from reduction_appliance.plugin.rtt import RttEstimator, Timing
 from reduction_appliance.plugin.session import AllreduceRound, Endpoint, Transmit
@@ -326,3 +327,39 @@ def test_a_delay_sample_ends_when_the_result_reached_this_host_not_when_it_was_r
         return window.cuts
     assert cuts(arrival_known=True) == 0
     assert cuts(arrival_known=False) == 1
+
+
+def test_the_window_that_fits_a_receive_buffer() -> None:
+    """A worker that is not root gets 416 KiB on a stock kernel (rmem_max 212992, doubled):
+    43 coalesced results of 8972 bytes as the kernel charges them, 21 a core over two cores
+    (31 and 15 one datagram per receive); a tuned host's 64 MiB holds every slot; a tiny
+    buffer still leaves the least window."""
+    assert fitting_window(425984, 8972, 2) == 21
+    assert fitting_window(425984, 8972, 1) == 43
+    assert fitting_window(425984, 8972, 2, coalesced=False) == 15
+    assert fitting_window(64 << 20, 8972, 8) >= 32
+    assert fitting_window(4096, 8972, 2) == Congestion.min_window
+
+
+def test_a_window_held_below_the_slots_gates_from_the_start_and_never_grows_past_it() -> None:
+    w = CongestionWindow([15, 15], POLICY, slots=[32, 32])
+    assert w.limit == [15, 15] and w.shrunk  # the gate applies before any cut
+    for _ in range(200):
+        w.on_answer(0)
+    assert w.limit == [15, 15] and w.shrunk
+    fixed = CongestionWindow([15], Congestion(enabled=False), slots=[32])
+    fixed.on_delay(0, 10.0, now=1.0)
+    assert fixed.limit == [15] and fixed.shrunk
+
+
+def test_a_round_keeps_no_more_than_the_held_window_in_flight() -> None:
+    """Fixed windows (the appliance advises no queue target), held to 3 of 8 slots by a small
+    receive buffer: a round sends three segments, then one per result."""
+    endpoint = (Endpoint(("a", 0), 1, 99, 8, "appliance core 0"),)
+    window = CongestionWindow([3], Congestion(enabled=False), slots=[8])
+    rnd = AllreduceRound(endpoint, 0, 2, 1, DType.FLOAT32, Op.SUM, 16 * 64, 64,
+                         RttEstimator(Timing()), 0.0, window=window)
+    assert [t.segment for t in rnd.due(0.0)] == [0, 1, 2]
+    assert rnd.due(0.0) == [] and rnd.wakeup() > 0.0
+    rnd.stored(0, 0.01, completer=1)
+    assert [t.segment for t in rnd.due(0.01)] == [3]

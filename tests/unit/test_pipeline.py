@@ -19,6 +19,7 @@ from reduction_appliance.deploy.testnet.reference import (
     reference,
     same_bits,
 )
+from reduction_appliance.plugin.congestion import Congestion
 from reduction_appliance.plugin.pipeline import RoundPipeline, lane_endpoints
 from reduction_appliance.plugin.rtt import RttEstimator, Timing
 from reduction_appliance.plugin.session import Endpoint, Repairs
@@ -30,6 +31,20 @@ KERNELS = select_kernels()
 
 def endpoints(n: int = 2, slots: int = 4) -> tuple[Endpoint, ...]:
     return tuple(Endpoint(("a", i), 1, 99, slots, f"appliance core {i}") for i in range(n))
+
+
+def test_a_window_cap_below_the_slots_holds_every_core_even_with_fixed_windows() -> None:
+    """A worker whose receive buffer holds fewer results than the slots (plugin/hostchecks.py)
+    gets a window held there, whatever the congestion policy; one with room gets none."""
+    for policy in (Congestion(), Congestion(enabled=False)):
+        p = RoundPipeline(endpoints(2, 32), 0, 2, 64, RttEstimator(), congestion=policy,
+                          window_cap=15)
+        assert p.window is not None and p.window.limit == [15, 15] and p.window.shrunk
+    assert RoundPipeline(endpoints(2, 32), 0, 2, 64, RttEstimator(),
+                         congestion=Congestion(enabled=False), window_cap=None).window is None
+    roomy = RoundPipeline(endpoints(2, 8), 0, 2, 64, RttEstimator(), window_cap=15,
+                          congestion=Congestion(enabled=False))
+    assert roomy.window is None  # 15 is more than the 8 slots: nothing to hold
 
 
 @pytest.mark.parametrize(("slots", "lanes"), [(4, 1), (4, 2), (5, 2), (32, 3), (3, 3)])
