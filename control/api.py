@@ -6,7 +6,8 @@
     GET    /v1/jobs                 -> every job (never a cookie or a secret)
     GET    /v1/jobs/ID              -> one job
     POST   /v1/jobs/ID/join         {"rank", "secret", "address", "port", "rejoin"?,
-                                     "lanes"?}                      -> the job, with its cookie
+                                     "lanes"?, "window_cap"?}       -> the job, with its cookie
+                                     (window_cap: the window its receive buffer holds)
     POST   /v1/jobs/ID/resync       {"secret", "epoch"}             -> the job in a new epoch
     POST   /v1/jobs/ID/leave        {"rank", "secret"}              -> the job
     POST   /v1/jobs/ID/unicast      {"rank", "secret"}              -> the job, its results by

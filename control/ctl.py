@@ -21,7 +21,7 @@ from reduction_appliance.dataplane.units import format_size
 from .apiclient import ApiError, UnixApi
 from .config import ApiConfig, load
 
-__all__ = ["LOSSY_SHARE", "add_commands", "losses"]
+__all__ = ["LOSSY_SHARE", "add_commands", "held_windows", "losses"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -84,6 +84,15 @@ def shared_hosts(job: dict[str, Any]) -> list[tuple[str, list[int]]]:
         return []
     return sorted(((host, sorted(ranks)) for host, ranks in by_host.items() if len(ranks) > 1),
                   key=lambda shared: shared[1][0])
+
+
+def held_windows(job: dict[str, Any]) -> list[tuple[int, list[int]]]:
+    """The windows that joined ranks' hosts hold them to (their receive buffers are capped:
+    plugin/hostchecks.py), each with the ranks held there, the smallest first."""
+    by_window: dict[int, list[int]] = {}
+    for rank, window in job.get("windows_held", {}).items():
+        by_window.setdefault(int(window), []).append(int(rank))
+    return sorted((w, sorted(ranks)) for w, ranks in by_window.items())
 
 
 def _loss_words(missed: int, lost: int, share_of: int) -> str:
@@ -149,6 +158,13 @@ def render_status(s: dict[str, Any]) -> str:
                              "its whole tensor through that host's link (torch groups reduce "
                              "on the host first unless REDUCTION_HIERARCHY=flat or "
                              "deterministic)")
+            for window, ranks in held_windows(j):
+                who = (f"rank {ranks[0]} holds its windows" if len(ranks) == 1 else
+                       f"ranks {','.join(map(str, ranks))} hold their windows")
+                lines.append(f"     ! {who} to {window} of {j['slots_per_core']} slots a core: "
+                             f"{'its host caps' if len(ranks) == 1 else 'their hosts cap'} UDP "
+                             "receive buffers (net.core.rmem_max, workers not root). There: "
+                             "sysctl -w net.core.rmem_max=67108864 net.core.wmem_max=67108864")
             for rank, silent_s in j.get("silent", {}).items():
                 where = _joined_from(j, rank)
                 if int(rank) in j["joined"]:

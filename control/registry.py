@@ -172,6 +172,9 @@ class JobPlan:
     joined: frozenset[int] = field(default_factory=frozenset)  # ranks joined now
     seen: frozenset[int] = field(default_factory=frozenset)  # ranks that ever joined
     lanes: int = 0  # the lanes the joined ranks split the slots into (0: none joined yet)
+    # joined rank -> the window per core its host's receive buffer holds, where fewer than
+    # the slots (the worker says so when it joins: plugin/hostchecks.py)
+    windows_held: dict[int, int] = field(default_factory=dict)
 
     def describe(self, cfg: ApplianceConfig, *, member: bool = False) -> JobDescription:
         """The registration answer: with the cookie only for a member (one that joined with
@@ -331,7 +334,8 @@ class Registry:
         return replace(plan, state=target)
 
     def join(self, job_id: int, rank: int, secret: str, endpoint: Address,
-             rejoin: bool = False, silent_s: float = 0.0, lanes: int = 1) -> JobPlan:
+             rejoin: bool = False, silent_s: float = 0.0, lanes: int = 1,
+             window_cap: int | None = None) -> JobPlan:
         """Bind `rank` to `endpoint`. A rank joined now is refused unless `rejoin`, or unless
         the endpoint it joined from has been silent (`silent_s`, as the cores heard it) for the
         liveness timeout: dead by the rule every rank goes by, so its successor (a restarted
@@ -339,7 +343,8 @@ class Registry:
         joined before (now or earlier) starts a new epoch. `lanes`: how the rank splits the
         job's slots (plugin/pipeline.py); every rank must split them alike, or each round
         waits in other slots for its peers until the deadline, so another number than the
-        other joined ranks' is refused."""
+        other joined ranks' is refused. `window_cap`: what the rank said its host's receive
+        buffer holds, for the status."""
         plan = self._move(job_id, JobEvent.JOIN, secret)
         spec = plan.spec
         if not 0 <= rank < spec.world_size:
@@ -369,9 +374,13 @@ class Registry:
             epoch = spec.epoch % (_EPOCHS - 1) + 1  # 1..65535, never 0
         joined = plan.joined | {rank}
         state = JobState.ACTIVE if len(joined) == spec.world_size else plan.state
+        held = {r: w for r, w in plan.windows_held.items() if r != rank}
+        if window_cap is not None:
+            held[rank] = window_cap
         plan = replace(plan, spec=replace(spec, endpoints=tuple(endpoints), epoch=epoch,
                                           departed=spec.departed - {rank}),
-                       joined=joined, seen=plan.seen | {rank}, state=state, lanes=lanes)
+                       joined=joined, seen=plan.seen | {rank}, state=state, lanes=lanes,
+                       windows_held=held)
         self._by_id[job_id] = plan
         return plan
 
@@ -418,7 +427,8 @@ class Registry:
         state = JobState.DONE if not joined else plan.state
         departed = plan.spec.departed | ({rank} & plan.joined)  # (its peers are told so)
         plan = replace(plan, spec=replace(plan.spec, departed=departed), joined=joined,
-                       state=state)
+                       state=state, windows_held={r: w for r, w in plan.windows_held.items()
+                                                  if r != rank})
         self._record(plan)
         return plan
 

@@ -116,10 +116,12 @@ class Appliance:
         endpoint = (bodies.address(body, "address"), bodies.integer(body, "port", 1, 65535))
         rejoin = bodies.boolean(body, "rejoin")
         lanes = bodies.integer(body, "lanes", 1, 1 << 16, default=1)
+        window_cap = (bodies.integer(body, "window_cap", 1, 1 << 16)
+                      if body.get("window_cap") is not None else None)
         with self._lock:
             plan = self.registry.join(job_id, rank, secret, endpoint, rejoin,
                                       silent_s=self._silent_elsewhere(job_id, rank, endpoint),
-                                      lanes=lanes)
+                                      lanes=lanes, window_cap=window_cap)
             self.supervisor.update_job(plan.spec)
         return plan.describe(self.cfg, member=True)
 
@@ -401,6 +403,7 @@ class Appliance:
                 seen_elsewhere={r: f"{a[0]}:{a[1]}" for r, a in sorted(act.elsewhere.items())},
                 contributions_missed=dict(sorted(act.missed.items())),
                 results_lost=dict(sorted(act.lost.items())),
+                windows_held=dict(sorted(plan.windows_held.items())),
                 endpoints={r: f"{a[0]}:{a[1]}" for r, a in enumerate(plan.spec.endpoints)
                            if a is not None},
                 disruptions=tuple(

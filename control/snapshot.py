@@ -61,6 +61,8 @@ class JobSnapshot:
     # (it heard a later one first: its downlink, or its host's socket)
     contributions_missed: dict[int, int] = field(default_factory=dict)
     results_lost: dict[int, int] = field(default_factory=dict)
+    # rank -> the window per core its host's receive buffer holds, where fewer than the slots
+    windows_held: dict[int, int] = field(default_factory=dict)
     transport: str = "udp"  # or "roce": its ranks' queue pairs are in the cores' queue_pairs
 
 

@@ -136,11 +136,17 @@ class ApplianceClient:
             say_refusals(udp)
             transport = udp
         self.transport: WorkerTransport = transport
+        #: the window per core this host's receive buffer holds, where fewer than the slots
+        #: (told to the appliance as it joins, for its operator's status)
+        self.window_cap = (buffer_window(transport, max(c.slots for j in jobs for c in j.cores),
+                                         sum(len(j.cores) for j in jobs),
+                                         min(j.segment_bytes for j in jobs), rank)
+                           if isinstance(transport, UdpWorkerTransport) else None)
         try:
             self.jobs = [
                 j if j.cookie is not None else join(
                     j, rank, self.transport.source_for((j.cores[0].host, j.cores[0].port)),
-                    rejoin=rejoin, lanes=lanes)
+                    rejoin=rejoin, lanes=lanes, window_cap=self.window_cap)
                 for j in jobs
             ]
         except BaseException:
@@ -176,9 +182,6 @@ class ApplianceClient:
                              rto_min=max(timing.rto_min, RELIABLE_RTO_S / 5),
                              rto_max=rto_max, silent_query_gap=rto_max)
         self.rtt = RttEstimator(timing)
-        #: the window per core this host's receive buffer holds, where fewer than the slots
-        self.window_cap = (buffer_window(self.transport, self.endpoints, self.segment_bytes, rank)
-                           if isinstance(self.transport, UdpWorkerTransport) else None)
         liveness = min(j.liveness_s for j in self.jobs)
         self.pipeline = RoundPipeline(self.endpoints, rank, self.world_size, self.segment_bytes,
                                       self.rtt, lanes, epoch=epochs.pop(),

@@ -81,8 +81,8 @@ def fitting_window(buffer_bytes: int, datagram_bytes: int, cores: int,
     `coalesced` (UDP GRO) or one datagram at a time. A host whose net.core.rmem_max caps a
     process that is not root (212992 bytes, doubled to 416 KiB, on a stock kernel) holds 43
     coalesced results of 8972 B. With 32 slots on each of two cores, a window's burst of
-    results overflowed it: on the emulated rack (4 ranks, 64 MiB) the ranks resent 19-27% of
-    their segments; held to 21-23 a core, 0.1-0.2%, as with root's buffers."""
+    results overflowed it: on the emulated rack (4 ranks, 64 MiB) the ranks resent 5-7% of
+    their segments; held to 21-23 a core, at most 0.04%, as with root's buffers."""
     charge = _CHARGE_COALESCED if coalesced else _CHARGE
     return max(Congestion.min_window, int(buffer_bytes / (charge * datagram_bytes)) // cores)
 

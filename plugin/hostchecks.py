@@ -56,13 +56,12 @@ def fragmenting_routes(udp: UdpWorkerTransport, endpoints: Sequence[Endpoint],
     return found
 
 
-def buffer_window(udp: UdpWorkerTransport, endpoints: Sequence[Endpoint], segment_bytes: int,
+def buffer_window(udp: UdpWorkerTransport, slots: int, cores: int, segment_bytes: int,
                   rank: int) -> int | None:
-    """The window per core this host's receive buffers hold, where fewer than the cores'
-    slots (said once at WARNING, with the fix); else None."""
+    """The window per core this host's receive buffers hold, results coming from `cores`
+    cores, where fewer than their `slots` (said once at WARNING, with the fix); else None."""
     buffer = udp.receive_buffer
-    slots = max(e.slots for e in endpoints)
-    fits = fitting_window(buffer, segment_bytes + HEADER_SIZE + IP_UDP_HEADERS, len(endpoints),
+    fits = fitting_window(buffer, segment_bytes + HEADER_SIZE + IP_UDP_HEADERS, cores,
                           coalesced=not udp.gro_refused)
     if fits >= slots:
         return None

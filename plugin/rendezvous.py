@@ -354,16 +354,20 @@ def _say_fallback_once(why: str) -> None:
 
 
 def join(info: JobInfo, rank: int, endpoint: Address, *, rejoin: bool = False,
-         timeout_s: float = 30.0, lanes: int = 1) -> JobInfo:
+         timeout_s: float = 30.0, lanes: int = 1, window_cap: int | None = None) -> JobInfo:
     """Join as `rank`, sending from `endpoint`, splitting the job's slots into `lanes` (alike
     on every rank: the appliance refuses another number than the joined ranks'); the answer
-    carries the cookie and epoch."""
+    carries the cookie and epoch. `window_cap`: the window per core this host's receive
+    buffer holds, where fewer than the slots (plugin/hostchecks.py), for the operator's
+    status."""
     if not info.secret:
         raise RendezvousError(f"joining job {info.name!r} needs its join secret (from the rank "
                               "that created it)")
     job = _call_waiting(info.appliance, "POST", f"/v1/jobs/{info.job_id}/join",
                         {"rank": rank, "secret": info.secret, "address": endpoint[0],
-                         "port": endpoint[1], "rejoin": rejoin, "lanes": lanes}, info.token,
+                         "port": endpoint[1], "rejoin": rejoin, "lanes": lanes,
+                         **({} if window_cap is None else {"window_cap": window_cap})},
+                        info.token,
                         timeout_s)
     if job.cookie is None:
         raise RendezvousError(f"appliance {info.appliance} answered the join of job "

@@ -179,6 +179,8 @@ def _run_case(client: ApplianceClient, args: argparse.Namespace, case: int, dtyp
                     in zip(Repairs._fields, client.repairs, repairs_before, strict=True)},
         "segments": -(-(n * itemsize) // client.segment_bytes) * (args.warmup + args.iters),
         "worker_cpu_s": cpu_s, "worker_kernel_cpu_s": kernel_s,
+        # the window per core its receive buffer holds, where fewer than the slots (else None)
+        "window_cap": client.window_cap,
         # the congestion window: its cuts in this case, and the least any core's came to
         **({"window_cuts": window.cuts - cuts_before, "window_least": window.least}
            if window is not None else {}),

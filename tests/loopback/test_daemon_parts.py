@@ -17,7 +17,13 @@ from typing import Any
 import pytest
 
 from reduction_appliance.control import daemon
-from reduction_appliance.control.ctl import losses, render_job, render_status, shared_hosts
+from reduction_appliance.control.ctl import (
+    held_windows,
+    losses,
+    render_job,
+    render_status,
+    shared_hosts,
+)
 from reduction_appliance.control.daemon import Janitor, raise_open_files_limit, sd_notify
 from reduction_appliance.dataplane.errors import Unavailable
 from reduction_appliance.deploy.testnet.harness import OutputTail
@@ -239,6 +245,29 @@ def test_status_names_ranks_that_share_a_hosts_link() -> None:
     spread = job({str(r): f"198.18.0.{101 + r}:4000" for r in range(4)})
     assert shared_hosts(one_host) == shared_hosts(spread) == []
     assert " share " not in render_status(snapshot | {"jobs": [one_host, spread]})
+
+
+def test_status_names_ranks_whose_hosts_hold_their_windows() -> None:
+    """Workers that are not root on hosts with net.core.rmem_max at its default hold their
+    windows to what their receive buffers take (plugin/hostchecks.py) and say so as they join:
+    the operator sees which ranks, to what, and the fix."""
+    job = {"job_id": 3, "name": "held", "state": "active", "world_size": 4,
+           "joined": [0, 1, 2, 3], "epoch": 1, "rounds": 12, "bytes_reduced": 0,
+           "last_activity_s": 0.1, "lagging": {}, "slots_per_core": 32,
+           "windows_held": {"3": 21, "0": 21, "2": 9}}
+    snapshot = {"version": "0.1.0", "uptime_s": 5.0, "config": "a.toml", "cores": [],
+                "interfaces": [], "steering": [], "steering_notes": [], "rdma_devices": []}
+    named = [line for line in render_status(snapshot | {"jobs": [job]}).splitlines()
+             if " windows to " in line]
+    assert named == [
+        "     ! rank 2 holds its windows to 9 of 32 slots a core: its host caps UDP receive "
+        "buffers (net.core.rmem_max, workers not root). There: sysctl -w net.core.rmem_max="
+        "67108864 net.core.wmem_max=67108864",
+        "     ! ranks 0,3 hold their windows to 21 of 32 slots a core: their hosts cap UDP "
+        "receive buffers (net.core.rmem_max, workers not root). There: sysctl -w net.core."
+        "rmem_max=67108864 net.core.wmem_max=67108864"]
+    assert held_windows(job) == [(9, [2]), (21, [0, 3])]
+    assert " windows to " not in render_status(snapshot | {"jobs": [job | {"windows_held": {}}]})
 
 
 def test_one_job_is_shown_in_an_operators_words() -> None:

@@ -24,8 +24,10 @@ from reduction_appliance.client import (
 from reduction_appliance.control.apiclient import UnixApi
 from reduction_appliance.control.ctl import render_status
 from reduction_appliance.deploy.testnet.harness import local_daemon
+from reduction_appliance.plugin import rendezvous
 from reduction_appliance.plugin.rendezvous import leave
 from reduction_appliance.plugin.rtt import Timing
+from reduction_appliance.plugin.transport import UdpWorkerTransport
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow  # a real daemon and its data-plane process: seconds
@@ -229,6 +231,32 @@ def test_a_rank_that_splits_the_slots_otherwise_is_refused_at_its_join() -> None
         with ApplianceClient([info], 0, local_address="127.0.0.1", lanes=2), \
                 pytest.raises(RendezvousError, match=refusal):
             ApplianceClient([info], 1, local_address="127.0.0.1", lanes=1)
+
+
+def test_a_small_receive_buffer_holds_the_windows_and_the_operator_sees_it() -> None:
+    """A worker that is not root gets the receive buffer net.core.rmem_max allows: its
+    windows are held to what the buffer takes (plugin/hostchecks.py), it still reduces
+    exactly, and it says so as it joins, so the appliance's status names it. A window the
+    appliance would not believe is refused at the join."""
+    with local_daemon(_config()) as daemon:
+        info = register(daemon.api, "held", world_size=1, secret="secret-of-the-test")
+        udp = UdpWorkerTransport("127.0.0.1")
+        udp.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        with ApplianceClient([info], 0, transport=udp) as client:
+            slots = client.endpoints[0].slots
+            assert client.window_cap is not None and client.window_cap < slots
+            assert client.pipeline.window is not None
+            assert client.pipeline.window.limit == [client.window_cap]
+            data = np.arange(300_000, dtype=np.float32)
+            assert np.array_equal(client.allreduce(data.copy()), data)
+            (job,) = UnixApi(daemon.unix_socket).get("/v1/status")["jobs"]
+            assert job["windows_held"] == {"0": client.window_cap}
+            assert (f"! rank 0 holds its windows to {client.window_cap} of {slots} slots a core"
+                    in render_status(UnixApi(daemon.unix_socket).get("/v1/status")))
+        other = register(daemon.api, "told", world_size=1, secret="secret-of-the-test")
+        with pytest.raises(RendezvousError, match="400 .*window_cap must be an integer in "
+                                                  r"1\.\.65536, got 0"):
+            rendezvous.join(other, 0, ("127.0.0.1", 40000), window_cap=0)
 
 
 def test_a_second_thread_driving_a_client_is_refused_naming_both() -> None:

@@ -8,12 +8,9 @@ import socket
 import pytest
 
 from reduction_appliance.plugin.hostchecks import buffer_window
-from reduction_appliance.plugin.session import Endpoint
 from reduction_appliance.plugin.transport import UdpWorkerTransport
 
 SEGMENT = 8896
-CORES = (Endpoint(("198.18.0.1", 7000), 5, 77, 32, "core 0"),
-         Endpoint(("198.18.0.1", 7001), 5, 77, 32, "core 1"))
 
 
 def transport_with_buffer(nbytes: int | None) -> UdpWorkerTransport:
@@ -32,8 +29,8 @@ def test_a_stock_hosts_receive_buffer_holds_the_windows_and_says_how_to_raise_it
             pytest.skip(f"this kernel granted {udp.receive_buffer} bytes for 212992 asked "
                         "(net.core.rmem_max below its default)")
         with caplog.at_level(logging.WARNING):
-            assert buffer_window(udp, CORES, SEGMENT, 3) == 21
-            assert buffer_window(udp, CORES, SEGMENT, 3) == 21
+            assert buffer_window(udp, 32, 2, SEGMENT, 3) == 21
+            assert buffer_window(udp, 32, 2, SEGMENT, 3) == 21
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1, said  # once per process
     assert said[0].startswith("rank 3: this host gives UDP sockets 416 KiB of receive buffer "
@@ -50,4 +47,4 @@ def test_a_tuned_hosts_buffer_leaves_the_windows_alone() -> None:
         except PermissionError:
             pytest.skip("forcing a receive buffer past net.core.rmem_max needs root "
                         "(CAP_NET_ADMIN)")
-        assert buffer_window(udp, CORES, SEGMENT, 0) is None
+        assert buffer_window(udp, 32, 2, SEGMENT, 0) is None

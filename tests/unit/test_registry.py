@@ -78,6 +78,18 @@ def test_a_job_ends_when_nobody_is_left_joined_though_not_every_rank_came() -> N
     assert reg.find("b") is None
 
 
+def test_the_windows_ranks_hold_are_kept_while_they_are_joined() -> None:
+    """What a worker says of its receive buffer as it joins (plugin/hostchecks.py) is shown
+    while it is joined: replaced when it joins again, gone when it leaves."""
+    reg = registry()
+    job = admit(reg, "held", world=2)
+    reg.join(job, 0, SECRET, at(0), window_cap=21)
+    assert reg.join(job, 1, SECRET, at(1)).windows_held == {0: 21}
+    assert reg.join(job, 0, SECRET, at(0, 40001), rejoin=True).windows_held == {}
+    reg.join(job, 1, SECRET, at(1, 40002), rejoin=True, window_cap=9)
+    assert reg.leave(job, 1, SECRET).windows_held == {}
+
+
 def test_a_second_process_claiming_a_joined_rank_is_refused_naming_both() -> None:
     reg = registry()
     job = admit(reg, "a", world=2)
