@@ -18,11 +18,13 @@ their windows; the others kept theirs whole, and each round's first burst overfl
 again (tests/unit/test_congestion.py).
 
 The window. It starts at the job's whole window (the core's slots), so a clean path with a
-fat uplink runs exactly as without it. A sample longer than the `target` round trip cuts the
-window in proportion to the excess, by at most `max_decrease`; an echoed mark, which carries
-no measure of the excess, by `mark_decrease`; either at most once per round trip. Every answer
-while no queue stands grows it by 1/window (one segment per round trip). Random loss does not
-cut it: a loss is no queue, and 1% loss must keep 70% of the lossless throughput.
+fat uplink runs exactly as without it; or at what the worker's receive buffer holds, where
+that is less (`fitting_window`), and never grows past it. A sample longer than the `target`
+round trip cuts the window in proportion to the excess, by at most `max_decrease`; an echoed
+mark, which carries no measure of the excess, by `mark_decrease`; either at most once per
+round trip. Every answer while no queue stands grows it by 1/window (one segment per round
+trip). Random loss does not cut it: a loss is no queue, and 1% loss must keep 70% of the
+lossless throughput.
 
 Deadlock freedom (plugin/session.py applies the gate): a slot completes only once every rank
 sent its segment, so two ranks that filled their windows with different segments would wait
@@ -50,7 +52,8 @@ _CHARGE_COALESCED = 1.1
 
 @dataclass(frozen=True)
 class Congestion:
-    """The window's policy; `enabled=False` keeps every core's window at its slots."""
+    """The window's policy; `enabled=False` keeps every core's window at its ceiling (the
+    slots, or what the receive buffer holds)."""
 
     enabled: bool = True
     # A completer's round trip longer than this means a queue stands on the path. An absolute

@@ -77,7 +77,7 @@ class PathTarget:
 
 @dataclass
 class Verdict:
-    """What came back from one appliance, as IP datagram sizes (what an MTU bounds)."""
+    """What came back from one appliance core, as IP datagram sizes (what an MTU bounds)."""
 
     target: PathTarget
     up_ok: list[int] = field(default_factory=list)  # sizes that reached the appliance
