@@ -14,7 +14,9 @@
                                      unicast fan-out from now on (a rank hears no multicast)
     POST   /v1/jobs/ID/connect      {"rank", "secret", "address", "queue_pairs"}
                                     -> {"address", "queue_pairs"}: a RoCE job's queue pairs
-    POST   /v1/jobs/ID/abort        -> the job, now aborted (its workers are told)
+    POST   /v1/jobs/ID/abort        -> the job, now aborted (its workers are told); a rank
+                                     aborting it sends {"rank", "secret", "reason"}, and its
+                                     peers are told the reason
     DELETE /v1/jobs/ID              -> same as abort
     GET    /v1/status               -> the whole appliance (control.snapshot)
     GET    /metrics                 -> Prometheus text
@@ -98,8 +100,9 @@ def _route(method: str, path: str) -> _Route | Response:
         if path == "/v1/jobs":
             return _Route(lambda app, r: Response.json(200, app.create_job(
                 json_object(r.body)).to_json()), needs_body=True)
-        if action == "abort":
-            return _Route(lambda app, _: Response.json(200, app.abort(job_id).to_json()))
+        if action == "abort":  # an operator's (no body) or a rank's, saying why
+            return _Route(lambda app, r: Response.json(200, app.abort(
+                job_id, json_object(r.body) if r.body else None).to_json()))
         if action == "connect":
             return _Route(lambda app, r: Response.json(200, app.connect(
                 job_id, json_object(r.body))), needs_body=True)

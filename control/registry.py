@@ -31,7 +31,8 @@ Job states and the events that move them (anything else raises `IllegalTransitio
     CREATED   leave (last) DONE       nobody is left joined: the job is removed (a registrant
     ACTIVE    leave (last) DONE       withdrawing, ranks that left before the rest came, or
                                       the job's normal end)
-    CREATED   abort        ABORTED    operator or shutdown; workers are told, job removed
+    CREATED   abort        ABORTED    operator, shutdown, or a rank that cannot go on (its
+                                      path too narrow); workers are told why, job removed
     ACTIVE    abort        ABORTED
     CREATED   idle         EVICTED    no datagram for jobs.idle_timeout_s, or every joined
     ACTIVE    idle         EVICTED    rank silent for twice jobs.liveness_timeout_s; removed
@@ -432,8 +433,12 @@ class Registry:
         self._record(plan)
         return plan
 
-    def abort(self, job_id: int) -> JobPlan:
-        plan = self._move(job_id, JobEvent.ABORT)
+    def abort(self, job_id: int, rank: int | None = None, secret: str | None = None) -> JobPlan:
+        """Remove the job: an operator's abort, or with `rank` and `secret` one of its ranks'
+        (one that found the job cannot go on: a path narrower than its datagrams)."""
+        plan = self._move(job_id, JobEvent.ABORT, secret)
+        if rank is not None and not 0 <= rank < plan.spec.world_size:
+            raise BadRequest(f"rank {rank} outside world size {plan.spec.world_size}")
         self._record(plan)
         return plan
 

@@ -269,12 +269,20 @@ class Appliance:
                 with contextlib.suppress(ReductionError):  # a core that died again catches up
                     self.supervisor.update_job(moved.spec)
 
-    def abort(self, job_id: int) -> JobDescription:
-        """Remove the job; its workers are told (ABORTED) and fail at once."""
+    def abort(self, job_id: int, body: dict[str, Any] | None = None) -> JobDescription:
+        """Remove the job; its workers are told (ABORTED) and fail at once, saying why. With a
+        `body` ({"rank", "secret", "reason"}) one of its ranks aborts it: a rank that found
+        the job cannot go on tells its peers why at once, where a leave would only say that
+        it left."""
+        why = f"an operator's abort: reductionctl abort {job_id} or DELETE /v1/jobs/{job_id}"
+        rank = secret = None
+        if body is not None:
+            rank = bodies.integer(body, "rank")
+            secret = bodies.string(body, "secret")
+            why = f"at rank {rank}'s request: {bodies.string(body, 'reason')}"
         with self._lock:
-            plan = self.registry.abort(job_id)
-            self.supervisor.remove_job(job_id, abort=f"an operator's abort: reductionctl abort "
-                                       f"{job_id} or DELETE /v1/jobs/{job_id}")
+            plan = self.registry.abort(job_id, rank, secret)
+            self.supervisor.remove_job(job_id, abort=why)
             self._release_roce(job_id)
         return plan.describe(self.cfg)
 

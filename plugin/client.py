@@ -26,24 +26,15 @@ from numpy.typing import NDArray
 
 from reduction_appliance.dataplane.errors import ApplianceSilent, PeerError, ReductionError
 from reduction_appliance.dataplane.transport import Address
-from reduction_appliance.dataplane.wire import (
-    HEADER_SIZE,
-    DType,
-    Header,
-    Kind,
-    Op,
-    pack_into,
-    peek_kind,
-    unpack_silent,
-)
+from reduction_appliance.dataplane.wire import Header, Kind, Op, peek_kind, unpack_silent
 
 from . import rendezvous
 from .arguments import check_array, dtype_of, op_of
 from .congestion import Congestion
 from .hostchecks import buffer_window, fragmenting_routes, say_refusals
-from .lease import Lease
-from .multicast_watch import MulticastWatch
-from .pathprobe import check_paths
+from .lease import Lease, heartbeat
+from .multicast_watch import MulticastWatch, ask_unicast
+from .pathprobe import STALL_S, PathWatch, abort_jobs, check_paths, narrow_error, targets_of
 from .pipeline import Outcome, RoundPipeline
 from .rendezvous import JobInfo
 from .rtt import RttEstimator, Timing
@@ -54,7 +45,6 @@ from .transport import Outgoing, UdpWorkerTransport, WorkerTransport, decode_eac
 __all__ = ["ApplianceClient", "dtype_of", "op_of"]  # (the last two from plugin.arguments)
 
 _log = logging.getLogger(__name__)
-RELIABLE_RTO_S = 1.0  # first retransmission timeout over a reliable transport (RoCE)
 
 
 _new_tuple = tuple.__new__
@@ -173,14 +163,7 @@ class ApplianceClient:
                     raise
         timing = timing or Timing(deadline=min(j.deadline_s for j in self.jobs))
         if self.transport.reliable:
-            # RC loses nothing in transit: a timer only repairs what the appliance dropped on
-            # purpose (a full queue), so it starts long and never fires at a large segment that
-            # is merely slow to serialise; samples still bring it down to the path's RTT.
-            # A silent core is busy, not unlucky: its timers back off all the way.
-            rto_max = max(timing.rto_max, 5 * RELIABLE_RTO_S)
-            timing = replace(timing, rto_initial=max(timing.rto_initial, RELIABLE_RTO_S),
-                             rto_min=max(timing.rto_min, RELIABLE_RTO_S / 5),
-                             rto_max=rto_max, silent_query_gap=rto_max)
+            timing = timing.reliable()
         self.rtt = RttEstimator(timing)
         liveness = min(j.liveness_s for j in self.jobs)
         self.pipeline = RoundPipeline(self.endpoints, rank, self.world_size, self.segment_bytes,
@@ -191,7 +174,6 @@ class ApplianceClient:
                                       window_cap=self.window_cap)
         self._appliance_of = {e.address: e.appliance for e in self.endpoints}
         self._beat_to = [(j.cores[0].host, j.cores[0].port) for j in self.jobs]
-        self._beat_header = bytearray(HEADER_SIZE)
         self.repairs = Repairs()  # the retransmissions of its rounds, by what sent each one
         # round -> its caller's array as bytes. A memoryview: slice assignment from the
         # transport's buffer is a plain memcpy (a numpy slice assigned from a memoryview took
@@ -214,6 +196,11 @@ class ApplianceClient:
         self._multicast_watch = (
             (MulticastWatch(rank, groups, local_address), self.transport)
             if groups and isinstance(self.transport, UdpWorkerTransport) else None)
+        #: probes the paths again when the rounds stall: a link may narrow under the job
+        self._path_watch = (PathWatch(lambda: targets_of(self.jobs, rank), self.segment_bytes)
+                            if probe_path and isinstance(self.transport, UdpWorkerTransport)
+                            else None)
+        self._watch_at = math.inf  # when to look at it next
         if lease:
             self._lease = Lease(self.heartbeat, self._beat_s, f"reduction-lease-{rank}")
 
@@ -227,12 +214,7 @@ class ApplianceClient:
         seq = self.pipeline.heartbeat_seq + 1
         self.pipeline.heartbeat_seq = seq
         for job, dest in zip(self.jobs, self._beat_to, strict=True):
-            assert job.cookie is not None
-            header = bytearray(HEADER_SIZE)
-            pack_into(header, Header(Kind.HEARTBEAT, DType.FLOAT32, Op.SUM, 0, job.job_id,
-                                     self.rank, job.cookie, seq % 2**32, 0, 0, 0, 0,
-                                     self.pipeline.epoch))
-            self.transport.send_raw(bytes(header), dest)
+            self.transport.send_raw(heartbeat(job, self.rank, seq, self.pipeline.epoch), dest)
 
     def resync(self) -> None:
         """Move the job to a new epoch at every appliance (after `JobDiverged`: every rank
@@ -342,6 +324,8 @@ class ApplianceClient:
             # replaced) would fail the round. (Back-to-back calls skip this syscall.)
             self.transport.receive(self._on_datagram, self._on_run)
         round_no = pipeline.submit(dtype, op_of(op), array.nbytes)
+        if self._path_watch is not None and self._watch_at == math.inf:
+            self._watch_at = self._clock() + STALL_S  # (not sooner: see `_watch_path`)
         self._views[round_no] = array.reshape(-1).view(np.uint8).data
         return round_no
 
@@ -389,7 +373,9 @@ class ApplianceClient:
         if wake_at <= self._clock():
             self._send_due()
             wake_at = pipeline.wakeup()
-        wait = wake_at - self._clock()
+        if self._watch_at <= self._clock():
+            self._watch_path(self._clock())
+        wait = min(wake_at, self._watch_at) - self._clock()
         if timeout is not None:
             wait = min(wait, timeout)
         self.transport.wait(None if wait == math.inf else max(0.0, wait), wake)
@@ -416,17 +402,28 @@ class ApplianceClient:
         unheard = watch.round_ended(udp.heard_on_groups, outcome.repairs.total)
         if not unheard:
             return
-        asked = []
-        for i, job in enumerate(self.jobs):
-            if job.multicast is None:
-                continue
-            try:
-                self.jobs[i] = rendezvous.unicast(job, self.rank)
-                asked.append(f"{job.appliance}: results by unicast from now on")
-            except ReductionError as exc:  # the rounds go on as they went: said, not raised
-                asked.append(f"{job.appliance} could not be asked for unicast results ({exc})")
+        self.jobs, asked = ask_unicast(self.jobs, self.rank)
         _log.warning("%s. Asked the appliance: %s", unheard, "; ".join(asked))
         self._multicast_watch = None
+
+    def _watch_path(self, now: float) -> None:
+        """Probe the paths when the rounds stall (pathprobe.PathWatch); where one narrowed
+        under the job, abort it (its peers hear why at once) and fail its rounds for good.
+        Looked at when `_watch_at` comes, not every turn: its next probe is never sooner
+        (a turn's look cost 2 us, some 0.2 us per segment on a fast link)."""
+        watch = self._path_watch
+        assert watch is not None
+        quiet_since = self.pipeline.quiet_since()
+        if (verdicts := watch.outcome(now)) is None:
+            for dest, datagram in watch.due(now, quiet_since):
+                self.transport.send_raw(datagram, dest)
+            self._watch_at = watch.next_at(quiet_since)  # (inf with nothing in flight)
+            return
+        self._path_watch, self._watch_at = None, math.inf
+        abort_jobs(self.jobs, self.rank, verdicts, self.segment_bytes)
+        self._unclaimed.extend(self.pipeline.fail_all(narrow_error(
+            self.rank, verdicts, self.segment_bytes, stalled_s=now - (quiet_since or now)),
+            for_good=True))
 
     def _send_due(self) -> None:
         views = self._views
@@ -491,6 +488,8 @@ class ApplianceClient:
             pipeline.on_resync(h, source)
         elif h.kind is Kind.DIVERGED:
             pipeline.on_diverged(h, bytes(payload).decode(errors="replace"), source)
+        elif h.kind is Kind.PATH_ECHO and self._path_watch is not None:
+            self._path_watch.answered(h, source)
         elif h.kind is Kind.LIVENESS:
             try:
                 silent = unpack_silent(payload)

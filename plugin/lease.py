@@ -11,7 +11,21 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-__all__ = ["Lease"]
+from reduction_appliance.dataplane.wire import HEADER_SIZE, DType, Header, Kind, Op, pack_into
+
+from .rendezvous import JobInfo
+
+__all__ = ["Lease", "heartbeat"]
+
+
+def heartbeat(job: JobInfo, rank: int, seq: int, epoch: int) -> bytes:
+    """The HEARTBEAT datagram number `seq` of `rank` in a joined `job` (the answer, LIVENESS,
+    names the job's silent ranks: plugin/pipeline.py)."""
+    assert job.cookie is not None
+    header = bytearray(HEADER_SIZE)
+    pack_into(header, Header(Kind.HEARTBEAT, DType.FLOAT32, Op.SUM, 0, job.job_id, rank,
+                             job.cookie, seq % 2**32, 0, 0, 0, 0, epoch))
+    return bytes(header)
 
 
 class Lease:

@@ -16,9 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from reduction_appliance.dataplane.errors import ReductionError
+
+from . import rendezvous
+from .rendezvous import JobInfo
 from .session import Address
 
-__all__ = ["MulticastWatch"]
+__all__ = ["MulticastWatch", "ask_unicast"]
 
 # Finished rounds in a row that heard nothing on the group before it is called unreachable:
 # one lost multicast datagram makes a one-segment round look so; three in a row at 1% loss,
@@ -65,3 +69,19 @@ class MulticastWatch:
                    if self.joined_anywhere else "")
                 + ". Give the data VLAN an IGMP querier, or set the appliance's "
                 "multicast.enabled = false")
+
+
+def ask_unicast(jobs: Sequence[JobInfo], rank: int) -> tuple[list[JobInfo], list[str]]:
+    """Ask each appliance of a multicast job for its results by unicast from now on: the jobs
+    as they are then, and what each appliance answered, for the warning (a refusal is said,
+    not raised: the rounds go on as they went)."""
+    now_jobs, asked = [], []
+    for job in jobs:
+        if job.multicast is not None:
+            try:
+                job = rendezvous.unicast(job, rank)
+                asked.append(f"{job.appliance}: results by unicast from now on")
+            except ReductionError as exc:
+                asked.append(f"{job.appliance} could not be asked for unicast results ({exc})")
+        now_jobs.append(job)
+    return now_jobs, asked

@@ -25,6 +25,7 @@ of the jobs joined and leaves them where a path is narrow.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,8 +46,9 @@ from . import rendezvous
 from .rendezvous import JobInfo
 from .transport import WorkerTransport
 
-__all__ = ["BUDGET_S", "SILENT_S", "TRIES_FOR_VERDICT", "TRY_EVERY_S", "PathProbe", "PathTarget",
-           "Verdict", "check_paths", "probe_paths"]
+__all__ = ["BUDGET_S", "SILENT_S", "STALL_S", "TRIES_FOR_VERDICT", "TRY_EVERY_S", "PathProbe",
+           "PathTarget", "PathWatch", "Verdict", "abort_jobs", "check_paths", "narrow_error",
+           "probe_paths", "targets_of"]
 
 # Where Ethernet paths usually stop: IPv6's minimum, plain Ethernet, 4K frames, jumbo frames.
 COMMON_MTUS = (1280, 1500, 4096, 9000)
@@ -60,7 +62,9 @@ BUDGET_S = 3.0
 # tests) runs meanwhile without heartbeats, and the client's own diagnosis of the silence
 # (plugin/silence.py) asks the appliance before it evicts the job.
 SILENT_S = 0.5
-LEAVE_S = 2.0  # a rank whose path is narrow leaves its jobs within this (best effort)
+ABORT_S = 2.0  # a rank whose path is narrow aborts its jobs within this (best effort)
+# Rounds in flight without a result this long: probe the paths again (PathWatch).
+STALL_S = 1.0
 _OVERHEAD = HEADER_SIZE + IP_UDP_HEADERS  # a payload's datagram on the wire, less its payload
 
 
@@ -186,19 +190,18 @@ def _way(ok: Sequence[int], lost: Sequence[int]) -> str:
     return f"{min(lost)} B and more are lost ({arrive})"
 
 
-def narrow_error(rank: int, verdicts: Sequence[Verdict], payload_bytes: int) -> PathTooNarrow:
+def narrow_error(rank: int, verdicts: Sequence[Verdict], payload_bytes: int,
+                 stalled_s: float | None = None) -> PathTooNarrow:
     """What a user reads when paths drop the job's datagrams: which sizes passed each way (the
-    cores whose paths agree, together), which paths carry them whole, and the two ways out."""
+    cores whose paths agree, together), which paths carry them whole, and the two ways out.
+    `stalled_s`: found mid-job, after so long without a result (PathWatch)."""
     datagram = payload_bytes + _OVERHEAD
     alike: dict[tuple[tuple[int, ...], ...], list[str]] = {}
-    widest = datagram  # the largest size that passed every narrow way
     for v in verdicts:
         if v.narrow:
             sizes = (tuple(v.up_ok), tuple(v.up_lost), tuple(v.down_ok), tuple(v.down_lost))
             alike.setdefault(sizes, []).append(f"{v.target.dest[0]}:{v.target.dest[1]}")
-        for ok, lost in ((v.up_ok, v.up_lost), (v.down_ok, v.down_lost)):
-            if lost:
-                widest = min(widest, max(ok, default=0))
+    widest = _widest(verdicts, datagram)
     paths = []
     for (up_ok, up_lost, down_ok, down_lost), dests in alike.items():
         ways = []
@@ -217,44 +220,140 @@ def narrow_error(rank: int, verdicts: Sequence[Verdict], payload_bytes: int) -> 
             "(a member of an ECMP group or a LAG) has the smaller MTU." if whole else "")
     fit = (f"set the appliance's dataplane.mtu to {widest} (segments of {widest - _OVERHEAD} B)"
            if widest > _OVERHEAD else "find the link that drops them")
+    when = ("" if stalled_s is None else f" Found mid-job, {stalled_s:.1f} s without a "
+            "result: a link on the path changed since this rank joined.")
     return PathTooNarrow(
         f"rank {rank}: " + ". And ".join(paths) + "." + some + " A link between has a smaller "
         "MTU than both ends (a switch port left at 1500 on a jumbo-frame rack?): give every "
-        f"link on the path an MTU of at least {datagram}, or {fit}.")
+        f"link on the path an MTU of at least {datagram}, or {fit}.{when}")
+
+
+def _widest(verdicts: Sequence[Verdict], datagram: int) -> int:
+    """The largest size that passed every narrow way (0: none did)."""
+    widest = datagram
+    for v in verdicts:
+        for ok, lost in ((v.up_ok, v.up_lost), (v.down_ok, v.down_lost)):
+            if lost:
+                widest = min(widest, max(ok, default=0))
+    return widest
+
+
+def reason_for_peers(verdicts: Sequence[Verdict], payload_bytes: int) -> str:
+    """Why a narrow rank aborts its jobs, as its peers read it (the API takes 256
+    characters: the whole story is in the narrow rank's own error)."""
+    datagram = payload_bytes + _OVERHEAD
+    widest = _widest(verdicts, datagram)
+    passing = f" while {widest} B ones pass" if widest > _OVERHEAD else ""
+    return (f"its path to the appliance loses this job's {datagram} B datagrams{passing} (a "
+            "link between has a smaller MTU than both ends); that rank's error says what to "
+            "change")
+
+
+def targets_of(jobs: Sequence[JobInfo], rank: int) -> list[PathTarget]:
+    """Every core of the `jobs` this rank has joined: each is probed apart (its port may hash
+    onto another member of an ECMP group or a LAG)."""
+    targets: list[PathTarget] = []
+    for job in jobs:
+        assert job.cookie is not None
+        targets.extend(PathTarget((core.host, core.port), job.job_id, rank, job.cookie,
+                                  job.epoch) for core in job.cores)
+    return targets
+
+
+def abort_jobs(jobs: Sequence[JobInfo], rank: int, verdicts: Sequence[Verdict],
+               payload_bytes: int) -> None:
+    """Abort `jobs` as `rank`, whose paths drop their datagrams (best effort, `ABORT_S`
+    each): its peers fail at once saying why, where they would wait out their deadline for
+    this rank's datagrams, or (had it left) hear only that it left."""
+    reason = reason_for_peers(verdicts, payload_bytes)
+    for job in jobs:
+        with contextlib.suppress(ReductionError):
+            rendezvous.abort(job, rank, reason, timeout_s=ABORT_S)
 
 
 def probe_paths(transport: WorkerTransport, targets: Sequence[PathTarget], payload_bytes: int,
-                rank: int, clock: Callable[[], float] = time.monotonic) -> list[Verdict]:
-    """Probe every target's path; raise `PathTooNarrow` if one drops the job's datagrams.
-    Returns the verdicts ([] when nothing could be said within `BUDGET_S`). Anything else
-    that arrives meanwhile is dropped: before the first allreduce nothing else is due."""
+                clock: Callable[[], float] = time.monotonic) -> list[Verdict]:
+    """Probe every target's path; the verdicts ([] when nothing could be said within
+    `BUDGET_S`). Anything else that arrives meanwhile is dropped: before the first allreduce
+    nothing else is due."""
     probe = PathProbe(targets, payload_bytes, clock())
     while (verdicts := probe.outcome(clock())) is None:
         for dest, datagram in probe.due(clock()):
             transport.send_raw(datagram, dest)
         transport.wait(max(0.0, probe.next_at() - clock()))
         transport.receive(lambda h, _payload, source: probe.answered(h, source))
-    if any(v.narrow for v in verdicts):
-        raise narrow_error(rank, verdicts, payload_bytes)
     return verdicts
 
 
 def check_paths(transport: WorkerTransport, jobs: Sequence[JobInfo], rank: int,
                 payload_bytes: int) -> list[Verdict]:
-    """Probe the path to every core of the `jobs` this rank has joined (each core apart: its
-    port may hash onto another member of an ECMP group or a LAG). Where one is narrow, leave
-    the jobs, then raise `PathTooNarrow`: no client comes of this join, so nobody else would
-    leave for this rank, and its peers hear at once that it left, not after the liveness
-    timeout (best effort: the error about the path is the one to raise)."""
-    targets: list[PathTarget] = []
-    for job in jobs:
-        assert job.cookie is not None
-        targets.extend(PathTarget((core.host, core.port), job.job_id, rank, job.cookie,
-                                  job.epoch) for core in job.cores)
-    try:
-        return probe_paths(transport, targets, payload_bytes, rank)
-    except PathTooNarrow:
-        for job in jobs:
-            with contextlib.suppress(ReductionError):
-                rendezvous.leave(job, rank, timeout_s=LEAVE_S)
-        raise
+    """Probe the path to every core of the `jobs` this rank has joined. Where one is narrow,
+    abort the jobs, then raise `PathTooNarrow` (best effort: the error about the path is the
+    one to raise). Its peers cannot finish a round without this rank's datagrams."""
+    verdicts = probe_paths(transport, targets_of(jobs, rank), payload_bytes)
+    if any(v.narrow for v in verdicts):
+        abort_jobs(jobs, rank, verdicts, payload_bytes)
+        raise narrow_error(rank, verdicts, payload_bytes)
+    return verdicts
+
+
+class PathWatch:
+    """Probes again mid-job (sans-I/O): a switch port reconfigured under a running job, or a
+    path failed over to a link of smaller MTU (a LAG member, a backup route), drops every
+    datagram of the job from then on while heartbeats pass, and the job used to wait out its
+    deadline (60 s) blaming the rank behind it. When this rank's rounds have taken no result
+    for `STALL_S`, the watch probes its paths as at join (`PathProbe`, alongside the rounds),
+    and a path found narrow is probed again at once to confirm it; after a sound verdict the
+    next probe of the same stall starts twice as far into it (1, 2, 4, ... s), and a result
+    starts over. Cheap where nothing is wrong: a probe is a round trip of a few datagrams per
+    core, and a stall is usually a slow peer."""
+
+    def __init__(self, targets: Callable[[], list[PathTarget]], payload_bytes: int) -> None:
+        self._targets = targets  # (asked at each probe: the epoch moves)
+        self._payload_bytes = payload_bytes
+        self._probe: PathProbe | None = None
+        self._stall = -1.0  # since when the stall probed last went without results
+        self._gap = STALL_S  # how long into that stall the next probe starts
+        self.probes = 0  # started (for tests and reports)
+        self._suspect = False  # the last probe found a path narrow: this one confirms it
+
+    def _gap_in(self, quiet_since: float) -> float:
+        return self._gap if quiet_since == self._stall else STALL_S
+
+    def next_at(self, quiet_since: float | None) -> float:
+        """When `due` next has something to send, given since when the rounds in flight have
+        taken no result (None: no round in flight)."""
+        if self._probe is not None:
+            return self._probe.next_at()
+        return math.inf if quiet_since is None else quiet_since + self._gap_in(quiet_since)
+
+    def due(self, now: float, quiet_since: float | None) -> list[tuple[Address, bytes]]:
+        if self._probe is None:
+            if quiet_since is None or now < self.next_at(quiet_since):
+                return []
+            self._gap, self._stall = self._gap_in(quiet_since), quiet_since
+            self._probe = PathProbe(self._targets(), self._payload_bytes, now)
+            self.probes += 1
+        return self._probe.due(now)
+
+    def answered(self, h: Header, source: Address) -> None:
+        if self._probe is not None:
+            self._probe.answered(h, source)
+
+    def outcome(self, now: float) -> list[Verdict] | None:
+        """The verdicts of a probe that just ended, if any were narrow and a second probe
+        started at once agreed; else None. (Mid-job the job is aborted on them: one look could
+        be a receive buffer that stayed too full for large datagrams through every try.)"""
+        if self._probe is None or (verdicts := self._probe.outcome(now)) is None:
+            return None
+        self._probe = None
+        if not any(v.narrow for v in verdicts):
+            self._suspect = False
+            self._gap *= 2
+            return None
+        if self._suspect:
+            return verdicts
+        self._suspect = True
+        self._probe = PathProbe(self._targets(), self._payload_bytes, now)
+        self.probes += 1
+        return None

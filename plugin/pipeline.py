@@ -170,6 +170,7 @@ class RoundPipeline:
         self._heard = [0.0] * appliances  # when each appliance last sent us anything
         self._silent_ranks: dict[int, RankSilent] = {}  # appliance -> why a rank is dead
         self._silent_appliances: dict[int, str] = {}  # appliance -> why we think it is dead
+        self._broken: ReductionError | None = None  # fails every round from now on
         self.heartbeat_seq = 0  # the newest HEARTBEAT sent; older answers are stale
         self.submitted = 0
         self.most_in_flight = 0  # high-water mark: evidence that rounds really overlapped
@@ -207,12 +208,19 @@ class RoundPipeline:
     def in_flight(self) -> int:
         return len(self._active)
 
+    def quiet_since(self) -> float | None:
+        """Since when the rounds in flight have taken no result (None: none in flight)."""
+        return max((rnd.result_at for rnd in self._active.values()), default=None)
+
     def _start_queued(self, now: float) -> None:
         while self._queued:
             lane = self._next_round % self.lanes
             if self._busy[lane] is not None:
                 return  # strictly in order: later rounds wait behind this one
             req = self._queued.popleft()
+            if self._broken is not None:
+                self._finished.append(Outcome(req.ticket, type(self._broken)(str(self._broken))))
+                continue
             if self._diverged is not None:
                 self._finished.append(Outcome(req.ticket, JobDiverged(self._diverged)))
                 continue
@@ -462,8 +470,11 @@ class RoundPipeline:
         out, self._finished = self._finished, []
         return out
 
-    def fail_all(self, error: ReductionError) -> list[Outcome]:
-        """End every queued and active round with `error` (the transport is going away)."""
+    def fail_all(self, error: ReductionError, *, for_good: bool = False) -> list[Outcome]:
+        """End every queued and active round with `error` (the transport is going away);
+        `for_good`: and every round started later (the job cannot go on)."""
+        if for_good:
+            self._broken = error
         for rnd in list(self._active.values()):
             self._finish(rnd, error)
         while self._queued:

@@ -421,6 +421,18 @@ def appliance_status(info: JobInfo, timeout_s: float = 3.0) -> object:
                      unreachable_is_final=True)
 
 
+def abort(info: JobInfo, rank: int, reason: str, timeout_s: float = 2.0) -> None:
+    """Abort the job as `rank`, which found that it cannot go on: its peers fail at once
+    with JobAborted saying `reason` (at most 256 characters; cut to fit), where a leave would
+    only tell them it left. A refused connection is final at once; a job already gone is
+    done."""
+    reply = _call_raw(info.appliance, "POST", f"/v1/jobs/{info.job_id}/abort",
+                      {"rank": rank, "secret": info.secret or "", "reason": reason[:256]},
+                      info.token, timeout_s, unreachable_is_final=True, gone_after_retry=True)
+    if reply is not None:
+        _job_of(info.appliance, reply)
+
+
 def leave(info: JobInfo, rank: int, timeout_s: float = 10.0) -> None:
     """Tell the appliance this rank is done; the last rank's leave frees the job's slots.
     Where an attempt's answer is lost (a busy appliance) and the repeated attempt finds the

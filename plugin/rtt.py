@@ -4,9 +4,11 @@ carried from round to round by the client. Sans-I/O: times are passed in."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-__all__ = ["RttEstimator", "Timing"]
+__all__ = ["RELIABLE_RTO_S", "RttEstimator", "Timing"]
+
+RELIABLE_RTO_S = 1.0  # first retransmission timeout over a reliable transport (RoCE)
 
 
 @dataclass(frozen=True)
@@ -19,6 +21,17 @@ class Timing:
     # segments are asked after this often, since over datagrams a lost answer is likelier than
     # a dead core (plugin.session's `due`)
     silent_query_gap: float = 0.025
+
+    def reliable(self) -> Timing:
+        """The timing over a reliable transport (RoCE's RC). It loses nothing in transit: a
+        timer only repairs what the appliance dropped on purpose (a full queue), so it starts
+        long and never fires at a large segment that is merely slow to serialise; samples
+        still bring it down to the path's RTT. A silent core is busy, not unlucky: its timers
+        back off all the way."""
+        rto_max = max(self.rto_max, 5 * RELIABLE_RTO_S)
+        return replace(self, rto_initial=max(self.rto_initial, RELIABLE_RTO_S),
+                       rto_min=max(self.rto_min, RELIABLE_RTO_S / 5), rto_max=rto_max,
+                       silent_query_gap=rto_max)
 
 
 @dataclass

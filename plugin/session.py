@@ -476,6 +476,11 @@ class AllreduceRound(RoundAnswers, Overtaking):
             return
         raise AllreduceTimeout(self.describe_stall(now))
 
+    @property
+    def result_at(self) -> float:
+        """When the latest result was taken (the round's start until one was)."""
+        return self._result_at
+
     def describe_stall(self, now: float) -> str:
         cores = stalled_cores([ep.name for ep in self.endpoints], self._done,
                               {e: bitmap for e, (_, bitmap) in self._pending.items()},

@@ -59,7 +59,7 @@ class _Appliance:
             with self._lock:
                 self.inside -= 1
 
-    def abort(self, job_id: int) -> _Described:
+    def abort(self, job_id: int, body: dict[str, Any] | None = None) -> _Described:
         return _Described({"job_id": job_id, "state": "aborted"})
 
 

@@ -68,7 +68,7 @@ class _Stub:
     def __init__(self, error: Exception) -> None:
         self.error = error
 
-    def create_job(self, body: dict[str, Any]) -> Any:
+    def create_job(self, *_: Any) -> Any:
         raise self.error
 
     job = abort = create_job

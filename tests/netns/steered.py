@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from reduction_appliance.deploy.testnet.harness import ApplianceProcess, LabNetwork
+from tests.waiting import wait_until
 
 HERE = Path(__file__).resolve().parent
 SIZE = 64 * 1024
@@ -93,6 +94,16 @@ class Job:
     def close(self) -> None:
         for r in self.ranks:
             r.quit()
+
+
+def start_a_long_run(job: Job, appliance: ApplianceProcess, size: int = 1 << 20) -> None:
+    """Every rank starts a run long enough to be cut in the middle; returns once it is under
+    way (the appliance is reducing)."""
+    for rank in job.ranks:
+        rank.send(f"run 1000 {size}")
+    reduced = appliance.counters()["segments_reduced"]
+    wait_until(lambda: appliance.counters()["segments_reduced"] > reduced + 100, 30,
+               what="the long run under way")
 
 
 def all_exact(reports: list[dict[str, Any]]) -> bool:

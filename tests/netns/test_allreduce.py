@@ -22,10 +22,16 @@ from reduction_appliance.deploy.testnet.harness import (
     worker_argv,
 )
 
+from .steered import Job, all_exact, start_a_long_run
+
 pytestmark = pytest.mark.slow  # real daemons and worker processes: seconds each
 
 
 SIZES_1K_TO_64M = "1KiB,64KiB,1MiB,64MiB"
+# What a narrow rank's peers read (pathprobe.reason_for_peers), on a jumbo rack with a 1500 link
+PEERS_READ = ("its path to the appliance loses this job's 8972 B datagrams while 1500 B ones "
+              "pass (a link between has a smaller MTU than both ends); that rank's error says "
+              "what to change")
 
 
 def reduce_on_rack(
@@ -199,8 +205,8 @@ def test_a_switch_port_narrower_than_the_hosts_is_named_at_join_and_its_mtu_work
     """Jumbo frames on every host, one switch port left at 1500: the switch drops every full
     datagram to and from rank 2 without a word, while heartbeats pass. The job once waited out
     its 60 s deadline and then blamed rank 2, whose contributions had all left. Rank 2 now
-    names the path at join, with the sizes that pass, and leaves the job, so its peers hear
-    at once that it left; and the MTU it advises works on that rack."""
+    names the path at join, with the sizes that pass, and aborts the job, so its peers hear
+    at once why; and the MTU it advises works on that rack."""
     with LabNetwork.rack(3) as net:
         topology = net.lab.topology
         subprocess.run(["ip", "-n", topology.switch_netns, "link", "set",
@@ -219,11 +225,45 @@ def test_a_switch_port_narrower_than_the_hosts_is_named_at_join_and_its_mtu_work
                 "while 76 B ones pass both ways: to the appliance, 4096 B and more are lost "
                 "(1280 and 1500 B arrive); from it, the same.") in text, text
         assert "set the appliance's dataplane.mtu to 1500 (segments of 1424 B)" in text
-        for rank in (0, 1):  # told at once: rank 2 left the job before it raised
-            assert f"rank {rank}: RankLeft: rank 2 (198.18.0.103:" in text, text
+        for rank in (0, 1):  # told at once: rank 2 aborted the job before it raised
+            assert f"rank {rank}: JobAborted: appliance 198.18.0.1:7070 core " in text, text
+        assert text.count(f"(at rank 2's request: {PEERS_READ})") == 2, text
         with start_appliance(net, mtu=1500) as appliance:
             argv = worker_argv(net, appliance.api, 3, "advised", ["--sizes", "64KiB,1MiB"])
             assert_all_exact(run_workers(net, argv, timeout_s=120), 2)
+
+
+def test_a_switch_port_narrowed_under_a_running_job_is_named_and_the_peers_told_why(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The port under rank 2 set to 1500 while the job runs (what a LAG member or a backup
+    link of a smaller MTU does when it takes over): from then on the switch drops every full
+    datagram to and from rank 2, and heartbeats pass. The job once waited out its deadline
+    and then blamed rank 2. Now rank 2's rounds stall, it probes its paths again, names the
+    narrow one and aborts the job: every rank fails within seconds, saying why."""
+    with LabNetwork.rack(3) as net, start_appliance(net) as appliance:
+        job = Job(net, appliance, "narrowed", 3)
+        try:
+            assert all_exact(job.run(2, 1 << 20))
+            start_a_long_run(job, appliance)
+            narrowed_at = time.monotonic()
+            subprocess.run(["ip", "-n", net.lab.topology.switch_netns, "link", "set",
+                            net.lab.topology.port_ifname("w2"), "mtu", "1500"], check=True)
+            reports = [rank.next(timeout=60) for rank in job.ranks]
+        finally:
+            job.close()
+    first = [report["failures"][0] for report in reports]
+    assert first[2].startswith(
+        "PathTooNarrow: rank 2: the paths between this host and appliance cores "
+        "198.18.0.1:7000, 198.18.0.1:7001 lose this job's datagrams (8972 B"), first[2]
+    assert "Found mid-job" in first[2] and "a link on the path changed" in first[2], first[2]
+    for said in first[:2]:
+        assert said.startswith("JobAborted: appliance 198.18.0.1:7070 core "), said
+        assert f"(at rank 2's request: {PEERS_READ})" in said, said
+    took = [report["first_failure"] - narrowed_at for report in reports]
+    assert max(took) < 10, took  # the deadline is 20 s; the stall, 1 s, and a probe, 0.8 s
+    with capsys.disabled():
+        print(f"\nport narrowed under the job: each rank failed after "
+              f"{', '.join(f'{t:.2f}' for t in took)} s")
 
 
 def test_segments_spread_over_two_appliances() -> None:

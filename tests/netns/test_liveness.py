@@ -13,28 +13,17 @@ from typing import Any
 import pytest
 
 from reduction_appliance.deploy.testnet.harness import (
-    ApplianceProcess,
     LabNetwork,
     start_appliance,
 )
 from tests.waiting import wait_until
 
-from .steered import Job, all_exact
+from .steered import Job, all_exact, start_a_long_run
 
 pytestmark = pytest.mark.slow  # real daemons and worker processes: seconds each
 
 LIVENESS_S = 3.0
 MIB = 1 << 20
-
-
-def start_a_long_run(job: Job, appliance: ApplianceProcess) -> None:
-    """Every rank starts a run long enough to be cut in the middle; returns once it is under
-    way (the appliance is reducing)."""
-    for rank in job.ranks:
-        rank.send(f"run 1000 {MIB}")
-    reduced = appliance.counters()["segments_reduced"]
-    wait_until(lambda: appliance.counters()["segments_reduced"] > reduced + 100, 30,
-               what="the long run under way")
 
 
 def assert_named_within_the_bound(reports: list[dict[str, Any]], error: str, names: str,

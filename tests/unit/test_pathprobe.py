@@ -13,6 +13,7 @@ from reduction_appliance.dataplane.errors import PathTooNarrow
 from reduction_appliance.dataplane.reduce import select_kernels
 from reduction_appliance.dataplane.slots import SlotArena
 from reduction_appliance.dataplane.spec import JobSpec
+from reduction_appliance.dataplane.transport import Address
 from reduction_appliance.dataplane.wire import (
     HEADER_SIZE,
     IP_UDP_HEADERS,
@@ -26,13 +27,16 @@ from reduction_appliance.dataplane.wire import (
 from reduction_appliance.plugin.pathprobe import (
     BUDGET_S,
     SILENT_S,
+    STALL_S,
     TRIES_FOR_VERDICT,
     TRY_EVERY_S,
     PathProbe,
     PathTarget,
+    PathWatch,
     Verdict,
     ladder,
     narrow_error,
+    reason_for_peers,
 )
 
 from .feeding import feed
@@ -68,22 +72,45 @@ def run(agg: Aggregator, up: Passes, down: Passes,
     size `up` (or `down`) passes and `lost_at_random(n)` spares it; (verdicts, time taken)."""
     now = 0.0
     probe = PathProbe([TARGET], SEGMENT, now)
-    sent = 0
+    sent = [0]
     while True:
-        for dest, datagram in probe.due(now):
-            assert dest == CORE
-            sent += 1
-            if not up(wire_size(datagram)) or lost_at_random(sent):
-                continue
-            for echo in feed(agg, [(datagram, WORKER)], now):
-                sent += 1
-                reply = bytes(echo.header) + bytes(echo.payload)
-                assert echo.dest == WORKER
-                if down(wire_size(reply)) and not lost_at_random(sent):
-                    probe.answered(unpack(reply), CORE)
+        cross(agg, probe.due(now), now, up, down, probe.answered, lost_at_random, sent)
         if (verdicts := probe.outcome(now)) is not None:
             return verdicts, now
         now = probe.next_at()
+
+
+def cross(agg: Aggregator, datagrams: list[tuple[Address, bytes]], now: float, up: Passes,
+          down: Passes, answered: Callable[[Header, Address], None],
+          lost_at_random: Callable[[int], bool] = lambda _: False, sent: list[int] | None = None
+          ) -> None:
+    """Carry probes to the aggregator and its echoes back over the path `up` and `down`."""
+    sent = [0] if sent is None else sent
+    for dest, datagram in datagrams:
+        assert dest == CORE
+        sent[0] += 1
+        if not up(wire_size(datagram)) or lost_at_random(sent[0]):
+            continue
+        for echo in feed(agg, [(datagram, WORKER)], now):
+            sent[0] += 1
+            reply = bytes(echo.header) + bytes(echo.payload)
+            assert echo.dest == WORKER
+            if down(wire_size(reply)) and not lost_at_random(sent[0]):
+                answered(unpack(reply), CORE)
+
+
+def watch(agg: Aggregator, path: PathWatch, quiet_since: float | None, start: float,
+          until: float, up: Passes = lambda _: True, down: Passes = lambda _: True
+          ) -> tuple[list[Verdict] | None, float]:
+    """Turn `path` as the client does (its outcome, then what is due) from `start` while the
+    rounds have taken no result since `quiet_since`, until a narrow verdict or `until`."""
+    now = start
+    while now < until:
+        if (verdicts := path.outcome(now)) is not None:
+            return verdicts, now
+        cross(agg, path.due(now, quiet_since), now, up, down, path.answered)
+        now = max(now, min(path.next_at(quiet_since), until))
+    return None, now
 
 
 def under(mtu: int) -> Passes:
@@ -243,3 +270,53 @@ def test_a_duplicated_echo_counts_once() -> None:
     for _ in range(TRIES_FOR_VERDICT):
         probe.answered(baseline, CORE)
     assert probe.outcome(1.0) is None  # one try's echo, many times: not enough
+
+
+def test_the_watch_probes_a_stall_only_and_less_often_the_longer_it_lasts(
+        agg: Aggregator) -> None:
+    """Mid-job: nothing while no round is in flight or results come; a stall is probed
+    STALL_S into it, then 2, 4, 8 and 16 s into it (sound paths: a slow peer), and a result
+    starts over."""
+    path = PathWatch(lambda: [TARGET], SEGMENT)
+    assert path.next_at(None) == float("inf") and path.due(5.0, None) == []
+    assert path.due(10.0 + STALL_S / 2, 10.0) == []
+    verdicts, _ = watch(agg, path, 10.0, 10.0, 40.0)
+    assert verdicts is None and path.probes == 5  # at 11, 12, 14, 18 and 26 s
+    assert path.next_at(10.0) == 10.0 + 32 * STALL_S
+    assert agg.counters[Counter.PATH_PROBES] == 5 * 9  # each settled in its first try
+    assert path.next_at(39.0) == 39.0 + STALL_S  # a result at 39 s: a new stall
+
+
+def test_a_path_narrowed_mid_job_is_found_within_two_seconds_of_the_stall(
+        agg: Aggregator) -> None:
+    """The switch port under rank 2 set to 1500 while the job runs: its rounds take no
+    result from then on. The watch names the path 2.6 s into the stall (two probes agree),
+    saying it changed under the job; its peers read a reason that fits the API's 256 characters."""
+    path = PathWatch(lambda: [TARGET], SEGMENT)
+    verdicts, now = watch(agg, path, 3.0, 3.0, 10.0, under(1500), under(1500))
+    assert verdicts is not None and verdicts[0].narrow
+    assert path.probes == 2  # the second confirms the first: the job is aborted on them
+    # (each read at the turn after the last echo needed, as the client does)
+    assert now - 3.0 == pytest.approx(STALL_S + 2 * TRIES_FOR_VERDICT * TRY_EVERY_S)
+    text = str(narrow_error(2, verdicts, SEGMENT, stalled_s=now - 3.0))
+    assert text.startswith("rank 2: the path between this host and appliance 198.18.0.1:7000 "
+                           "loses this job's datagrams (8972 B, for 8896 B segments)"), text
+    assert text.endswith("segments of 1424 B). Found mid-job, 2.6 s without a result: a link "
+                         "on the path changed since this rank joined."), text
+    reason = reason_for_peers(verdicts, SEGMENT)
+    assert reason == ("its path to the appliance loses this job's 8972 B datagrams while 1500 "
+                      "B ones pass (a link between has a smaller MTU than both ends); that "
+                      "rank's error says what to change")
+    assert len(f"at rank 2's request: {reason}") <= 256
+
+
+def test_a_narrow_look_that_the_next_probe_does_not_confirm_is_forgotten(
+        agg: Aggregator) -> None:
+    """A path that drops large datagrams through one probe's tries only (a receive buffer
+    kept too full for them) is not taken for narrow: the probe that confirms finds it
+    sound, and the stall goes on being watched as before."""
+    path = PathWatch(lambda: [TARGET], SEGMENT)
+    verdicts, now = watch(agg, path, 0.0, 0.0, 1.9, under(1500), under(1500))
+    assert verdicts is None and path.probes == 2  # the first found it narrow at 1.8 s
+    verdicts, now = watch(agg, path, 0.0, now, 10.0)  # then every size passes again
+    assert verdicts is None and path.probes == 5  # found sound; then at 2, 4 and 8 s

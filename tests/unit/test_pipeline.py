@@ -79,6 +79,23 @@ def test_rounds_overlap_in_their_own_slots_and_start_in_order() -> None:
     assert p.due(0.001) == [] and p.in_flight() == 1  # lane 0 is free, yet round 3 waits
 
 
+def test_a_failure_for_good_ends_the_rounds_in_flight_and_every_later_one() -> None:
+    """A path that narrowed under the job (plugin/pathprobe.PathWatch): the rounds in flight
+    fail, and so does each round started later, at once and with the same words."""
+    p = RoundPipeline(endpoints(1, 4), 0, 2, 64, RttEstimator())
+    first = p.submit(DType.FLOAT32, Op.SUM, 64)
+    p.due(0.0)
+    assert p.quiet_since() == 0.0
+    ended = p.fail_all(AllreduceTimeout("the path narrowed"), for_good=True)
+    assert [(o.ticket, str(o.error)) for o in ended] == [(first, "the path narrowed")]
+    assert p.quiet_since() is None  # no round in flight
+    later = p.submit(DType.FLOAT32, Op.SUM, 64)
+    assert p.due(1.0) == []
+    (outcome,) = p.finished()
+    assert outcome.ticket == later and type(outcome.error) is AllreduceTimeout
+    assert str(outcome.error) == "the path narrowed" and outcome.error is not ended[0].error
+
+
 def test_an_empty_collective_ends_at_once_without_a_round() -> None:
     """Zero bytes (an empty tensor): done at the next turn, nothing sent, no round number
     used, so the rounds after it number alike on every rank. As a round it once waited for a

@@ -178,6 +178,19 @@ def test_abort_and_illegal_transitions() -> None:
         reg.join(other, 5, SECRET, at(5))
 
 
+def test_a_rank_aborts_its_job_with_the_secret_only() -> None:
+    reg = registry()
+    job = admit(reg, "a")
+    with pytest.raises(Forbidden, match="not the join secret"):
+        reg.abort(job, 1, "guessed")
+    with pytest.raises(BadRequest, match="rank 2 outside world size 2"):
+        reg.abort(job, 2, SECRET)
+    assert reg.get(job).state is JobState.CREATED  # neither removed it
+    assert reg.abort(job, 1, SECRET).state is JobState.ABORTED
+    with pytest.raises(UnknownJob):
+        reg.get(job)
+
+
 def test_jobs_nobody_is_left_to_end_are_evicted_and_live_ones_stay() -> None:
     """Eviction goes by what the cores last heard, heartbeats included: a job of live workers
     that reduce nothing for longer than the idle timeout (an evaluation pass) stays; one never
