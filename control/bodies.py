@@ -11,7 +11,7 @@ from reduction_appliance.dataplane.verbs import QpEndpoint
 
 from .registry import JobRequest
 
-__all__ = ["address", "boolean", "check_landings", "integer", "parse_request", "string"]
+__all__ = ["address", "boolean", "check_landings", "integer", "parse_request", "string", "text"]
 
 
 def integer(body: dict[str, Any], key: str, low: int = 0, high: int = 2**31,
@@ -28,6 +28,13 @@ def string(body: dict[str, Any], key: str, *, required: bool = True) -> str:
     if not isinstance(value, str) or (required and not value) or len(value) > 256:
         raise BadRequest(f"{key} must be a string of 1..256 characters")
     return value
+
+
+def text(body: dict[str, Any], key: str) -> str:
+    """`body[key]`, words for people (a reason told to other workers and logged): a string of
+    1..256 characters, anything unprintable (a newline, an escape) made a space, so one
+    caller cannot forge log lines or terminal output elsewhere."""
+    return "".join(c if c.isprintable() else " " for c in string(body, key))
 
 
 def boolean(body: dict[str, Any], key: str) -> bool:

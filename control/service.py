@@ -279,7 +279,7 @@ class Appliance:
         if body is not None:
             rank = bodies.integer(body, "rank")
             secret = bodies.string(body, "secret")
-            why = f"at rank {rank}'s request: {bodies.string(body, 'reason')}"
+            why = f"at rank {rank}'s request: {bodies.text(body, 'reason')}"
         with self._lock:
             plan = self.registry.abort(job_id, rank, secret)
             self.supervisor.remove_job(job_id, abort=why)
