@@ -172,6 +172,13 @@ CORE_COUNTERS: dict[str, tuple[str, str]] = {
         "Bytes of the PATH_ECHOs sent (counted in bytes_out too): what joins cost, apart from "
         "the bytes of results.",
     ),
+    "job_outages": (
+        "core_job_outages",
+        "Times every rank of a job fell silent at once for half its liveness timeout and then "
+        "came back (a link flap, a switch reboot, a stalled core): the ranks were not declared "
+        "silent for it, each getting a fresh timeout. Longer than the timeout, the workers "
+        "themselves fail their rounds with ApplianceSilent.",
+    ),
     "declined_datagrams": (
         "core_declined_datagrams",
         "Datagrams of coalesced receives the burst path left to the one-by-one path (a "

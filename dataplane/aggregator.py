@@ -362,6 +362,14 @@ class Aggregator:
         job = self._member(h, source, out)
         if job is None:
             return
+        if job.last_beat is not None and now - job.last_beat > job.spec.liveness_timeout / 2:
+            # Every rank's heartbeats (ten per timeout each, whatever its worker does) stopped
+            # at once and came back: the network or this core was out, not the ranks. Each
+            # gets a fresh timeout, or the first answers after a flap would name as dead the
+            # ranks whose heartbeats are merely still on their way.
+            job.last_seen = [max(seen, now) for seen in job.last_seen]
+            cells[Counter.JOB_OUTAGES] += 1
+        job.last_beat = now
         job.last_seen[h.rank] = now
         cells[Counter.HEARTBEATS] += 1
         if h.epoch != job.spec.epoch:

@@ -70,6 +70,9 @@ class Counter(IntEnum):
     # the echoes' bytes (of BYTES_OUT: a join's cost, not a reduced byte's)
     PATH_PROBES = 46
     PATH_ECHO_BYTES = 47
+    # Times every rank of a job stopped heartbeating at once for half its liveness timeout and
+    # came back: the network or this core was out, not the ranks (each got a fresh timeout)
+    JOB_OUTAGES = 48
 
 
 N_COUNTERS = len(Counter)

@@ -142,7 +142,8 @@ class Slot:
 
 class JobState:
     __slots__ = ("all_ranks", "arena_first", "arena_slots", "bytes_reduced", "diverged",
-                 "elsewhere", "held", "last_activity", "last_data", "last_seen", "lost_to",
+                 "elsewhere", "held", "last_activity", "last_beat", "last_data", "last_seen",
+                 "lost_to",
                  "missed_from", "next_sequence", "rounds", "segments_reduced", "serial", "slots",
                  "spec")
 
@@ -151,6 +152,7 @@ class JobState:
         self.spec = spec
         self.last_seen = [now] * spec.world_size  # when each rank last said anything
         self.last_data = [-1.0] * spec.world_size  # ... sent a contribution or a query
+        self.last_beat: float | None = None  # the latest HEARTBEAT of any rank
         self.arena_slots = arena_slots
         # Where job slot 0 lies in the arena when job slot i lies at arena_first + i (-1 when
         # not): consecutive slots' accumulators are then the rows of one view.

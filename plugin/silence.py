@@ -59,22 +59,29 @@ class Diagnosis:
         now = self._clock()
         said = self._said.get(info.appliance)
         if said is None or now - said[0] >= info.liveness_s:
-            said = (now, _ask(info, rank, self._ask))
+            said = (now, self._asked(info, rank))
             self._said[info.appliance] = said
         return said[1]
 
+    def _asked(self, info: JobInfo, rank: int) -> str:
+        asked_at = self._clock()
+        try:
+            answer = self._ask(info)
+        except ReductionError as exc:
+            return verdict(info, rank, None, str(exc))
+        return verdict(info, rank, answer, took_s=self._clock() - asked_at)
 
-def _ask(info: JobInfo, rank: int, ask: Ask) -> str:
-    try:
-        answer = ask(info)
-    except ReductionError as exc:
-        return verdict(info, rank, None, str(exc))
-    return verdict(info, rank, answer)
+
+# An API that answers this late lost packets on the way (TCP resends a lost SYN after 1 s):
+# the network to the appliance was down when the datagrams stopped.
+SLOW_ANSWER_S = 1.0
 
 
-def verdict(info: JobInfo, rank: int, status: object, unreachable: str = "") -> str:
-    """What `status` (the appliance's `GET /v1/status`; None: it did not answer, `unreachable`
-    says how) says about why its datagrams stopped reaching this rank."""
+def verdict(info: JobInfo, rank: int, status: object, unreachable: str = "",
+            took_s: float = 0.0) -> str:
+    """What `status` (the appliance's `GET /v1/status`, which took `took_s` to come; None: it
+    did not answer, `unreachable` says how) says about why its datagrams stopped reaching this
+    rank."""
     api = f"Its API at {info.appliance}"
     if status is None:
         return (f"{api} does not answer either ({unreachable}): the appliance is down, or "
@@ -94,6 +101,12 @@ def verdict(info: JobInfo, rank: int, status: object, unreachable: str = "") -> 
                 f"from {endpoint}, where it joined: a NAT between this host and the appliance "
                 "rewrites their source, and they are dropped as a stranger's (a container on a "
                 "bridged network? give it the host's network: docker run --network host)")
+    if heard is not None and heard < info.liveness_s / 2 and took_s >= SLOW_ANSWER_S:
+        return (f"{api} answered only after {took_s:.1f} s, and its cores hear this rank again "
+                f"(the last datagram from {endpoint} {heard:.1f} s ago): the network between "
+                f"was down for longer than the liveness timeout ({info.liveness_s:g} s) and "
+                "is back (a link flap, a switch rebooting); a job outlives shorter outages "
+                "(jobs.liveness_timeout_s on the appliance sets how long)")
     if heard is not None and heard < info.liveness_s / 2:  # it hears the heartbeats
         return (f"{api} answers, and its cores hear this rank (the last datagram from "
                 f"{endpoint} {heard:.1f} s ago), but nothing they send reaches this host: a "

@@ -1,12 +1,14 @@
 """Fail fast, never hang: on the emulated rack, a dead rank is named to the others within the
 liveness timeout, a slow rank is never declared dead, a dead appliance is named to the workers,
-and a stalled data-plane core is restarted while the daemon lives on."""
+a stalled data-plane core is restarted while the daemon lives on, and a job outlives a network
+outage shorter than the timeout and loses one round, saying why, to a longer one."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from typing import Any
 
@@ -91,6 +93,47 @@ def test_a_killed_appliance_is_named_to_the_workers_within_the_bound(
                        for r in reports), reports
         finally:
             job.close()
+
+
+@pytest.mark.parametrize("outage_s", [LIVENESS_S - 1, LIVENESS_S + 2])
+def test_a_job_outlives_a_short_outage_and_a_long_one_costs_one_round_said_so(
+        outage_s: float, capsys: pytest.CaptureFixture[str]) -> None:
+    """The appliance's switch port goes down and comes back (a link flap, a switch rebooting)
+    while every rank reduces. Shorter than the liveness timeout: every round is exact, only
+    late. Longer: the round in flight fails on every rank with ApplianceSilent, saying the
+    network was out and is back, and the next rounds are exact. Such an outage once also got
+    every rank named silent to the others as it ended (their heartbeats still on their way),
+    and the ranks, out of step, then timed out round after round."""
+    with LabNetwork.rack(3) as net, start_appliance(net, liveness_s=LIVENESS_S) as appliance:
+        topology = net.lab.topology
+        port = ["ip", "-n", topology.switch_netns, "link", "set", topology.port_ifname("a0")]
+        job = Job(net, appliance, "flapped", 3)
+        try:
+            assert all_exact(job.run(2, MIB))
+            start_a_long_run(job, appliance, 64 * 1024)
+            subprocess.run([*port, "down"], check=True)
+            time.sleep(outage_s)  # the outage itself: the port stays down this long
+            subprocess.run([*port, "up"], check=True)
+            reports = [rank.next(timeout=120) for rank in job.ranks]
+            after = job.run(3, MIB)
+        finally:
+            job.close()
+        assert all_exact(after), after
+        assert appliance.counters()["job_outages"] >= 1
+    for report in reports:
+        if outage_s < LIVENESS_S:
+            assert report["errors"] == 0 and report["exact"] == report["ran"], report
+            continue
+        assert report["errors"] == 1 and report["exact"] == report["ran"] - 1, report
+        (said,) = report["failures"]
+        assert said.startswith("ApplianceSilent: appliance 198.18.0.1:7070 has sent nothing "
+                               f"for {LIVENESS_S:.1f} s"), said
+        assert "answered only after" in said and "and is back (a link flap" in said, said
+    with capsys.disabled():
+        slowest = max(max(report["times"]) for report in reports)
+        failed = sum(r["errors"] for r in reports)
+        print(f"\nthe appliance's port down {outage_s:g} s: {failed} rounds failed, the "
+              f"slowest took {slowest:.2f} s")
 
 
 def test_a_stalled_core_is_restarted_and_the_daemon_lives_on(

@@ -565,6 +565,28 @@ def test_a_heartbeat_is_answered_with_the_silent_ranks_and_which_of_them_left(
         SilentRank(1, where(1), 6.0), SilentRank(2, where(2), 6.0, left=True)]
 
 
+def test_ranks_silent_together_through_an_outage_are_not_named_when_it_ends(
+        arena: SlotArena) -> None:
+    """A link flap or a switch reboot: every rank's heartbeats stop at once and come back.
+    The first heartbeat through once got an answer naming the other ranks silent for the whole
+    outage (their heartbeats still on their way), and their peers failed at once. Now the
+    outage gives every rank a fresh timeout; a rank that stays silent is named one timeout
+    later, and one silent while the others were heard is named as before."""
+    agg = make(arena, world=3)
+    for now in (0.5, 1.0):  # ranks 0 and 1 heartbeat; rank 2 died at 0.0
+        for rank in (0, 1):
+            feed(agg, [(heartbeat_of(rank), where(rank))], now=now)
+    (after,) = feed(agg, [(heartbeat_of(0), where(0))], now=8.0)  # out from 1.0 to 8.0
+    assert unpack_silent(bytes(after.payload)) == []  # rank 1's heartbeat is on its way
+    assert agg.counters[Counter.JOB_OUTAGES] == 1
+    feed(agg, [(heartbeat_of(1), where(1))], now=8.2)
+    for now in (9.0, 10.0, 11.0, 12.0, 13.0, 13.5):
+        (answer,) = feed(agg, [(heartbeat_of(0), where(0))], now=now)
+        feed(agg, [(heartbeat_of(1), where(1))], now=now + 0.1)
+    assert unpack_silent(bytes(answer.payload)) == [SilentRank(2, where(2), 5.5)]
+    assert agg.counters[Counter.JOB_OUTAGES] == 1  # (1 s between heartbeats: no outage)
+
+
 def test_a_rank_that_left_while_a_use_waits_for_it_is_named_at_once(arena: SlotArena) -> None:
     """Rank 2 left (a peer's Ctrl-C: its process group shut down) while slot 0's use still
     waits for its contribution, which will never come: its peers once learned it only past

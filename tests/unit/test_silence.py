@@ -50,6 +50,19 @@ def test_heard_from_this_rank_lately_means_the_way_back_drops_the_datagrams() ->
             "198.18.0.102:40000") in said
 
 
+def test_an_api_that_answered_late_and_hears_this_rank_again_means_an_outage_ended() -> None:
+    """The appliance's switch port down for 7 s (liveness 5 s): the rounds failed at 5 s, the
+    API's answer came once the port was back, and its cores heard this rank again. That once
+    read as a firewall on this host; the late answer says the network itself was out."""
+    said = verdict(INFO, 1, status(0.3), took_s=2.1)
+    assert said == ("Its API at 198.18.0.1:7070 answered only after 2.1 s, and its cores hear "
+                    "this rank again (the last datagram from 198.18.0.102:40000 0.3 s ago): "
+                    "the network between was down for longer than the liveness timeout (5 s) "
+                    "and is back (a link flap, a switch rebooting); a job outlives shorter "
+                    "outages (jobs.liveness_timeout_s on the appliance sets how long)")
+    assert "a firewall here" in verdict(INFO, 1, status(0.3), took_s=0.2)  # prompt: as before
+
+
 def test_not_heard_from_this_rank_means_its_datagrams_do_not_get_there() -> None:
     said = verdict(INFO, 1, status(5.4))
     assert ("its cores have heard nothing from this rank (198.18.0.102:40000) for 5.4 s: its "
