@@ -276,7 +276,7 @@ class Appliance:
         it left."""
         why = f"an operator's abort: reductionctl abort {job_id} or DELETE /v1/jobs/{job_id}"
         rank = secret = None
-        if body is not None:
+        if body:  # (an operator's may be empty: {})
             rank = bodies.integer(body, "rank")
             secret = bodies.string(body, "secret")
             why = f"at rank {rank}'s request: {bodies.text(body, 'reason')}"

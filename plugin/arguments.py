@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -11,7 +12,7 @@ from reduction_appliance.dataplane.dtypes import by_numpy
 from reduction_appliance.dataplane.errors import ReductionError
 from reduction_appliance.dataplane.wire import DType, Op
 
-__all__ = ["check_array", "dtype_of", "op_of"]
+__all__ = ["check_array", "check_in_place", "dtype_of", "op_of", "staged"]
 
 
 def dtype_of(array: NDArray[Any]) -> DType:
@@ -38,3 +39,22 @@ def op_of(op: str | Op) -> Op:
         return Op[op.upper()]
     except (KeyError, AttributeError):  # an unknown name, or not a name at all
         raise ReductionError(f"unknown op {op!r}; choose sum, avg, min or max") from None
+
+
+def check_in_place(array: NDArray[Any]) -> None:
+    """An array `allreduce` can reduce in place (possibly through a contiguous copy)."""
+    check_array(array)
+    if not array.flags.writeable:  # (a contiguous copy of it would be read-only too)
+        raise ReductionError(
+            "allreduce() reduces in place, and this array is read-only (np.frombuffer over "
+            "bytes, a broadcast view, or writeable=False): pass a writable copy")
+
+
+def staged(array: NDArray[Any], reduce: Callable[[NDArray[Any]], object]) -> NDArray[Any]:
+    """Reduce an array that is not one contiguous block in a contiguous copy, then copy the
+    result back; a dtype the appliance cannot reduce is refused before the copy."""
+    dtype_of(array)
+    copy = np.ascontiguousarray(array)
+    reduce(copy)
+    array[...] = copy
+    return array

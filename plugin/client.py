@@ -24,12 +24,17 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from reduction_appliance.dataplane.errors import ApplianceSilent, PeerError, ReductionError
+from reduction_appliance.dataplane.errors import (
+    AllreduceTimeout,
+    ApplianceSilent,
+    PeerError,
+    ReductionError,
+)
 from reduction_appliance.dataplane.transport import Address
 from reduction_appliance.dataplane.wire import Header, Kind, Op, peek_kind, unpack_silent
 
 from . import rendezvous
-from .arguments import check_array, dtype_of, op_of
+from .arguments import check_array, check_in_place, dtype_of, op_of, staged
 from .congestion import Congestion
 from .hostchecks import buffer_window, fragmenting_routes, say_refusals
 from .lease import Lease, heartbeat
@@ -45,6 +50,9 @@ from .transport import Outgoing, UdpWorkerTransport, WorkerTransport, decode_eac
 __all__ = ["ApplianceClient", "dtype_of", "op_of"]  # (the last two from plugin.arguments)
 
 _log = logging.getLogger(__name__)
+# Rounds these end may leave the appliance's slots mid-use: the next round resyncs the job first
+_CUT_SHORT = (ApplianceSilent, AllreduceTimeout)
+RESYNC_S = 5.0  # that resync's time (a refused connection fails it at once)
 
 
 _new_tuple = tuple.__new__
@@ -77,10 +85,11 @@ class ApplianceClient:
     (with its cookie) is used as it is. Over UDP it then probes each appliance's path with
     datagrams of the job's size both ways (plugin/pathprobe.py; `probe_path=False` skips it,
     for a transport with no appliance behind it) and raises `PathTooNarrow` where they are
-    lost while small ones pass. Without `timing`, the appliance's advised deadline
-    applies. `congestion` is the policy of each core's congestion window (plugin/congestion.py;
-    over datagrams only: RoCE's reliable connections lose nothing to queues); without it, the
-    appliances' advised target (the least of them) applies, and none where one advises 0. A
+    lost while small ones pass, at join and when its rounds stall (aborting the job: its peers
+    are told why). Without `timing`, the appliance's advised deadline applies. `congestion` is
+    the policy of each core's congestion window (plugin/congestion.py; over datagrams only:
+    RoCE's reliable connections lose nothing to queues); without it, the appliances' advised
+    target (the least of them) applies, and none where one advises 0. A
     thread of its own (`lease`) sends a HEARTBEAT to every appliance ten times per liveness
     timeout, whatever the caller does between allreduces, so a slow rank is never declared
     dead; the answers name dead ranks (see plugin/pipeline.py). `transport`, `clock`
@@ -197,10 +206,11 @@ class ApplianceClient:
             (MulticastWatch(rank, groups, local_address), self.transport)
             if groups and isinstance(self.transport, UdpWorkerTransport) else None)
         #: probes the paths again when the rounds stall: a link may narrow under the job
+        self._udp = isinstance(self.transport, UdpWorkerTransport)
         self._path_watch = (PathWatch(lambda: targets_of(self.jobs, rank), self.segment_bytes)
-                            if probe_path and isinstance(self.transport, UdpWorkerTransport)
-                            else None)
+                            if probe_path and self._udp else None)
         self._watch_at = math.inf  # when to look at it next
+        self._resync_from: int | None = None  # the epoch a round was cut short in
         if lease:
             self._lease = Lease(self.heartbeat, self._beat_s, f"reduction-lease-{rank}")
 
@@ -216,11 +226,11 @@ class ApplianceClient:
         for job, dest in zip(self.jobs, self._beat_to, strict=True):
             self.transport.send_raw(heartbeat(job, self.rank, seq, self.pipeline.epoch), dest)
 
-    def resync(self) -> None:
+    def resync(self, *, timeout_s: float = 30.0) -> None:
         """Move the job to a new epoch at every appliance (after `JobDiverged`: every rank
         asks, the job moves once) and continue there."""
         seen = self.pipeline.epoch
-        self.jobs = [rendezvous.resync(j, seen) for j in self.jobs]
+        self.jobs = [rendezvous.resync(j, seen, timeout_s) for j in self.jobs]
         self.pipeline.adopt_epoch(max(j.epoch for j in self.jobs))
 
     def abandon(self, reason: str) -> list[Outcome]:
@@ -264,17 +274,9 @@ class ApplianceClient:
         """Reduce `array` over all ranks in place and return it. Raises `AllreduceTimeout`
         (naming the silent appliance cores and missing ranks) instead of hanging. An array
         that is not one contiguous block is reduced in a contiguous copy, then copied back."""
-        check_array(array)
-        if not array.flags.writeable:  # (a contiguous copy of it would be read-only too)
-            raise ReductionError(
-                "allreduce() reduces in place, and this array is read-only (np.frombuffer over "
-                "bytes, a broadcast view, or writeable=False): pass a writable copy")
+        check_in_place(array)
         if not array.flags.c_contiguous:
-            dtype_of(array)  # a dtype the appliance cannot reduce: refused before the copy
-            staged = np.ascontiguousarray(array)
-            self.allreduce(staged, op)
-            array[...] = staged
-            return array
+            return staged(array, lambda copy: self.allreduce(copy, op))
         self.wait(self.start(array, op))
         return array
 
@@ -323,6 +325,12 @@ class ApplianceClient:
             # the round starts, or a verdict the newer answers lift (a rank silent, then
             # replaced) would fail the round. (Back-to-back calls skip this syscall.)
             self.transport.receive(self._on_datagram, self._on_run)
+        if self._resync_from is not None and pipeline.idle:
+            # A round cut short may leave slot uses no rank's datagram reached (an outage): the
+            # appliance would drop every later use of them. A new epoch starts every slot anew.
+            if pipeline.epoch == self._resync_from:
+                self.resync(timeout_s=RESYNC_S)  # (raised: asked again at the next start)
+            self._resync_from = None
         round_no = pipeline.submit(dtype, op_of(op), array.nbytes)
         if self._path_watch is not None and self._watch_at == math.inf:
             self._watch_at = self._clock() + STALL_S  # (not sooner: see `_watch_path`)
@@ -385,6 +393,8 @@ class ApplianceClient:
         ended = pipeline.finished()
         if ended and any(type(o.error) is ApplianceSilent for o in ended):
             ended = self._diagnosis.explained(ended, self.jobs, self.rank)  # (asks their APIs)
+        if any(type(o.error) in _CUT_SHORT for o in ended) and self._udp:
+            self._resync_from = pipeline.epoch  # (see `_start`)
         outcomes = [*self._unclaimed, *ended]
         self._unclaimed = []
         for outcome in outcomes:
@@ -407,23 +417,20 @@ class ApplianceClient:
         self._multicast_watch = None
 
     def _watch_path(self, now: float) -> None:
-        """Probe the paths when the rounds stall (pathprobe.PathWatch); where one narrowed
-        under the job, abort it (its peers hear why at once) and fail its rounds for good.
-        Looked at when `_watch_at` comes, not every turn: its next probe is never sooner
-        (a turn's look cost 2 us, some 0.2 us per segment on a fast link)."""
+        """Probe the paths when the rounds stall (pathprobe.PathWatch), looked at when its next
+        probe could be due (every turn cost 2 us); where one narrowed under the job, abort it
+        (its peers hear why at once) and fail its rounds for good."""
         watch = self._path_watch
         assert watch is not None
         quiet_since = self.pipeline.quiet_since()
-        if (verdicts := watch.outcome(now)) is None:
-            for dest, datagram in watch.due(now, quiet_since):
-                self.transport.send_raw(datagram, dest)
-            self._watch_at = watch.next_at(quiet_since)  # (inf with nothing in flight)
-            return
-        self._path_watch, self._watch_at = None, math.inf
-        abort_jobs(self.jobs, self.rank, verdicts, self.segment_bytes)
-        self._unclaimed.extend(self.pipeline.fail_all(narrow_error(
-            self.rank, verdicts, self.segment_bytes, stalled_s=now - (quiet_since or now)),
-            for_good=True))
+        verdicts = watch.look(now, quiet_since, self.transport.send_raw)
+        self._watch_at = watch.next_at(quiet_since)  # (inf with nothing in flight)
+        if verdicts is not None:
+            self._path_watch, self._watch_at = None, math.inf
+            abort_jobs(self.jobs, self.rank, verdicts, self.segment_bytes)
+            stalled = 0.0 if quiet_since is None else now - quiet_since
+            self._unclaimed.extend(self.pipeline.fail_all(narrow_error(
+                self.rank, verdicts, self.segment_bytes, stalled_s=stalled), for_good=True))
 
     def _send_due(self) -> None:
         views = self._views

@@ -1,4 +1,5 @@
-"""Does the path to each appliance carry the job's datagrams whole? Asked once, as a worker joins.
+"""Does the path to each appliance carry the job's datagrams whole? Asked as a worker joins, and
+again when its rounds stall.
 
 A link between a worker and the appliance with a smaller MTU than both ends (jumbo frames on
 the hosts, 1500 on one switch port) drops every full-size datagram without a word: a switch
@@ -17,9 +18,14 @@ within `SILENT_S` (a firewall, a NAT, an appliance that is gone), or no verdict 
 `BUDGET_S`: nothing said here about that path; the client's own diagnosis
 (plugin/silence.py) says more at the first allreduce.
 
+A narrow rank aborts its jobs through the API, saying why (`abort_jobs`): its peers cannot
+finish a round without its datagrams, and fail at once with `JobAborted` naming the cause.
+
 `PathProbe` is the sans-I/O core (what to send when, what the echoes say); `probe_paths` drives
-it over a worker transport, and `check_paths` (what `ApplianceClient` calls) probes every core
-of the jobs joined and leaves them where a path is narrow.
+it over a worker transport, and `check_paths` (what `ApplianceClient` calls at join) probes
+every core of the jobs joined and aborts them where a path is narrow. `PathWatch` (sans-I/O
+too) probes again mid-job when the rounds take no result for `STALL_S`: a link can narrow under
+a running job.
 """
 
 from __future__ import annotations
@@ -340,10 +346,24 @@ class PathWatch:
         if self._probe is not None:
             self._probe.answered(h, source)
 
-    def outcome(self, now: float) -> list[Verdict] | None:
+    def look(self, now: float, quiet_since: float | None,
+             send: Callable[[bytes, Address], None]) -> list[Verdict] | None:
+        """A turn: the confirmed narrow verdicts if a probe just gave them (`outcome`), else
+        whatever probes are due, handed to `send`."""
+        if (verdicts := self.outcome(now, quiet_since)) is None:
+            for dest, datagram in self.due(now, quiet_since):
+                send(datagram, dest)
+        return verdicts
+
+    def outcome(self, now: float, quiet_since: float | None) -> list[Verdict] | None:
         """The verdicts of a probe that just ended, if any were narrow and a second probe
         started at once agreed; else None. (Mid-job the job is aborted on them: one look could
-        be a receive buffer that stayed too full for large datagrams through every try.)"""
+        meet a queue that had room for small datagrams only through every try.) A result
+        taken meanwhile (the stall is not the one probed) ends the probe without a verdict:
+        the path carries the job's datagrams."""
+        if self._probe is not None and quiet_since != self._stall:
+            self._probe, self._suspect = None, False
+            return None
         if self._probe is None or (verdicts := self._probe.outcome(now)) is None:
             return None
         self._probe = None

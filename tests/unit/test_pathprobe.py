@@ -106,7 +106,7 @@ def watch(agg: Aggregator, path: PathWatch, quiet_since: float | None, start: fl
     rounds have taken no result since `quiet_since`, until a narrow verdict or `until`."""
     now = start
     while now < until:
-        if (verdicts := path.outcome(now)) is not None:
+        if (verdicts := path.outcome(now, quiet_since)) is not None:
             return verdicts, now
         cross(agg, path.due(now, quiet_since), now, up, down, path.answered)
         now = max(now, min(path.next_at(quiet_since), until))
@@ -320,3 +320,14 @@ def test_a_narrow_look_that_the_next_probe_does_not_confirm_is_forgotten(
     assert verdicts is None and path.probes == 2  # the first found it narrow at 1.8 s
     verdicts, now = watch(agg, path, 0.0, now, 10.0)  # then every size passes again
     assert verdicts is None and path.probes == 5  # found sound; then at 2, 4 and 8 s
+
+
+def test_a_result_taken_during_a_probe_ends_it_without_a_verdict(agg: Aggregator) -> None:
+    """Results that come while the paths are probed prove they carry the job's datagrams: a
+    probe under way then says nothing, whatever its large sizes met."""
+    path = PathWatch(lambda: [TARGET], SEGMENT)
+    assert path.due(1.0, 0.0)  # the stall since 0.0 is probed
+    assert path.outcome(1.9, 1.5) is None  # a result at 1.5 s
+    assert path.next_at(1.5) == 1.5 + STALL_S and path.probes == 1
+    verdicts, _ = watch(agg, path, 1.5, 1.9, 10.0)  # and the new stall is watched anew
+    assert verdicts is None and path.probes == 5  # at 2.5, 3.5, 5.5 and 9.5 s
