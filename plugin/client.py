@@ -205,8 +205,8 @@ class ApplianceClient:
         self._multicast_watch = (
             (MulticastWatch(rank, groups, local_address), self.transport)
             if groups and isinstance(self.transport, UdpWorkerTransport) else None)
-        #: probes the paths again when the rounds stall: a link may narrow under the job
         self._udp = isinstance(self.transport, UdpWorkerTransport)
+        #: probes the paths again when the rounds stall: a link may narrow under the job
         self._path_watch = (PathWatch(lambda: targets_of(self.jobs, rank), self.segment_bytes)
                             if probe_path and self._udp else None)
         self._watch_at = math.inf  # when to look at it next
@@ -228,7 +228,8 @@ class ApplianceClient:
 
     def resync(self, *, timeout_s: float = 30.0) -> None:
         """Move the job to a new epoch at every appliance (after `JobDiverged`: every rank
-        asks, the job moves once) and continue there."""
+        asks, the job moves once; over UDP, the start after a round cut short asks by itself)
+        and continue there."""
         seen = self.pipeline.epoch
         self.jobs = [rendezvous.resync(j, seen, timeout_s) for j in self.jobs]
         self.pipeline.adopt_epoch(max(j.epoch for j in self.jobs))
@@ -325,9 +326,10 @@ class ApplianceClient:
             # the round starts, or a verdict the newer answers lift (a rank silent, then
             # replaced) would fail the round. (Back-to-back calls skip this syscall.)
             self.transport.receive(self._on_datagram, self._on_run)
-        if self._resync_from is not None and pipeline.idle:
+        if self._resync_from is not None and pipeline.idle and not pipeline.holds_verdicts():
             # A round cut short may leave slot uses no rank's datagram reached (an outage): the
-            # appliance would drop every later use of them. A new epoch starts every slot anew.
+            # appliance would drop every later use of them. A new epoch starts every slot anew
+            # (once it is heard again: until then the round fails at once, saying why).
             if pipeline.epoch == self._resync_from:
                 self.resync(timeout_s=RESYNC_S)  # (raised: asked again at the next start)
             self._resync_from = None
