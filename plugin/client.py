@@ -24,12 +24,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from reduction_appliance.dataplane.errors import (
-    AllreduceTimeout,
-    ApplianceSilent,
-    PeerError,
-    ReductionError,
-)
+from reduction_appliance.dataplane.errors import ApplianceSilent, PeerError, ReductionError
 from reduction_appliance.dataplane.transport import Address
 from reduction_appliance.dataplane.wire import Header, Kind, Op, peek_kind, unpack_silent
 
@@ -50,9 +45,6 @@ from .transport import Outgoing, UdpWorkerTransport, WorkerTransport, decode_eac
 __all__ = ["ApplianceClient", "dtype_of", "op_of"]  # (the last two from plugin.arguments)
 
 _log = logging.getLogger(__name__)
-# Rounds these end may leave the appliance's slots mid-use: the next round resyncs the job first
-_CUT_SHORT = (ApplianceSilent, AllreduceTimeout)
-RESYNC_S = 5.0  # that resync's time (a refused connection fails it at once)
 
 
 _new_tuple = tuple.__new__
@@ -210,7 +202,6 @@ class ApplianceClient:
         self._path_watch = (PathWatch(lambda: targets_of(self.jobs, rank), self.segment_bytes)
                             if probe_path and self._udp else None)
         self._watch_at = math.inf  # when to look at it next
-        self._resync_from: int | None = None  # the epoch a round was cut short in
         if lease:
             self._lease = Lease(self.heartbeat, self._beat_s, f"reduction-lease-{rank}")
 
@@ -228,8 +219,8 @@ class ApplianceClient:
 
     def resync(self, *, timeout_s: float = 30.0) -> None:
         """Move the job to a new epoch at every appliance (after `JobDiverged`: every rank
-        asks, the job moves once; over UDP, the start after a round cut short asks by itself)
-        and continue there."""
+        asks, the job moves once; after an outage that cut a round short on every rank) and
+        continue there."""
         seen = self.pipeline.epoch
         self.jobs = [rendezvous.resync(j, seen, timeout_s) for j in self.jobs]
         self.pipeline.adopt_epoch(max(j.epoch for j in self.jobs))
@@ -326,13 +317,6 @@ class ApplianceClient:
             # the round starts, or a verdict the newer answers lift (a rank silent, then
             # replaced) would fail the round. (Back-to-back calls skip this syscall.)
             self.transport.receive(self._on_datagram, self._on_run)
-        if self._resync_from is not None and pipeline.idle and not pipeline.holds_verdicts():
-            # A round cut short may leave slot uses no rank's datagram reached (an outage): the
-            # appliance would drop every later use of them. A new epoch starts every slot anew
-            # (once it is heard again: until then the round fails at once, saying why).
-            if pipeline.epoch == self._resync_from:
-                self.resync(timeout_s=RESYNC_S)  # (raised: asked again at the next start)
-            self._resync_from = None
         round_no = pipeline.submit(dtype, op_of(op), array.nbytes)
         if self._path_watch is not None and self._watch_at == math.inf:
             self._watch_at = self._clock() + STALL_S  # (not sooner: see `_watch_path`)
@@ -395,8 +379,6 @@ class ApplianceClient:
         ended = pipeline.finished()
         if ended and any(type(o.error) is ApplianceSilent for o in ended):
             ended = self._diagnosis.explained(ended, self.jobs, self.rank)  # (asks their APIs)
-        if any(type(o.error) in _CUT_SHORT for o in ended) and self._udp:
-            self._resync_from = pipeline.epoch  # (see `_start`)
         outcomes = [*self._unclaimed, *ended]
         self._unclaimed = []
         for outcome in outcomes:

@@ -106,7 +106,9 @@ def verdict(info: JobInfo, rank: int, status: object, unreachable: str = "",
                 f"(the last datagram from {endpoint} {heard:.1f} s ago): the network between "
                 f"was down for longer than the liveness timeout ({info.liveness_s:g} s) and "
                 "is back (a link flap, a switch rebooting); a job outlives shorter outages "
-                "(jobs.liveness_timeout_s on the appliance sets how long)")
+                "(jobs.liveness_timeout_s on the appliance sets how long). To go on, call "
+                "resync() on every rank: datagrams the outage took from every rank leave slots "
+                "that no later round could use")
     if heard is not None and heard < info.liveness_s / 2:  # it hears the heartbeats
         return (f"{api} answers, and its cores hear this rank (the last datagram from "
                 f"{endpoint} {heard:.1f} s ago), but nothing they send reaches this host: a "

@@ -60,6 +60,10 @@ def main() -> int:
             words = line.split()
             if not words or words[0] == "quit":
                 break
+            if words[0] == "resync":  # what a caller does after an outage (plugin/silence.py)
+                client.resync()
+                print(json.dumps({"resynced": client.pipeline.epoch}), flush=True)
+                continue
             if words[0] == "compute":
                 time.sleep(float(words[1]))  # the workload: the client is not called meanwhile
                 print(json.dumps({"computed": float(words[1])}), flush=True)

@@ -59,7 +59,9 @@ def test_an_api_that_answered_late_and_hears_this_rank_again_means_an_outage_end
                     "this rank again (the last datagram from 198.18.0.102:40000 0.3 s ago): "
                     "the network between was down for longer than the liveness timeout (5 s) "
                     "and is back (a link flap, a switch rebooting); a job outlives shorter "
-                    "outages (jobs.liveness_timeout_s on the appliance sets how long)")
+                    "outages (jobs.liveness_timeout_s on the appliance sets how long). To go "
+                    "on, call resync() on every rank: datagrams the outage took from every rank "
+                    "leave slots that no later round could use")
     assert "a firewall here" in verdict(INFO, 1, status(0.3), took_s=0.2)  # prompt: as before
 
 
