@@ -399,8 +399,8 @@ def connect(info: JobInfo, rank: int, address: str, queue_pairs: list[dict[str, 
 
 
 def resync(info: JobInfo, seen_epoch: int, timeout_s: float = 30.0) -> JobInfo:
-    """Ask for a new epoch (ranks that diverged, a round cut short); the job moves once
-    whoever asks first. A refused connection is final at once: nothing listens."""
+    """Ask for a new epoch (ranks that diverged, or an outage that cut a round short on every
+    rank); the job moves once whoever asks first. A refused connection is final at once."""
     job = _job_of(info.appliance, _call_raw(
         info.appliance, "POST", f"/v1/jobs/{info.job_id}/resync",
         {"secret": info.secret or "", "epoch": seen_epoch}, info.token, timeout_s,
