@@ -197,10 +197,10 @@ class ApplianceClient:
         self._multicast_watch = (
             (MulticastWatch(rank, groups, local_address), self.transport)
             if groups and isinstance(self.transport, UdpWorkerTransport) else None)
-        self._udp = isinstance(self.transport, UdpWorkerTransport)
         #: probes the paths again when the rounds stall: a link may narrow under the job
         self._path_watch = (PathWatch(lambda: targets_of(self.jobs, rank), self.segment_bytes)
-                            if probe_path and self._udp else None)
+                            if probe_path and isinstance(self.transport, UdpWorkerTransport)
+                            else None)
         self._watch_at = math.inf  # when to look at it next
         if lease:
             self._lease = Lease(self.heartbeat, self._beat_s, f"reduction-lease-{rank}")
@@ -217,12 +217,12 @@ class ApplianceClient:
         for job, dest in zip(self.jobs, self._beat_to, strict=True):
             self.transport.send_raw(heartbeat(job, self.rank, seq, self.pipeline.epoch), dest)
 
-    def resync(self, *, timeout_s: float = 30.0) -> None:
+    def resync(self) -> None:
         """Move the job to a new epoch at every appliance (after `JobDiverged`: every rank
         asks, the job moves once; after an outage that cut a round short on every rank) and
         continue there."""
         seen = self.pipeline.epoch
-        self.jobs = [rendezvous.resync(j, seen, timeout_s) for j in self.jobs]
+        self.jobs = [rendezvous.resync(j, seen) for j in self.jobs]
         self.pipeline.adopt_epoch(max(j.epoch for j in self.jobs))
 
     def abandon(self, reason: str) -> list[Outcome]:
