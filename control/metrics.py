@@ -179,6 +179,12 @@ CORE_COUNTERS: dict[str, tuple[str, str]] = {
         "silent for it, each getting a fresh timeout. Longer than the timeout, the workers "
         "themselves fail their rounds with ApplianceSilent.",
     ),
+    "unknown_job_notices": (
+        "core_unknown_job_notices",
+        "Heartbeats of a job this core does not have (or with another cookie), answered with "
+        "UNKNOWN_JOB: the workers of a job lost when the appliance restarted, or of one that "
+        "ended, learn it at once (they ask the API before they believe it).",
+    ),
     "declined_datagrams": (
         "core_declined_datagrams",
         "Datagrams of coalesced receives the burst path left to the one-by-one path (a "

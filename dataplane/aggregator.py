@@ -35,7 +35,9 @@ Slot protocol (after SwitchML, without its limits):
   is answered with LIVENESS listing the ranks silent longer than `JobSpec.liveness_timeout`
   (and at once a rank that left while a use here waits for it), so every rank learns within a
   heartbeat that a peer died; and an answer at all tells the worker the appliance lives.
-  A PATH_PROBE is echoed at the size it asks for (a joining worker's test of its path).
+  A PATH_PROBE is echoed at the size it asks for (a joining worker's test of its path), and
+  a HEARTBEAT of a job this core lacks hears UNKNOWN_JOB (`dataplane.upkeep`): the appliance
+  restarted without it, or the job ended.
 
 The states of a slot copy and their transition table live in `slotstate`.
 """
@@ -65,6 +67,7 @@ from .slots import RxPool, SlotArena, holdable_buffers, receive_reserve
 from .slotstate import CopyState, Event, JobState, Slot, SlotCopy, move
 from .spec import Address, JobSpec, JobStats
 from .transport import RxBatch, Send
+from .upkeep import UNKNOWN_JOB_NOTICES_PER_S, Budget, heartbeat, lacks, path_echo, unknown_job
 from .wire import (
     HEADER,
     HEADER_SIZE,
@@ -80,7 +83,6 @@ from .wire import (
     WireError,
     next_number,
     number_before,
-    pack_silent,
     unpack,
 )
 
@@ -104,6 +106,7 @@ class Aggregator:
         self._aborted: OrderedDict[int, tuple[int, frozenset[Address], bytes]] = OrderedDict()
         self._cells = counters.cells
         self._reserve = receive_reserve(len(self._pool))
+        self._unknown_budget = Budget(UNKNOWN_JOB_NOTICES_PER_S)
         self._runs = RunPath(self._jobs, arena, kernels, counters, self._finish, self._one)
 
     # ---- job table (driven by the control plane through the mailbox) ----
@@ -238,13 +241,29 @@ class Aggregator:
             if not self._contribution(h, index, nbytes - HEADER_SIZE, source, now, out):
                 pool.release(index)
             return
-        if h.kind is Kind.HEARTBEAT:
-            self._heartbeat(h, source, now, out)
-        elif h.kind is Kind.PATH_PROBE:
-            self._path_probe(h, nbytes - HEADER_SIZE, source, now, out)
+        if h.kind is Kind.HEARTBEAT or h.kind is Kind.PATH_PROBE:
+            self._upkeep(h, nbytes - HEADER_SIZE, source, now, out)
         else:
             cells[Counter.DROP_MALFORMED] += 1
         pool.release(index)
+
+    def _upkeep(self, h: Header, received: int, source: Address, now: float,
+                out: list[Send]) -> None:
+        """A HEARTBEAT or a PATH_PROBE (dataplane.upkeep): answered for a bound rank; a
+        heartbeat of a job this core lacks hears UNKNOWN_JOB."""
+        job = self._member(h, source, out)
+        if job is None:
+            if h.kind is Kind.HEARTBEAT and lacks(self._jobs, self._aborted, h):
+                notice = unknown_job(h, source, now, self._unknown_budget, self._cells)
+                if notice is not None:
+                    out.append(notice)
+            return
+        if h.kind is Kind.HEARTBEAT:
+            out.append(heartbeat(job, h, source, now, self._cells))
+            return
+        echo = path_echo(job, h, received, source, now, self._arena.max_payload, self._cells)
+        if echo is not None:
+            out.append(echo)
 
     def _contribution(self, h: Header, index: int, received: int, source: Address,
                       now: float, out: list[Send]) -> bool:
@@ -355,45 +374,6 @@ class Aggregator:
         else:
             return job
         return None
-
-    def _heartbeat(self, h: Header, source: Address, now: float, out: list[Send]) -> None:
-        """A worker is alive: answer with the job's silent ranks (or RESYNC, or ABORTED)."""
-        cells = self._cells
-        job = self._member(h, source, out)
-        if job is None:
-            return
-        if job.last_beat is not None and now - job.last_beat > job.spec.liveness_timeout / 2:
-            # Every rank's heartbeats (ten per timeout each, whatever its worker does) stopped
-            # at once and came back: the network or this core was out, not the ranks. Each
-            # gets a fresh timeout, or the first answers after a flap would name as dead the
-            # ranks whose heartbeats are merely still on their way.
-            job.last_seen = [max(seen, now) for seen in job.last_seen]
-            cells[Counter.JOB_OUTAGES] += 1
-        job.last_beat = now
-        job.last_seen[h.rank] = now
-        cells[Counter.HEARTBEATS] += 1
-        if h.epoch != job.spec.epoch:
-            cells[Counter.JOB_NOTICES] += 1
-            out.append(self._notice(Kind.RESYNC, h, source))
-            return
-        out.append(self._notice(Kind.LIVENESS, h, source, pack_silent(job.silent(now))))
-
-    def _path_probe(self, h: Header, received: int, source: Address, now: float,
-                    out: list[Send]) -> None:
-        """Echo a PATH_PROBE (wire.py) at the size it asks: only to a bound rank's own endpoint
-        and never longer than a segment, so it amplifies nothing for a stranger."""
-        cells = self._cells
-        job = self._member(h, source, out)
-        if job is None:
-            return
-        job.last_seen[h.rank] = now
-        if received != h.length or h.offset > self._arena.max_payload:
-            cells[Counter.DROP_BAD_LENGTH] += 1
-            return
-        cells[Counter.PATH_PROBES] += 1
-        cells[Counter.PATH_ECHO_BYTES] += HEADER_SIZE + h.offset
-        out.append(answer(Kind.PATH_ECHO, h._replace(offset=received), source, job.spec.epoch,
-                          bytes(h.offset)))
 
     def _diverge(self, job: JobState, copy: SlotCopy, h: Header, out: list[Send]) -> None:
         """The ranks disagree on what one use of a slot is: tell every rank why, now and on

@@ -73,6 +73,9 @@ class Counter(IntEnum):
     # Times every rank of a job stopped heartbeating at once for half its liveness timeout and
     # came back: the network or this core was out, not the ranks (each got a fresh timeout)
     JOB_OUTAGES = 48
+    # HEARTBEATs of a job this core does not have (or with another cookie), answered with
+    # UNKNOWN_JOB (dataplane.upkeep): a restarted appliance's, or a removed job's, workers
+    UNKNOWN_JOB_NOTICES = 49
 
 
 N_COUNTERS = len(Counter)

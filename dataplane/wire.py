@@ -117,8 +117,8 @@ __all__ = [
 ]
 
 MAGIC = 0x5241
-VERSION = 7  # 4: contributions numbered per core (serial), MISSING; 5: QUERY's SENT; 6: L;
-# 7: PATH_PROBE and PATH_ECHO
+VERSION = 8  # 4: contributions numbered per core (serial), MISSING; 5: QUERY's SENT; 6: L;
+# 7: PATH_PROBE and PATH_ECHO; 8: UNKNOWN_JOB
 
 # Byte 7 (`serial`) is read and written apart from HEADER, whose pad byte it is: a datagram
 # packed with HEADER alone carries serial 0.
@@ -168,6 +168,12 @@ class Kind(IntEnum):
     # appliance core -> one worker: the answer to PATH_PROBE; payload = zeros of the size it
     # asked for; `offset` = the payload size the probe arrived with; `round` its number.
     PATH_ECHO = 12
+    # appliance core -> one worker: the answer to a HEARTBEAT of a job this core does not
+    # have, or with another cookie than its job's: the appliance restarted without the job,
+    # the job ended, or this core is being restarted and has not got its jobs back yet. The
+    # header echoes the heartbeat's, cookie included (only who saw the heartbeat can answer
+    # it); no payload. A hint, not a verdict: the worker asks the appliance's API.
+    UNKNOWN_JOB = 13
 
 
 class DType(IntEnum):

@@ -186,6 +186,7 @@ class ApplianceClient:
         self._closed = False
         self._close_asked_by = ""  # a thread that called close() while another drove
         self._diagnosis = Diagnosis(clock=clock)  # why an appliance went silent (its API)
+        self._joined_at = clock()
         # Held by the thread inside `start` or `wait`: a second thread calling either at the
         # same time is refused, saying so (two threads' rounds once hung each other).
         self._driving = threading.RLock()
@@ -445,7 +446,7 @@ class ApplianceClient:
         pipeline = self.pipeline
         now = self._clock()
         appliance = self._appliance_of.get(source)
-        if appliance is not None:
+        if appliance is not None and peek_kind(buf, 0) != Kind.UNKNOWN_JOB:
             pipeline.heard(appliance, now)
         at = 0
         while at < nbytes:
@@ -461,7 +462,7 @@ class ApplianceClient:
         pipeline = self.pipeline
         now = self._clock()
         appliance = self._appliance_of.get(source)
-        if appliance is not None:
+        if appliance is not None and h.kind is not Kind.UNKNOWN_JOB:  # (not a sign of the job)
             pipeline.heard(appliance, now)
         if h.kind is Kind.RESULT:
             wanted = pipeline.accept(h, source)
@@ -481,6 +482,10 @@ class ApplianceClient:
             pipeline.on_diverged(h, bytes(payload).decode(errors="replace"), source)
         elif h.kind is Kind.PATH_ECHO and self._path_watch is not None:
             self._path_watch.answered(h, source)
+        elif h.kind is Kind.UNKNOWN_JOB and appliance is not None:
+            gone = self._diagnosis.job_gone(self.jobs[appliance], h, self.rank, self._joined_at)
+            if gone is not None:  # (the API asked: the appliance restarted without the job)
+                self._unclaimed.extend(pipeline.fail_all(gone, for_good=True))
         elif h.kind is Kind.LIVENESS:
             try:
                 silent = unpack_silent(payload)

@@ -8,16 +8,22 @@ longer has the job (it restarted). The appliance's API tells them apart: does it
 it have the job, and when did its cores last hear this rank. `explained` adds that verdict to
 each such error (one question per appliance per call); the verdict itself (`verdict`) is a
 pure function of the answer, tested with plain dictionaries.
+
+A restarted appliance need not wait for the silence: its core answers a heartbeat of a job it
+lacks with UNKNOWN_JOB, and `job_gone` asks the API whether the job is really gone (a core
+being restarted lacks its jobs for a moment too) and says why.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from reduction_appliance.dataplane.errors import ApplianceSilent, ReductionError
+from reduction_appliance.dataplane.errors import ApplianceSilent, JobAborted, ReductionError
+from reduction_appliance.dataplane.wire import Header
 
 from . import rendezvous
 from .pipeline import Outcome
@@ -38,6 +44,7 @@ class Diagnosis:
         self._ask = ask
         self._clock = clock
         self._said: dict[str, tuple[float, str]] = {}  # appliance -> (when asked, verdict)
+        self._checked: dict[str, float] = {}  # appliance -> when asked if it has the job
 
     def explained(self, outcomes: list[Outcome], jobs: list[JobInfo],
                   rank: int) -> list[Outcome]:
@@ -54,6 +61,38 @@ class Diagnosis:
                                       error=ApplianceSilent(f"{text}. {' '.join(notes)}"))
             out.append(outcome)
         return out
+
+    def job_gone(self, info: JobInfo, h: Header, rank: int, joined_at: float
+                 ) -> JobAborted | None:
+        """What to fail the job's rounds with, now that a core of `info`'s appliance answered
+        this rank's heartbeat with UNKNOWN_JOB (`h`): the API is asked (at most once per
+        liveness timeout) and, where it lists no such job, the error says why. None where the
+        notice is not about this job, or the API still lists the job (a core being restarted
+        gets its jobs back) or does not answer (the liveness timeout will tell)."""
+        if h.job_id != info.job_id or h.cookie != info.cookie:
+            return None
+        now = self._clock()
+        if now - self._checked.get(info.appliance, -math.inf) < info.liveness_s:
+            return None
+        self._checked[info.appliance] = now
+        try:
+            status = self._ask(info)
+        except ReductionError:
+            return None
+        if not isinstance(status, dict) or _job(status, info.job_id, info.name) is not None:
+            return None
+        uptime = status.get("uptime_s")
+        job = f"job {info.job_id} ('{info.name}')"
+        if isinstance(uptime, (int, float)) and uptime < now - joined_at:
+            why = (f"the appliance at {info.appliance} restarted {uptime:.1f} s ago, after "
+                   f"rank {rank} joined, and lost {job} with it")
+        else:
+            why = (f"the appliance at {info.appliance} no longer has {job}: it was aborted, "
+                   "evicted or left, and the appliance has forgotten it")
+        return JobAborted(f"{why}; register the job again (a launcher that restarts its "
+                          "workers, such as torchrun --max-restarts, does). Its core answered "
+                          "this rank's heartbeat that it has no such job, and its API lists "
+                          "none")
 
     def _verdict(self, info: JobInfo, rank: int) -> str:
         now = self._clock()

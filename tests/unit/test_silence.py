@@ -1,12 +1,18 @@
-"""plugin.silence: what a worker says when an appliance went silent, from what its API answers
-(plain dictionaries, no network)."""
+"""plugin.silence: what a worker says when an appliance went silent, or one of its cores says it
+lacks the job, from what its API answers (plain dictionaries, no network)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from reduction_appliance.dataplane.errors import ApplianceSilent, RankSilent, ReductionError
+from reduction_appliance.dataplane.errors import (
+    ApplianceSilent,
+    JobAborted,
+    RankSilent,
+    ReductionError,
+)
 from reduction_appliance.dataplane.registration import EndpointInfo
+from reduction_appliance.dataplane.wire import DType, Header, Kind, Op
 from reduction_appliance.plugin.pipeline import Outcome
 from reduction_appliance.plugin.rendezvous import JobInfo
 from reduction_appliance.plugin.silence import Diagnosis, verdict
@@ -118,3 +124,63 @@ def test_each_silent_appliance_is_asked_once_and_only_its_errors_are_explained()
     now[0] += 0.1
     diagnosis.explained([Outcome(6, SILENT)], [INFO, other], 1)
     assert asked[2:] == ["198.18.0.1:7070"]
+
+
+def unknown_job(job_id: int = 5, cookie: int = 77) -> Header:
+    """A core's UNKNOWN_JOB, echoing rank 1's heartbeat."""
+    return Header(Kind.UNKNOWN_JOB, DType.FLOAT32, Op.SUM, 0, job_id, 1, cookie, 9, 0, 0, 0, 0, 1)
+
+
+def test_a_core_that_lacks_the_job_is_believed_once_the_api_lists_none() -> None:
+    """The appliance restarted without the job: its core answers the heartbeats with
+    UNKNOWN_JOB, its API lists no such job and has been up for less time than this rank has
+    been joined. A core being restarted lacks its jobs for a moment too, and the API then
+    lists the job: no error. Each appliance is asked at most once per liveness timeout."""
+    joined = replace(INFO, cookie=77)
+    answers: list[object] = [{"uptime_s": 2.5, "jobs": []}]
+    asked: list[str] = []
+
+    def ask(info: JobInfo) -> object:
+        asked.append(info.appliance)
+        return answers[-1]
+
+    now = [100.0]
+    diagnosis = Diagnosis(ask, clock=lambda: now[0])
+    gone = diagnosis.job_gone(joined, unknown_job(), 1, joined_at=90.0)
+    assert type(gone) is JobAborted
+    assert str(gone).startswith("the appliance at 198.18.0.1:7070 restarted 2.5 s ago, after "
+                                "rank 1 joined, and lost job 5 ('j') with it; register the "
+                                "job again")
+    now[0] += 1.0
+    assert diagnosis.job_gone(joined, unknown_job(), 1, joined_at=90.0) is None  # asked lately
+    now[0] += 5.0
+    answers.append(status(0.1))  # the job is there: a core restarting
+    assert diagnosis.job_gone(joined, unknown_job(), 1, joined_at=90.0) is None
+    assert asked == ["198.18.0.1:7070"] * 2
+
+
+def test_a_job_the_appliance_forgot_is_named_so_and_strangers_notices_are_ignored() -> None:
+    joined = replace(INFO, cookie=77)
+    asked: list[str] = []
+
+    def ask(info: JobInfo) -> object:
+        asked.append(info.appliance)
+        return {"uptime_s": 3600.0, "jobs": [{"job_id": 5, "name": "another-run"}]}
+
+    diagnosis = Diagnosis(ask, clock=lambda: 100.0)
+    # Not this job's notice (a forged cookie, another job): not even asked
+    assert diagnosis.job_gone(joined, unknown_job(cookie=78), 1, joined_at=90.0) is None
+    assert diagnosis.job_gone(joined, unknown_job(job_id=6), 1, joined_at=90.0) is None
+    assert asked == []
+    gone = diagnosis.job_gone(joined, unknown_job(), 1, joined_at=90.0)
+    assert str(gone).startswith("the appliance at 198.18.0.1:7070 no longer has job 5 ('j'): "
+                                "it was aborted, evicted or left, and the appliance has "
+                                "forgotten it; register the job again")
+
+
+def test_an_api_that_does_not_answer_leaves_it_to_the_liveness_timeout() -> None:
+    def ask(info: JobInfo) -> object:
+        raise ReductionError("cannot reach appliance API at 198.18.0.1:7070: timed out")
+
+    diagnosis = Diagnosis(ask, clock=lambda: 100.0)
+    assert diagnosis.job_gone(replace(INFO, cookie=77), unknown_job(), 1, joined_at=90.0) is None

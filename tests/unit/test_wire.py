@@ -49,7 +49,7 @@ TEST_PORT = 47000
 # value that differs from its neighbours' bytes, so a swapped, shifted or truncated field shows.
 
 CONTRIBUTION_HEX = """
-    5241 07 01     magic "RA", version 7, kind CONTRIBUTION
+    5241 08 01     magic "RA", version 8, kind CONTRIBUTION
     03 02 00 5a    dtype BFLOAT16, op AVG, no flags, send sequence 90 (a first transmission)
     0a0b0c0d       job id
     1234 5678      rank, epoch
@@ -70,7 +70,7 @@ CONTRIBUTION = Header(
 
 # A second golden with the top bit set in every wide field (catches signed packing).
 PENDING_HEX = """
-    5241 07 03     magic "RA", version 7, kind PENDING
+    5241 08 03     magic "RA", version 8, kind PENDING
     01 04 00 00    dtype FLOAT32, op MAX, no flags, zero
     fffffffe       job id
     ffff 8001      rank, epoch
@@ -93,7 +93,7 @@ PENDING = Header(
 # A QUERY ("the result, or say what you lack"): a contribution's header with no payload behind
 # it, so `length` is the segment's length, not the datagram's.
 QUERY_HEX = """
-    5241 07 09     magic "RA", version 7, kind QUERY
+    5241 08 09     magic "RA", version 8, kind QUERY
     02 01 00 00    dtype FLOAT16, op SUM, no flags, zero
     00000021       job id
     0003 0002      rank, epoch

@@ -1,0 +1,87 @@
+"""A real reductiond killed and started again on the same ports (a crash, then systemd's
+restart) under a running job: its workers learn from the restarted appliance's cores that the
+job is gone, at their next heartbeat, and fail with JobAborted saying so, where they once
+waited out their liveness timeout (or, idle meanwhile, a whole timeout more from their next
+call) and said only that the appliance had gone silent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from reduction_appliance.client import ApplianceClient, register
+from reduction_appliance.dataplane.errors import JobAborted, ReductionError
+from reduction_appliance.deploy.testnet.harness import local_daemon
+from tests.waiting import wait_until
+
+from .test_eviction import _free_udp_ports
+
+pytestmark = pytest.mark.slow  # two daemons, one after the other: seconds
+
+# Longer than the test could take: a worker that failed with anything but what the restarted
+# cores said would have waited for it (ApplianceSilent), or for its deadline.
+LIVENESS_S = 60.0
+
+
+def _config() -> dict[str, Any]:
+    with socket.socket() as s:  # the API's port, the same for both daemons
+        s.bind(("127.0.0.1", 0))
+        api_port = s.getsockname()[1]
+    return {
+        "dataplane": {"address": "127.0.0.1", "base_port": _free_udp_ports(1), "cores": 1,
+                      "cpus": [], "kernels": "numpy", "slot_memory_mb": 4, "mtu": 9000},
+        "multicast": {"enabled": False},
+        "jobs": {"liveness_timeout_s": LIVENESS_S, "deadline_s": 2 * LIVENESS_S},
+        "api": {"listen": f"127.0.0.1:{api_port}"},
+    }
+
+
+def test_workers_of_a_job_lost_in_an_appliance_restart_are_told_at_once() -> None:
+    """Two ranks reduce in a loop; the daemon is killed with its cores and started again.
+    Each rank's call in flight fails with JobAborted naming the restart; so does every later
+    call, and closing the client (its leave finds no job) neither hangs nor raises."""
+    cfg = _config()
+    calls = [0, 0]
+    failures: list[ReductionError | None] = [None, None]
+    with local_daemon(cfg) as first:
+        info = register(first.api, "restarted", world_size=2, secret="secret-of-the-test")
+        clients = [ApplianceClient([info], rank, local_address="127.0.0.1") for rank in (0, 1)]
+
+        def reduce_until_it_fails(rank: int) -> None:
+            try:
+                while True:
+                    x = np.full(20000, rank + 1.0, np.float32)
+                    clients[rank].allreduce(x)
+                    assert np.array_equal(x, np.full(20000, 3.0, np.float32))
+                    calls[rank] += 1
+            except ReductionError as exc:
+                failures[rank] = exc
+
+        threads = [threading.Thread(target=reduce_until_it_fails, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: min(calls) >= 3, 30, what="three exact calls on each rank")
+        os.killpg(first.process.pid, signal.SIGKILL)
+        first.process.wait()
+    try:
+        with local_daemon(cfg):
+            for t in threads:
+                t.join(LIVENESS_S / 2)
+            assert not any(t.is_alive() for t in threads), failures
+            for rank, failure in enumerate(failures):
+                assert type(failure) is JobAborted, failure
+                assert str(failure).startswith(
+                    f"the appliance at {info.appliance} restarted "), failure
+                assert f"after rank {rank} joined, and lost job {info.job_id} ('restarted')" \
+                    in str(failure)
+                with pytest.raises(JobAborted, match="restarted"):  # for good
+                    clients[rank].allreduce(np.ones(8, np.float32))
+    finally:
+        for client in clients:
+            client.close()
