@@ -44,7 +44,7 @@ class Diagnosis:
         self._ask = ask
         self._clock = clock
         self._said: dict[str, tuple[float, str]] = {}  # appliance -> (when asked, verdict)
-        self._checked: dict[str, float] = {}  # appliance -> when asked if it has the job
+        self._check_at: dict[str, float] = {}  # appliance -> when to ask if it has the job
 
     def explained(self, outcomes: list[Outcome], jobs: list[JobInfo],
                   rank: int) -> list[Outcome]:
@@ -66,18 +66,22 @@ class Diagnosis:
                  ) -> JobAborted | None:
         """What to fail the job's rounds with, now that a core of `info`'s appliance answered
         this rank's heartbeat with UNKNOWN_JOB (`h`): the API is asked (at most once per
-        liveness timeout) and, where it lists no such job, the error says why. None where the
+        liveness timeout while it answers, once per heartbeat while it does not) and, where it
+        lists no such job, the error says why. None where the
         notice is not about this job, or the API still lists the job (a core being restarted
         gets its jobs back) or does not answer (the liveness timeout will tell)."""
         if h.job_id != info.job_id or h.cookie != info.cookie:
             return None
         now = self._clock()
-        if now - self._checked.get(info.appliance, -math.inf) < info.liveness_s:
+        if now < self._check_at.get(info.appliance, -math.inf):
             return None
-        self._checked[info.appliance] = now
+        self._check_at[info.appliance] = now + info.liveness_s
         try:
             status = self._ask(info)
         except ReductionError:
+            # A restarted daemon's cores answer before its API listens: ask again at the next
+            # heartbeat's answer, not a whole timeout later (a refusal is final at once).
+            self._check_at[info.appliance] = now + info.liveness_s / 10
             return None
         if not isinstance(status, dict) or _job(status, info.job_id, info.name) is not None:
             return None

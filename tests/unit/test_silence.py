@@ -178,9 +178,24 @@ def test_a_job_the_appliance_forgot_is_named_so_and_strangers_notices_are_ignore
                                 "forgotten it; register the job again")
 
 
-def test_an_api_that_does_not_answer_leaves_it_to_the_liveness_timeout() -> None:
-    def ask(info: JobInfo) -> object:
-        raise ReductionError("cannot reach appliance API at 198.18.0.1:7070: timed out")
+def test_an_api_not_listening_yet_is_asked_again_at_the_next_heartbeat() -> None:
+    """A restarted daemon's cores answer before its API listens: the first question is
+    refused, and the next heartbeat's answer (a tenth of the timeout later) asks again."""
+    answers: list[object] = [ReductionError("cannot reach appliance API: refused")]
 
-    diagnosis = Diagnosis(ask, clock=lambda: 100.0)
-    assert diagnosis.job_gone(replace(INFO, cookie=77), unknown_job(), 1, joined_at=90.0) is None
+    def ask(info: JobInfo) -> object:
+        answer = answers.pop(0)
+        if isinstance(answer, ReductionError):
+            raise answer
+        return answer
+
+    now = [100.0]
+    diagnosis = Diagnosis(ask, clock=lambda: now[0])
+    joined = replace(INFO, cookie=77)
+    assert diagnosis.job_gone(joined, unknown_job(), 1, joined_at=90.0) is None
+    now[0] += 0.4
+    assert diagnosis.job_gone(joined, unknown_job(), 1, joined_at=90.0) is None  # not asked
+    now[0] += 0.1
+    answers.append({"uptime_s": 0.3, "jobs": []})
+    assert type(diagnosis.job_gone(joined, unknown_job(), 1, joined_at=90.0)) is JobAborted
+    assert answers == []
