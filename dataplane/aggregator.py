@@ -147,7 +147,7 @@ class Aggregator:
         job.spec = spec
         for rank, (was, now_at) in enumerate(zip(old.endpoints, spec.endpoints, strict=True)):
             if was != now_at:
-                job.last_seen[rank] = now  # a rank that (re-)joined is alive
+                job.last_seen[rank] = job.beats[rank] = now  # a rank that (re-)joined is alive
                 job.elsewhere.pop(rank, None)
                 forget_sequences(job, rank)  # and numbers its contributions afresh
         if spec.epoch == old.epoch:

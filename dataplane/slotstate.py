@@ -141,7 +141,7 @@ class Slot:
 
 
 class JobState:
-    __slots__ = ("all_ranks", "arena_first", "arena_slots", "bytes_reduced", "diverged",
+    __slots__ = ("all_ranks", "arena_first", "arena_slots", "beats", "bytes_reduced", "diverged",
                  "elsewhere", "held", "last_activity", "last_beat", "last_data", "last_seen",
                  "lost_to",
                  "missed_from", "next_sequence", "rounds", "segments_reduced", "serial", "slots",
@@ -153,6 +153,7 @@ class JobState:
         self.last_seen = [now] * spec.world_size  # when each rank last said anything
         self.last_data = [-1.0] * spec.world_size  # ... sent a contribution or a query
         self.last_beat: float | None = None  # the latest HEARTBEAT of any rank
+        self.beats = [now] * spec.world_size  # ... of each rank (or when it joined)
         self.arena_slots = arena_slots
         # Where job slot 0 lies in the arena when job slot i lies at arena_first + i (-1 when
         # not): consecutive slots' accumulators are then the rows of one view.

@@ -56,14 +56,23 @@ def heartbeat(job: JobState, h: Header, source: Address, now: float,
               cells: NDArray[np.uint64]) -> Send:
     """A bound rank of `job` is alive: the answer is the job's silent ranks (LIVENESS), or
     RESYNC when the heartbeat is of another epoch."""
-    if job.last_beat is not None and now - job.last_beat > job.spec.liveness_timeout / 2:
+    half = job.spec.liveness_timeout / 2
+    beat = job.last_beat
+    beats = job.beats
+    if beat is not None and now - beat > half and beat - beats[h.rank] <= half:
         # Every rank's heartbeats (ten per timeout each, whatever its worker does) stopped
-        # at once and came back: the network or this core was out, not the ranks. Each
-        # gets a fresh timeout, or the first answers after a flap would name as dead the
-        # ranks whose heartbeats are merely still on their way.
-        job.last_seen = [max(seen, now) for seen in job.last_seen]
+        # at once and came back, this rank's with them: the network or this core was out,
+        # not the ranks. Each rank whose heartbeats stopped with the outage gets a fresh
+        # timeout, or the first answers after a flap would name as dead the ranks whose
+        # heartbeats are merely still on their way. A rank silent since before keeps its
+        # count, and so do all when the rank coming back fell silent long before the others
+        # (its process paused, and they died meanwhile: it hears so at once, not a timeout
+        # later). Its heartbeats, not its datagrams: back from a pause, its timers may send a
+        # contribution before its lease thread sends a heartbeat.
+        job.last_seen = [now if beat - b <= half else seen
+                         for seen, b in zip(job.last_seen, beats, strict=True)]
         cells[Counter.JOB_OUTAGES] += 1
-    job.last_beat = now
+    job.last_beat = beats[h.rank] = now
     job.last_seen[h.rank] = now
     cells[Counter.HEARTBEATS] += 1
     epoch = job.spec.epoch

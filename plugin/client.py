@@ -215,6 +215,7 @@ class ApplianceClient:
         """Tell every appliance this rank is alive (thread-safe: the lease thread calls it)."""
         seq = self.pipeline.heartbeat_seq + 1
         self.pipeline.heartbeat_seq = seq
+        self.pipeline.beat(self._clock())
         for job, dest in zip(self.jobs, self._beat_to, strict=True):
             self.transport.send_raw(heartbeat(job, self.rank, seq, self.pipeline.epoch), dest)
 

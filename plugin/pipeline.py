@@ -39,7 +39,6 @@ from reduction_appliance.dataplane.errors import (
     ApplianceSilent,
     JobDiverged,
     JobResynchronised,
-    RankLeft,
     RankSilent,
     ReductionError,
 )
@@ -68,6 +67,7 @@ from .session import (
     Transmit,
 )
 from .slotplan import transmit_of
+from .stall import rank_verdict
 
 __all__ = ["Outcome", "RoundPipeline", "lane_endpoints"]
 
@@ -168,6 +168,11 @@ class RoundPipeline:
         self.liveness_timeout = liveness_timeout
         appliances = max(ep.appliance for ep in endpoints) + 1
         self._heard = [0.0] * appliances  # when each appliance last sent us anything
+        # When the lease thread last sent a HEARTBEAT (None: no lease), and since when without
+        # a gap of half the liveness timeout: an appliance is silent only while heartbeats went
+        # out (`beat`), not while this process was paused or starved.
+        self._last_beat: float | None = None
+        self._beating_since = 0.0
         self._silent_ranks: dict[int, RankSilent] = {}  # appliance -> why a rank is dead
         self._silent_appliances: dict[int, str] = {}  # appliance -> why we think it is dead
         self._broken: ReductionError | None = None  # fails every round from now on
@@ -291,7 +296,7 @@ class RoundPipeline:
             return 0.0
         if not self._active:
             return float("inf")
-        soonest = min(self._heard) + self.liveness_timeout  # a silence (once per turn: a loop)
+        soonest = self._unheard_since() + self.liveness_timeout  # a silence (once per turn)
         for rnd in self._active.values():
             at = rnd.wakeup()
             if at < soonest:
@@ -310,14 +315,34 @@ class RoundPipeline:
         if self._silent_appliances:
             self._silent_appliances.pop(appliance, None)
 
+    def beat(self, now: float) -> None:
+        """A HEARTBEAT went out (the lease thread). Where none went for half the liveness
+        timeout, this process was paused (SIGSTOP, a debugger, a VM migrated) or starved: the
+        appliances had nothing to answer, and silences count from now."""
+        last = self._last_beat
+        if last is None or now - last > self.liveness_timeout / 2:
+            self._beating_since = now
+        self._last_beat = now
+
+    def _unheard_since(self) -> float:
+        """Since when the appliance heard longest ago has been unheard, while we heartbeat."""
+        return max(min(self._heard), self._beating_since)
+
     def _check_appliances(self, now: float) -> bool:
-        """Fail the rounds that need an appliance silent past the liveness timeout."""
-        if now - min(self._heard) <= self.liveness_timeout:
+        """Fail the rounds that need an appliance silent past the liveness timeout: silent
+        while this rank's heartbeats went out."""
+        if now - self._unheard_since() <= self.liveness_timeout:
             return False  # every appliance spoke lately: the common case, asked every turn
+        last = self._last_beat
+        if last is not None and now - last > self.liveness_timeout / 2:
+            # No heartbeat lately: this process is back from a pause, its lease thread not yet
+            # (nor, then, an appliance's answer): count from now, as its next heartbeat will.
+            self._beating_since = now
+            return False
         failed = False
         for rnd in list(self._active.values()):
             for a in {ep.appliance for ep in rnd.endpoints}:
-                quiet = now - self._heard[a]
+                quiet = now - max(self._heard[a], self._beating_since)
                 if quiet > self.liveness_timeout:
                     names = sorted({ep.name for ep in rnd.endpoints if ep.appliance == a})
                     reason = (f"{names[0].rsplit(' core ', 1)[0]} has sent nothing for "
@@ -342,7 +367,7 @@ class RoundPipeline:
         if not dead:
             self._silent_ranks.pop(appliance, None)
             return
-        verdict = _rank_verdict(dead, h.job_id, self.liveness_timeout)
+        verdict = rank_verdict(dead, h.job_id, self.liveness_timeout)
         self._silent_ranks[appliance] = verdict
         for rnd in list(self._active.values()):
             self._finish(rnd, verdict)
@@ -480,24 +505,3 @@ class RoundPipeline:
         while self._queued:
             self._finished.append(Outcome(self._queued.popleft().ticket, error))
         return self.finished()
-
-
-def _rank_verdict(dead: list[SilentRank], job_id: int, liveness_timeout: float) -> RankSilent:
-    """What a LIVENESS answer naming `dead` means for this rank's rounds. A rank that left (its
-    worker said so) is not a crash: its peers made more all_reduce calls than it did."""
-    def named(ranks: list[SilentRank]) -> str:
-        return "; ".join(f"rank {s.rank} ({s.address[0]}:{s.address[1]})" if s.address
-                         else f"rank {s.rank}" for s in ranks)
-
-    gone = [s for s in dead if not s.left]
-    if gone:
-        return RankSilent(
-            f"{named(gone)} silent for {max(s.silent_s for s in gone):.1f} s (liveness timeout "
-            f"{liveness_timeout:g} s): its worker died, or its host or network is gone; job "
-            f"{job_id} cannot finish an allreduce without it (a restarted rank re-joins)")
-    return RankLeft(
-        f"{named(dead)} left job {job_id} {max(s.silent_s for s in dead):.1f} s ago (it "
-        "closed its process group or client and left) while this rank's allreduce waits for "
-        "it: it was stopped (an exception, Ctrl-C) before that allreduce, or the ranks made "
-        "different numbers of allreduce calls (uneven inputs across ranks? DDP's join() "
-        "context manager evens them out)")

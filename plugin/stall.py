@@ -1,14 +1,18 @@
 """What a round that had no result for its deadline says: which cores left how many segments
 unanswered, and, where a core's last PENDING told, which ranks it still waits for. An operator
 reads this first when training hangs, so it names the ranks to look at. Sans-I/O: plain values
-in, text out (the round gathers them, `AllreduceTimeout` carries the text)."""
+in, text out (the round gathers them, `AllreduceTimeout` carries the text). And what an
+appliance's answer naming silent ranks says (`rank_verdict`): `RankSilent` or `RankLeft`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import NamedTuple
 
-__all__ = ["CoreStall", "stall_report", "stalled_cores"]
+from reduction_appliance.dataplane.errors import RankLeft, RankSilent
+from reduction_appliance.dataplane.wire import SilentRank
+
+__all__ = ["CoreStall", "rank_verdict", "stall_report", "stalled_cores"]
 
 _RANKS_SHOWN = 16  # a rack's worth; beyond it the list would bury the rest of the message
 
@@ -59,3 +63,24 @@ def stall_report(what: str, deadline_s: float, elapsed_s: float, remaining: int,
 def _ranks(ranks: Sequence[int]) -> str:
     shown = ", ".join(str(r) for r in ranks[:_RANKS_SHOWN])
     return f"[{shown}{', ...' if len(ranks) > _RANKS_SHOWN else ''}]"
+
+
+def rank_verdict(dead: list[SilentRank], job_id: int, liveness_timeout: float) -> RankSilent:
+    """What a LIVENESS answer naming `dead` means for this rank's rounds. A rank that left (its
+    worker said so) is not a crash: its peers made more all_reduce calls than it did."""
+    def named(ranks: list[SilentRank]) -> str:
+        return "; ".join(f"rank {s.rank} ({s.address[0]}:{s.address[1]})" if s.address
+                         else f"rank {s.rank}" for s in ranks)
+
+    gone = [s for s in dead if not s.left]
+    if gone:
+        return RankSilent(
+            f"{named(gone)} silent for {max(s.silent_s for s in gone):.1f} s (liveness timeout "
+            f"{liveness_timeout:g} s): its worker died, or its host or network is gone; job "
+            f"{job_id} cannot finish an allreduce without it (a restarted rank re-joins)")
+    return RankLeft(
+        f"{named(dead)} left job {job_id} {max(s.silent_s for s in dead):.1f} s ago (it "
+        "closed its process group or client and left) while this rank's allreduce waits for "
+        "it: it was stopped (an exception, Ctrl-C) before that allreduce, or the ranks made "
+        "different numbers of allreduce calls (uneven inputs across ranks? DDP's join() "
+        "context manager evens them out)")

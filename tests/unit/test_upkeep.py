@@ -1,11 +1,13 @@
-"""A heartbeat of a job the core does not have (dataplane/upkeep.py): answered with
-UNKNOWN_JOB, echoing the heartbeat's header, within a budget per second; never for a job the
-core has, or aborted (whose ranks hear ABORTED)."""
+"""dataplane/upkeep.py through the aggregator: a heartbeat of a job the core does not have is
+answered with UNKNOWN_JOB, echoing the heartbeat's header, within a budget per second; never
+for a job the core has, or aborted (whose ranks hear ABORTED). And what an outage, as the
+heartbeats show it, does to the ranks' liveness."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from reduction_appliance.dataplane.aggregator import Aggregator
@@ -18,12 +20,14 @@ from reduction_appliance.dataplane.wire import (
     Header,
     Kind,
     Op,
+    SilentRank,
     pack_into,
     unpack,
+    unpack_silent,
 )
 
 from .feeding import feed
-from .test_aggregator import COOKIE, KERNELS, spec, where
+from .test_aggregator import COOKIE, KERNELS, contribute, spec, where
 
 
 @pytest.fixture
@@ -104,3 +108,48 @@ def test_a_flood_of_strangers_heartbeats_gets_no_more_than_the_budget(
     assert len(sent) == UNKNOWN_JOB_NOTICES_PER_S
     assert len(feed(agg, [(beat(0), where(0))] * 10, now=2.0)) == 10  # the next second
     assert agg.counters[Counter.UNKNOWN_JOB_NOTICES] == UNKNOWN_JOB_NOTICES_PER_S + 10
+
+
+def silent_named(agg: Aggregator, rank: int, now: float) -> list[SilentRank]:
+    (answer,) = feed(agg, [(beat(rank), where(rank))], now=now)
+    assert unpack(bytes(answer.header)).kind is Kind.LIVENESS
+    return unpack_silent(bytes(answer.payload))
+
+
+@pytest.mark.parametrize("contribution_first", [False, True])
+def test_a_rank_back_from_a_pause_hears_at_once_that_its_peers_died_meanwhile(
+        arena: SlotArena, contribution_first: bool) -> None:
+    """Rank 2's process paused (a swap storm, a debugger, a VM migrated) from 0.5 s; its peers
+    heartbeat until 4.0 s, then die. As it comes back at 9.5 s it was told nothing for another
+    timeout: every rank silent at once for half a timeout looked like a network outage, and
+    each got a fresh timeout. But rank 2 fell silent long before the others: no outage. Its
+    timers may send a contribution before its lease thread heartbeats (one run in ten did)."""
+    agg = Aggregator(arena, KERNELS, Counters())
+    agg.add_job(spec(3), 0.0)
+    feed(agg, [(beat(2), where(2))], now=0.5)
+    for k in range(1, 9):
+        for rank in (0, 1):
+            feed(agg, [(beat(rank), where(rank))], now=k / 2)
+    if contribution_first:
+        contribute(agg, 2, np.ones(4, np.float32), now=9.4)
+    assert silent_named(agg, 2, 9.5) == [SilentRank(0, where(0), 5.5),
+                                         SilentRank(1, where(1), 5.5)]
+    assert agg.counters[Counter.JOB_OUTAGES] == 0
+
+
+def test_an_outage_gives_a_fresh_timeout_only_to_the_ranks_it_silenced(
+        arena: SlotArena) -> None:
+    """Rank 2 died at 0 s; ranks 0 and 1 heartbeat until the network fails at 4.0 s and come
+    back at 10.0 s. Ranks 0 and 1 were silenced by the outage: fresh timeouts. Rank 2 was
+    silent long before it: still named, its silence counted from its last word."""
+    agg = Aggregator(arena, KERNELS, Counters())
+    agg.add_job(spec(3), 0.0)
+    for k in range(1, 9):
+        for rank in (0, 1):
+            feed(agg, [(beat(rank), where(rank))], now=k / 2)
+    assert silent_named(agg, 0, 10.0) == [SilentRank(2, where(2), 10.0)]
+    assert agg.counters[Counter.JOB_OUTAGES] == 1
+    named = {k / 2: silent_named(agg, 0, k / 2) for k in range(21, 32)}  # rank 1 never back
+    assert named[15.0] == [SilentRank(2, where(2), 15.0)]
+    assert named[15.5] == [SilentRank(1, where(1), 5.5), SilentRank(2, where(2), 15.5)]
+    assert agg.counters[Counter.JOB_OUTAGES] == 1
