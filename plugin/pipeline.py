@@ -296,7 +296,8 @@ class RoundPipeline:
             return 0.0
         if not self._active:
             return float("inf")
-        soonest = self._unheard_since() + self.liveness_timeout  # a silence (once per turn)
+        # a silence, counted while heartbeats go out (once per turn: a loop)
+        soonest = max(min(self._heard), self._beating_since) + self.liveness_timeout
         for rnd in self._active.values():
             at = rnd.wakeup()
             if at < soonest:
@@ -324,15 +325,13 @@ class RoundPipeline:
             self._beating_since = now
         self._last_beat = now
 
-    def _unheard_since(self) -> float:
-        """Since when the appliance heard longest ago has been unheard, while we heartbeat."""
-        return max(min(self._heard), self._beating_since)
-
     def _check_appliances(self, now: float) -> bool:
         """Fail the rounds that need an appliance silent past the liveness timeout: silent
         while this rank's heartbeats went out."""
-        if now - self._unheard_since() <= self.liveness_timeout:
+        if now - min(self._heard) <= self.liveness_timeout:
             return False  # every appliance spoke lately: the common case, asked every turn
+        if now - self._beating_since <= self.liveness_timeout:
+            return False  # heartbeats go out again, after a pause, since less than that
         last = self._last_beat
         if last is not None and now - last > self.liveness_timeout / 2:
             # No heartbeat lately: this process is back from a pause, its lease thread not yet
