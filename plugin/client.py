@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from reduction_appliance.dataplane.errors import ApplianceSilent, PeerError, ReductionError
+from reduction_appliance.dataplane.errors import PeerError, ReductionError
 from reduction_appliance.dataplane.transport import Address
 from reduction_appliance.dataplane.wire import Header, Kind, Op, peek_kind, unpack_silent
 
@@ -379,7 +379,7 @@ class ApplianceClient:
         self._send_due()  # results just stored released their slots' next segments
         self._last_turn = self._clock()
         ended = pipeline.finished()
-        if ended and any(type(o.error) is ApplianceSilent for o in ended):
+        if ended and any(type(o.error) in Diagnosis.EXPLAINS for o in ended):
             ended = self._diagnosis.explained(ended, self.jobs, self.rank)  # (asks their APIs)
         outcomes = [*self._unclaimed, *ended]
         self._unclaimed = []

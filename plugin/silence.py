@@ -22,7 +22,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from reduction_appliance.dataplane.errors import ApplianceSilent, JobAborted, ReductionError
+from reduction_appliance.dataplane.errors import (
+    AllreduceTimeout,
+    ApplianceSilent,
+    JobAborted,
+    ReductionError,
+)
 from reduction_appliance.dataplane.wire import Header
 
 from . import rendezvous
@@ -35,15 +40,19 @@ Ask = Callable[[JobInfo], object]
 
 
 class Diagnosis:
-    """Tells `ApplianceSilent` errors what the silent appliances' APIs say, asking each at most
-    once per its liveness timeout: a caller that retries at once after each failure (the
-    verdict stands: later rounds fail at once too) asks once, not per call."""
+    """Tells `ApplianceSilent` errors what the silent appliances' APIs say, and
+    `AllreduceTimeout` errors which ranks never joined, asking each API at most once per its
+    liveness timeout for each: a caller that retries at once after each failure (the verdict
+    stands: later rounds fail at once too) asks once, not per call."""
+
+    EXPLAINS = (ApplianceSilent, AllreduceTimeout)  # the errors `explained` may add to
 
     def __init__(self, ask: Ask = rendezvous.appliance_status,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._ask = ask
         self._clock = clock
-        self._said: dict[str, tuple[float, str]] = {}  # appliance -> (when asked, verdict)
+        # "silent <appliance>" or "missing <appliance>" -> (when asked, what it said)
+        self._said: dict[str, tuple[float, str]] = {}
         self._check_at: dict[str, float] = {}  # appliance -> when to ask if it has the job
 
     def explained(self, outcomes: list[Outcome], jobs: list[JobInfo],
@@ -59,8 +68,47 @@ class Diagnosis:
                 if notes:
                     outcome = replace(outcome,
                                       error=ApplianceSilent(f"{text}. {' '.join(notes)}"))
+            elif type(error) is AllreduceTimeout:
+                notes = [note for note in (self._cached(self._missing, info, "missing")
+                                           for info in jobs) if note]
+                if notes:
+                    outcome = replace(outcome,
+                                      error=AllreduceTimeout(f"{error}. {' '.join(notes)}"))
             out.append(outcome)
         return out
+
+    def _cached(self, ask: Callable[[JobInfo], str], info: JobInfo, what: str) -> str:
+        """`ask(info)`, asked again only once `info`'s liveness timeout has passed."""
+        now = self._clock()
+        key = f"{what} {info.appliance}"
+        said = self._said.get(key)
+        if said is None or now - said[0] >= info.liveness_s:
+            said = (now, ask(info))
+            self._said[key] = said
+        return said[1]
+
+    def _missing(self, info: JobInfo) -> str:
+        """The ranks the API says have not joined the job (workers that never started, or
+        failed before they joined), or nothing: a round cannot finish without them, and its
+        timeout names them only as ranks the appliance still waits for."""
+        try:
+            status = self._ask(info)
+        except ReductionError:
+            return ""
+        job = _job(status, info.job_id, info.name)
+        joined = job.get("joined") if job is not None else None
+        if not isinstance(joined, list):
+            return ""
+        missing = [r for r in range(info.world_size) if r not in joined]
+        if not missing:
+            return ""
+        created = job.get("created_s") if job is not None else None
+        ago = f", registered {created:.0f} s ago" if isinstance(created, (int, float)) else ""
+        listed = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
+        ranks = f"rank {listed} has" if len(missing) == 1 else f"ranks {listed} have"
+        return (f"The appliance at {info.appliance} says {ranks} not joined job "
+                f"{info.job_id} ('{info.name}'){ago}: the worker never started there, or "
+                "failed before it joined (look at that host's launcher and log)")
 
     def job_gone(self, info: JobInfo, h: Header, rank: int, joined_at: float
                  ) -> JobAborted | None:
@@ -99,12 +147,7 @@ class Diagnosis:
                           "none")
 
     def _verdict(self, info: JobInfo, rank: int) -> str:
-        now = self._clock()
-        said = self._said.get(info.appliance)
-        if said is None or now - said[0] >= info.liveness_s:
-            said = (now, self._asked(info, rank))
-            self._said[info.appliance] = said
-        return said[1]
+        return self._cached(lambda i: self._asked(i, rank), info, "silent")
 
     def _asked(self, info: JobInfo, rank: int) -> str:
         asked_at = self._clock()

@@ -166,6 +166,8 @@ def test_missing_rank_fails_with_a_clear_error_instead_of_hanging() -> None:
     assert "AllreduceTimeout" in text and "had no result for its deadline, 3 s" in text
     assert "still waits for ranks [2]" in text
     assert "appliance 198.18.0.1:7070 core" in text
+    # ... and why: the appliance's API says that rank never joined (plugin/silence.py)
+    assert "The appliance at 198.18.0.1:7070 says rank 2 has not joined job " in text
 
 
 _DROP_UDP = ("table inet walled {\n chain in {\n  type filter hook input priority 0;\n"

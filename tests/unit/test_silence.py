@@ -1,11 +1,13 @@
-"""plugin.silence: what a worker says when an appliance went silent, or one of its cores says it
-lacks the job, from what its API answers (plain dictionaries, no network)."""
+"""plugin.silence: what a worker says when an appliance went silent, one of its cores says it
+lacks the job, or a round timed out waiting for ranks that never joined, from what its API
+answers (plain dictionaries, no network)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from reduction_appliance.dataplane.errors import (
+    AllreduceTimeout,
     ApplianceSilent,
     JobAborted,
     RankSilent,
@@ -198,4 +200,56 @@ def test_an_api_not_listening_yet_is_asked_again_at_the_next_heartbeat() -> None
     now[0] += 0.1
     answers.append({"uptime_s": 0.3, "jobs": []})
     assert type(diagnosis.job_gone(joined, unknown_job(), 1, joined_at=90.0)) is JobAborted
+    assert answers == []
+
+
+TIMEOUT = AllreduceTimeout("allreduce round 1 of 64 bytes (FLOAT32, SUM) by rank 1 had no result "
+                           "for its deadline, 60 s (60.0 s in all): 1 of 1 segments unanswered; "
+                           "no answer from appliance 198.18.0.1:7070 core 0 (1 segment "
+                           "unanswered; it still waits for ranks [2])")
+
+
+def test_a_timeout_names_the_ranks_that_never_joined() -> None:
+    """A job of three whose rank 2 never started (a container that failed): its peers' rounds
+    time out, and the appliance's word says why, asked once per liveness timeout."""
+    three = replace(INFO, world_size=3, cookie=77)
+    answers = {"jobs": [{"job_id": 5, "name": "j", "joined": [0, 1], "created_s": 61.4}]}
+    asked: list[str] = []
+
+    def ask(info: JobInfo) -> object:
+        asked.append(info.appliance)
+        return answers
+
+    now = [100.0]
+    diagnosis = Diagnosis(ask, clock=lambda: now[0])
+    (out,) = diagnosis.explained([Outcome(1, TIMEOUT)], [three], 1)
+    assert type(out.error) is AllreduceTimeout
+    assert str(out.error) == (f"{TIMEOUT}. The appliance at 198.18.0.1:7070 says rank 2 has "
+                              "not joined job 5 ('j'), registered 61 s ago: the worker never "
+                              "started there, or failed before it joined (look at that host's "
+                              "launcher and log)")
+    again = diagnosis.explained([Outcome(2, TIMEOUT), Outcome(3, TIMEOUT)], [three], 1)
+    assert asked == ["198.18.0.1:7070"] and str(again[1].error) == str(out.error)
+
+
+def test_a_timeout_with_every_rank_joined_or_no_answer_stays_as_it_was() -> None:
+    three = replace(INFO, world_size=3, cookie=77)
+    answers: list[object] = [
+        {"jobs": [{"job_id": 5, "name": "j", "joined": [0, 1, 2], "created_s": 61.4}]},
+        ReductionError("cannot reach appliance API at 198.18.0.1:7070: timed out"),
+        {"jobs": [{"job_id": 5, "name": "j", "joined": "garbled"}]},
+    ]
+
+    def ask(info: JobInfo) -> object:
+        answer = answers.pop(0)
+        if isinstance(answer, ReductionError):
+            raise answer
+        return answer
+
+    now = [100.0]
+    diagnosis = Diagnosis(ask, clock=lambda: now[0])
+    for _ in range(3):
+        (out,) = diagnosis.explained([Outcome(1, TIMEOUT)], [three], 1)
+        assert out.error is TIMEOUT
+        now[0] += 5.0
     assert answers == []
