@@ -229,8 +229,8 @@ class Appliance:
         return plan.describe(self.cfg, member=True)
 
     def unicast(self, job_id: int, body: dict[str, Any]) -> JobDescription:
-        """A rank hears none of the job's multicast results: every rank gets them by unicast
-        fan-out from now on (logged once, at WARNING: the network needs fixing)."""
+        """A rank hears none (or few) of the job's multicast results: every rank gets them by
+        unicast fan-out from now on (logged once, at WARNING: the network needs fixing)."""
         rank = bodies.integer(body, "rank")
         secret = bodies.string(body, "secret")
         with self._lock:
@@ -241,9 +241,10 @@ class Appliance:
                 assert before.multicast is not None
                 group, port = before.multicast
                 _log.warning("job %d (%s): rank %d hears none of the results multicast to "
-                             "%s:%d; results by unicast fan-out to every rank from now on. "
-                             "The data network does not deliver the group to that host (a "
-                             "switch with IGMP snooping and no querier?): see "
+                             "%s:%d, or few; results by unicast fan-out to every rank from now "
+                             "on. The data network does not deliver the group, or its "
+                             "full-size datagrams, to that host (a switch with IGMP snooping "
+                             "and no querier? a multicast route of a smaller MTU?): see "
                              "deploy/host-tuning.md", job_id, plan.name, rank, group, port)
         return plan.describe(self.cfg, member=True)
 

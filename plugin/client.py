@@ -384,18 +384,19 @@ class ApplianceClient:
         outcomes = [*self._unclaimed, *ended]
         self._unclaimed = []
         for outcome in outcomes:
-            if self._views.pop(outcome.ticket, None) is not None:
+            view = self._views.pop(outcome.ticket, None)
+            if view is not None:
                 self.repairs = self.repairs.plus(outcome.repairs)
                 if self._multicast_watch is not None and outcome.error is None:
-                    self._watch_multicast(outcome)
+                    self._watch_multicast(outcome, -(-len(view) // self.segment_bytes))
         return outcomes
 
-    def _watch_multicast(self, outcome: Outcome) -> None:
-        """After a round: where the job's multicast results do not reach this host, say so
-        and ask each appliance for them by unicast (once)."""
+    def _watch_multicast(self, outcome: Outcome, segments: int) -> None:
+        """After a round of `segments`: where the job's multicast results do not reach this
+        host, say so and ask each appliance for them by unicast (once)."""
         assert self._multicast_watch is not None
         watch, udp = self._multicast_watch
-        unheard = watch.round_ended(udp.heard_on_groups, outcome.repairs.total)
+        unheard = watch.round_ended(udp.heard_on_groups, outcome.repairs.total, segments)
         if not unheard:
             return
         self.jobs, asked = ask_unicast(self.jobs, self.rank)

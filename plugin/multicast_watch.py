@@ -41,26 +41,36 @@ class MulticastWatch:
         # on a host with a management network often not the data network's
         self.joined_anywhere = local_address == "0.0.0.0"
         self._heard_at_last = 0  # datagrams the group sockets had taken at the last round's end
-        self._unheard = 0  # rounds in a row that heard none
+        self._unheard = 0  # rounds in a row that heard too few
+        self._few = False  # ... and some of them heard some
         self.said = False
 
-    def round_ended(self, heard_on_groups: int, retransmissions: int) -> str | None:
-        """A round finished when the group sockets had taken `heard_on_groups` datagrams in
-        all; the warning, the first time the group looks unreachable, else None."""
-        heard = heard_on_groups != self._heard_at_last
+    def round_ended(self, heard_on_groups: int, retransmissions: int,
+                    segments: int = 1) -> str | None:
+        """A round of `segments` results finished when the group sockets had taken
+        `heard_on_groups` datagrams in all; the warning, the first time the group looks
+        unreachable, else None. A round counts where the group brought under half its results
+        and retransmissions at least half: a group that carries only small datagrams (a
+        multicast route narrower than the unicast one) brings a round's short last segment
+        and nothing else, and once went unnoticed, every call 200 times slower."""
+        heard = heard_on_groups - self._heard_at_last
         self._heard_at_last = heard_on_groups
-        if heard:
+        if 2 * heard >= segments:
             self._unheard = 0
-        elif retransmissions:  # its results came as answers to asking again
+        elif 2 * retransmissions >= segments:  # its results came as answers to asking again
             self._unheard += 1
+            self._few = self._few or heard > 0
         if self.said or self._unheard < UNHEARD_ROUNDS:
             return None
         self.said = True
         groups = ", ".join(f"{host}:{port}" for host, port in self.groups)
-        return (f"rank {self.rank}: the last {self._unheard} allreduces heard none of their "
-                f"results on the job's multicast group {groups}: each result came as the answer "
-                "to a retransmission, many times slower. This host does not receive the group: "
-                "a switch with IGMP snooping and no querier stops forwarding a group minutes "
+        how_many = "few" if self._few else "none"
+        return (f"rank {self.rank}: the last {self._unheard} allreduces heard {how_many} of their "
+                f"results on the job's multicast group {groups}: the rest came as answers to "
+                "retransmissions, many times slower. This host does not receive the group"
+                + (", or not its full-size datagrams (a multicast route narrower than the "
+                   "unicast path, a firewall rule on length)" if self._few else "")
+                + ": a switch with IGMP snooping and no querier stops forwarding a group minutes "
                 "after it was joined (deploy/host-tuning.md, \"Multicast on the switch\"), or "
                 "a firewall drops it"
                 + (", or this host joined the group on another interface than the data "
