@@ -128,6 +128,20 @@ def test_each_silent_appliance_is_asked_once_and_only_its_errors_are_explained()
     assert asked[2:] == ["198.18.0.1:7070"]
 
 
+def scripted(answers: list[object]) -> tuple[Diagnosis, list[float]]:
+    """A diagnosis whose API gives the next of `answers` to each question (raising those that
+    are errors), on a clock the test moves (`now[0]`)."""
+    now = [100.0]
+
+    def ask(info: JobInfo) -> object:
+        answer = answers.pop(0)
+        if isinstance(answer, ReductionError):
+            raise answer
+        return answer
+
+    return Diagnosis(ask, clock=lambda: now[0]), now
+
+
 def unknown_job(job_id: int = 5, cookie: int = 77) -> Header:
     """A core's UNKNOWN_JOB, echoing rank 1's heartbeat."""
     return Header(Kind.UNKNOWN_JOB, DType.FLOAT32, Op.SUM, 0, job_id, 1, cookie, 9, 0, 0, 0, 0, 1)
@@ -184,15 +198,7 @@ def test_an_api_not_listening_yet_is_asked_again_at_the_next_heartbeat() -> None
     """A restarted daemon's cores answer before its API listens: the first question is
     refused, and the next heartbeat's answer (a tenth of the timeout later) asks again."""
     answers: list[object] = [ReductionError("cannot reach appliance API: refused")]
-
-    def ask(info: JobInfo) -> object:
-        answer = answers.pop(0)
-        if isinstance(answer, ReductionError):
-            raise answer
-        return answer
-
-    now = [100.0]
-    diagnosis = Diagnosis(ask, clock=lambda: now[0])
+    diagnosis, now = scripted(answers)
     joined = replace(INFO, cookie=77)
     assert diagnosis.job_gone(joined, unknown_job(), 1, joined_at=90.0) is None
     now[0] += 0.4
@@ -239,15 +245,7 @@ def test_a_timeout_with_every_rank_joined_or_no_answer_stays_as_it_was() -> None
         ReductionError("cannot reach appliance API at 198.18.0.1:7070: timed out"),
         {"jobs": [{"job_id": 5, "name": "j", "joined": "garbled"}]},
     ]
-
-    def ask(info: JobInfo) -> object:
-        answer = answers.pop(0)
-        if isinstance(answer, ReductionError):
-            raise answer
-        return answer
-
-    now = [100.0]
-    diagnosis = Diagnosis(ask, clock=lambda: now[0])
+    diagnosis, now = scripted(answers)
     for _ in range(3):
         (out,) = diagnosis.explained([Outcome(1, TIMEOUT)], [three], 1)
         assert out.error is TIMEOUT
