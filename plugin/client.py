@@ -410,6 +410,8 @@ class ApplianceClient:
         watch = self._path_watch
         assert watch is not None
         quiet_since = self.pipeline.quiet_since()
+        if quiet_since is not None:  # (and say once if ranks it waits for never joined)
+            self._diagnosis.warn_missing(self.jobs, self.rank, now - quiet_since)
         verdicts = watch.look(now, quiet_since, self.transport.send_raw)
         self._watch_at = watch.next_at(quiet_since)  # (inf with nothing in flight)
         if verdicts is not None:

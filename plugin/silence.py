@@ -16,6 +16,7 @@ being restarted lacks its jobs for a moment too) and says why.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from .rendezvous import JobInfo
 __all__ = ["Diagnosis", "verdict"]
 
 Ask = Callable[[JobInfo], object]
+_log = logging.getLogger(__name__)
 
 
 class Diagnosis:
@@ -54,6 +56,7 @@ class Diagnosis:
         # "silent <appliance>" or "missing <appliance>" -> (when asked, what it said)
         self._said: dict[str, tuple[float, str]] = {}
         self._check_at: dict[str, float] = {}  # appliance -> when to ask if it has the job
+        self._warned = False  # `warn_missing` spoke, or found every rank joined
 
     def explained(self, outcomes: list[Outcome], jobs: list[JobInfo],
                   rank: int) -> list[Outcome]:
@@ -76,6 +79,19 @@ class Diagnosis:
                                       error=AllreduceTimeout(f"{error}. {' '.join(notes)}"))
             out.append(outcome)
         return out
+
+    def warn_missing(self, jobs: list[JobInfo], rank: int, stalled_s: float) -> None:
+        """Once a round has had no result for the liveness timeout, log once (WARNING) which
+        ranks have not joined, where some have not: its deadline (60 s by default) is far, and
+        an operator watching a job hang at its first allreduce should know where to look."""
+        if self._warned or not jobs or stalled_s < min(j.liveness_s for j in jobs):
+            return
+        self._warned = True
+        notes = [note for note in (self._cached(self._missing, info, "missing")
+                                   for info in jobs) if note]
+        if notes:
+            _log.warning("rank %d's allreduce has had no result for %.1f s. %s", rank,
+                         stalled_s, " ".join(notes))
 
     def _cached(self, ask: Callable[[JobInfo], str], info: JobInfo, what: str) -> str:
         """`ask(info)`, asked again only once `info`'s liveness timeout has passed."""

@@ -4,7 +4,10 @@ answers (plain dictionaries, no network)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
+
+import pytest
 
 from reduction_appliance.dataplane.errors import (
     AllreduceTimeout,
@@ -251,3 +254,32 @@ def test_a_timeout_with_every_rank_joined_or_no_answer_stays_as_it_was() -> None
         assert out.error is TIMEOUT
         now[0] += 5.0
     assert answers == []
+
+
+def test_a_round_stalled_for_the_timeout_warns_once_of_ranks_that_never_joined(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An operator watching a job hang at its first allreduce learns, a liveness timeout in
+    and not at the 60 s deadline, that a rank never joined; asked once, said once."""
+    three = replace(INFO, world_size=3, cookie=77)
+    answers: list[object] = [{"jobs": [{"job_id": 5, "name": "j", "joined": [0, 1],
+                                        "created_s": 6.0}]}]
+    diagnosis, _ = scripted(answers)
+    with caplog.at_level(logging.WARNING):
+        diagnosis.warn_missing([three], 1, stalled_s=4.0)  # not yet: the timeout is 5 s
+        assert len(answers) == 1 and not caplog.records
+        diagnosis.warn_missing([three], 1, stalled_s=5.2)
+        diagnosis.warn_missing([three], 1, stalled_s=9.0)
+    assert answers == [] and [r.getMessage() for r in caplog.records] == [
+        "rank 1's allreduce has had no result for 5.2 s. The appliance at 198.18.0.1:7070 says "
+        "rank 2 has not joined job 5 ('j'), registered 6 s ago: the worker never started "
+        "there, or failed before it joined (look at that host's launcher and log)"]
+
+
+def test_a_stall_with_every_rank_joined_asks_once_and_says_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    answers: list[object] = [{"jobs": [{"job_id": 5, "name": "j", "joined": [0, 1]}]}]
+    diagnosis, _ = scripted(answers)
+    with caplog.at_level(logging.WARNING):
+        for stalled in (5.5, 8.0, 16.0):
+            diagnosis.warn_missing([INFO], 1, stalled_s=stalled)
+    assert answers == [] and not caplog.records
