@@ -55,6 +55,8 @@ def _endpoints(count: int, slots: int, slot_base: int = 0) -> tuple[Endpoint, ..
     (2, 10_000, 1024),  # a short last one
     (3, 64 * 8896 + 4, 8896),  # more segments than slots: slots reused
     (2, 4, 8896),  # one short segment
+    (3, 8 * 1024, 1024),  # the most segments packed one by one
+    (3, 8 * 1024 + 1, 1024),  # the fewest packed in one numpy pass
 ])
 def test_every_header_is_the_one_pack_into_writes(cores: int, nbytes: int,
                                                   segment: int) -> None:
