@@ -131,9 +131,9 @@ class Diagnosis:
         """What to fail the job's rounds with, now that a core of `info`'s appliance answered
         this rank's heartbeat with UNKNOWN_JOB (`h`): the API is asked (at most once per
         liveness timeout while it answers, once per heartbeat while it does not) and, where it
-        lists no such job, the error says why. None where the
-        notice is not about this job, or the API still lists the job (a core being restarted
-        gets its jobs back) or does not answer (the liveness timeout will tell)."""
+        lists no such job, the error says why. None where the notice is not about this job,
+        or the API still lists the job (a core being restarted gets its jobs back) or does not
+        answer (the liveness timeout will tell)."""
         if h.job_id != info.job_id or h.cookie != info.cookie:
             return None
         now = self._clock()
