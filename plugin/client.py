@@ -450,11 +450,11 @@ class ApplianceClient:
         pipeline = self.pipeline
         now = self._clock()
         appliance = self._appliance_of.get(source)
-        if appliance is not None and peek_kind(buf, 0) != Kind.UNKNOWN_JOB:
-            pipeline.heard(appliance, now)
         at = 0
         while at < nbytes:
             if peek_kind(buf, at) == Kind.RESULT:
+                if appliance is not None:  # (anything else is heard in `_on_datagram`)
+                    pipeline.heard(appliance, now)
                 at = pipeline.take_results(buf, view, at, nbytes, size, source, now,
                                            self._views, now - waited)
             if at < nbytes:  # not a result it wanted: decode and handle it alone

@@ -72,11 +72,9 @@ class Diagnosis:
                     outcome = replace(outcome,
                                       error=ApplianceSilent(f"{text}. {' '.join(notes)}"))
             elif type(error) is AllreduceTimeout:
-                notes = [note for note in (self._cached(self._missing, info, "missing")
-                                           for info in jobs) if note]
-                if notes:
-                    outcome = replace(outcome,
-                                      error=AllreduceTimeout(f"{error}. {' '.join(notes)}"))
+                missing = self._missing_notes(jobs)
+                if missing:
+                    outcome = replace(outcome, error=AllreduceTimeout(f"{error}. {missing}"))
             out.append(outcome)
         return out
 
@@ -87,11 +85,15 @@ class Diagnosis:
         if self._warned or not jobs or stalled_s < min(j.liveness_s for j in jobs):
             return
         self._warned = True
-        notes = [note for note in (self._cached(self._missing, info, "missing")
-                                   for info in jobs) if note]
+        notes = self._missing_notes(jobs)
         if notes:
             _log.warning("rank %d's allreduce has had no result for %.1f s. %s", rank,
-                         stalled_s, " ".join(notes))
+                         stalled_s, notes)
+
+    def _missing_notes(self, jobs: list[JobInfo]) -> str:
+        """What each appliance's API says of ranks that never joined ("" where none)."""
+        return " ".join(note for note in (self._cached(self._missing, info, "missing")
+                                          for info in jobs) if note)
 
     def _cached(self, ask: Callable[[JobInfo], str], info: JobInfo, what: str) -> str:
         """`ask(info)`, asked again only once `info`'s liveness timeout has passed."""
