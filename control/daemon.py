@@ -7,9 +7,10 @@ down, and WATCHDOG=1 from its periodic loop while the API's event loop still ans
 daemon whose loop or API is wedged is restarted by systemd instead of lingering.
 
 SIGTERM, in order: stop accepting API connections and close idle ones; wait up to api.drain_s
-for requests in flight; let running rounds finish (up to 5 s of data-plane quiet, then every
-job's workers are told); stop the cores; remove the steering rules. Whatever clients hold
-open, the daemon is gone within about api.drain_s + 5 s + the cores' own stop.
+for requests in flight; let every job finish the rounds it has begun and begin no later one,
+then tell its workers (control.drain: about a second for a busy job, at most 5 s); stop the
+cores; remove the steering rules. Whatever clients hold open, the daemon is gone within about
+api.drain_s + 5 s + the cores' own stop.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ __all__ = ["DRAIN_GRACE_S", "Janitor", "main", "raise_open_files_limit", "sd_not
 
 _log = logging.getLogger("reductiond")
 _JANITOR_EVERY_S = 1.0
-#: Longest wait for running rounds to finish on SIGTERM (after the API's api.drain_s).
+#: Longest wait for the rounds begun to finish on SIGTERM (after the API's api.drain_s).
 DRAIN_GRACE_S = 5.0
 
 

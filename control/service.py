@@ -28,6 +28,7 @@ from reduction_appliance.dataplane.spec import Address
 from reduction_appliance.dataplane.wire import HEADER_SIZE, number_before
 
 from . import bodies
+from .drain import Drain
 from .registry import (
     EVICTION_CAUSES,
     ConflictError,
@@ -313,22 +314,38 @@ class Appliance:
         return evicted
 
     def shutdown(self, grace_s: float) -> None:
-        """Stop taking jobs, let running rounds finish (up to `grace_s` of quiet), then tell
-        every job's workers the appliance is going away."""
+        """Stop taking jobs; let every job finish the rounds it has begun and begin no later
+        one (`control.drain`), then tell its workers the appliance is going away: each rank
+        then has every round up to the fence, and fails the next before any of its results
+        reached its tensor. A job whose begun rounds do not finish within `grace_s` (a rank
+        stopped) is told all the same."""
         with self._lock:
             self.draining = True
+            drain = Drain(tuple(p.spec.job_id for p in self.registry.jobs))
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
+        while drain.pending:
             with self._lock:
-                recent = [a.last_activity for a in self._job_activity() if a.last_activity]
-            if not recent or time.monotonic() - max(recent) > 0.5:
+                drained = drain.take(self.supervisor.fence(drain.floors()))
+                for job_id, fence in drained.items():
+                    self._end(job_id, "the appliance is shutting down: " + (
+                        f"it let every round up to {fence} finish, and no later one begin"
+                        if fence else "no round of the job had begun, and none may now"))
+            if time.monotonic() >= deadline:
                 break
-            time.sleep(0.1)
+            if drain.pending:
+                time.sleep(0.05)  # the cores' next word on the rounds left
+        left = drain.pending
         with self._lock:
             for plan in self.registry.jobs:
-                self.registry.abort(plan.spec.job_id)
-                self.supervisor.remove_job(plan.spec.job_id,
-                                           abort="the appliance is shutting down")
+                fence = left.get(plan.spec.job_id, 0)
+                self._end(plan.spec.job_id, "the appliance is shutting down: the rounds up to "
+                          f"{fence} had not finished {grace_s:g} s after it began to (a rank "
+                          "stopped sending, or never joined)")
+
+    def _end(self, job_id: int, why: str) -> None:
+        if any(p.spec.job_id == job_id for p in self.registry.jobs):  # (not evicted meanwhile)
+            self.registry.abort(job_id)
+            self.supervisor.remove_job(job_id, abort=why)
 
     def probe_cores(self) -> None:
         """Called about once a second: a core that does not answer is killed and restarted."""

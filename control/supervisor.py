@@ -58,6 +58,8 @@ from reduction_appliance.dataplane.spec import (
     CoreState,
     CoreStats,
     ErrorReport,
+    FenceJobs,
+    Fences,
     JobSpec,
     QueryStats,
     QueuePairs,
@@ -474,6 +476,14 @@ class Supervisor:
             with contextlib.suppress(CoreUnavailable):  # a restarting core gets the new list
                 self.ask(core, RemoveJob(job_id) if abort is None
                          else AbortJob(job_id, abort))
+
+    def fence(self, floors: tuple[tuple[int, int], ...]) -> list[Fences]:
+        """Drain these jobs (control.drain): what every running core says of them."""
+        out: list[Fences] = []
+        for core in self.cores:
+            with contextlib.suppress(CoreUnavailable):
+                out.append(self.ask(core, FenceJobs(floors)))
+        return out
 
     def probe(self) -> None:
         """Ask every running core for a reply (the janitor does, every second, jobs or not): a

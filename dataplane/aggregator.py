@@ -37,7 +37,8 @@ Slot protocol (after SwitchML, without its limits):
   heartbeat that a peer died; and an answer at all tells the worker the appliance lives.
   A PATH_PROBE is echoed at the size it asks for (a joining worker's test of its path), and
   a HEARTBEAT of a job this core lacks hears UNKNOWN_JOB (`dataplane.upkeep`): the appliance
-  restarted without it, or the job ended.
+  restarted without it, or the job ended. A draining job (the appliance stopping) begins no
+  round after its fence (`dataplane.fence`).
 
 The states of a slot copy and their transition table live in `slotstate`.
 """
@@ -51,9 +52,11 @@ from numpy.typing import NDArray
 
 from .counters import Counter, Counters
 from .errors import AdmissionError, PeerError
+from .fence import fenced_out, raise_fence
 from .gaps import forget_sequences, note_sent, note_sequence
 from .notices import (
     answer,
+    divergence,
     echoed,
     lost_on_the_way,
     on_its_way,
@@ -65,7 +68,7 @@ from .reduce import KernelTable, SegmentKernel
 from .runs import RunPath
 from .slots import RxPool, SlotArena, holdable_buffers, receive_reserve
 from .slotstate import CopyState, Event, JobState, Slot, SlotCopy, move
-from .spec import Address, JobSpec, JobStats
+from .spec import Address, Fenced, JobSpec, JobStats
 from .transport import RxBatch, Send
 from .upkeep import UNKNOWN_JOB_NOTICES_PER_S, Budget, heartbeat, lacks, path_echo, unknown_job
 from .wire import (
@@ -188,6 +191,11 @@ class Aggregator:
         self._arena.release(job.arena_slots)
         self._cells[Counter.SLOTS_IN_USE] -= job.spec.slots
 
+    def fence(self, job_id: int, floor: int, now: float) -> Fenced | None:
+        """Drain the job: no round after its fence starts here (`dataplane.fence`)."""
+        job = self._jobs.get(job_id)
+        return None if job is None else raise_fence(job, floor, now)
+
     @property
     def pool(self) -> RxPool:
         """The receive buffers transports must receive into (ours: see `on_batch`)."""
@@ -290,6 +298,8 @@ class Aggregator:
             cells[Counter.JOB_NOTICES] += 1
             out.append(self._notice(Kind.DIVERGED, h, source, job.diverged.encode()))
             return False
+        if job.fence is not None and fenced_out(job, h.round, now, cells):
+            return False
         if h.slot >= spec.slots:
             cells[Counter.DROP_BAD_SLOT] += 1
             return False
@@ -378,13 +388,7 @@ class Aggregator:
     def _diverge(self, job: JobState, copy: SlotCopy, h: Header, out: list[Send]) -> None:
         """The ranks disagree on what one use of a slot is: tell every rank why, now and on
         every later datagram of this epoch, instead of letting them wait for each other."""
-        first = next((r for r in range(job.spec.world_size) if copy.arrived >> r & 1), None)
-        theirs = "the other ranks" if first is None else f"rank {first}"
-        job.diverged = (
-            f"ranks diverged at slot {h.slot} use {h.use} (epoch {job.spec.epoch}): rank "
-            f"{h.rank} sent round {h.round} offset {h.offset} length {h.length} {h.dtype.name} "
-            f"{h.op.name}, {theirs} sent {copy.describe()}: {copy.disagreement(h)}; "
-            "resynchronise the job (re-join, or resync) to continue")
+        job.diverged = divergence(job, copy, h)
         out.extend(self._tell(job, Kind.DIVERGED, job.diverged.encode()))
 
     def _start_use(self, job: JobState, slot: Slot, h: Header, index: int, now: float,

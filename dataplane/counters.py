@@ -76,6 +76,9 @@ class Counter(IntEnum):
     # HEARTBEATs of a job this core does not have (or with another cookie), answered with
     # UNKNOWN_JOB (dataplane.upkeep): a restarted appliance's, or a removed job's, workers
     UNKNOWN_JOB_NOTICES = 49
+    # Contributions to rounds after a draining job's fence (dataplane.fence): the appliance is
+    # stopping, the rounds begun finish, and a later one never starts
+    DROP_FENCED = 50
 
 
 N_COUNTERS = len(Counter)

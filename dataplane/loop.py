@@ -34,6 +34,8 @@ from .spec import (
     CoreConfig,
     CoreStats,
     ErrorReport,
+    FenceJobs,
+    Fences,
     QueryStats,
     QueuePairs,
     Ready,
@@ -103,6 +105,9 @@ class CoreLoop:
         if isinstance(command, AbortJob):
             self._send(agg.abort_job(command.job_id, command.reason))
             return None
+        if isinstance(command, FenceJobs):
+            now = self.clock()
+            return Fences({job: agg.fence(job, floor, now) for job, floor in command.floors})
         if isinstance(command, QueryStats):
             now = self.clock()
             return CoreStats(now, {j: agg.stats(j, now) for j in command.job_ids},

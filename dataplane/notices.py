@@ -1,9 +1,9 @@
 """The notices an aggregator sends besides results, built as data (sans-I/O): PENDING to a rank
 that asks after an unfinished segment (and to the ranks whose contribution it lacks), a notice
-to every bound rank of a job, and a notice answering one datagram; whether a query for a
-finished result hears PENDING because the result is still on its way; and the flags a RESULT
-carries, as sent to all (`echoed`) and as resent to one rank (`resent`). The caller counts
-them."""
+to every bound rank of a job (and what a DIVERGED one says), and a notice answering one
+datagram; whether a query for a finished result hears PENDING because the result is still on
+its way; and the flags a RESULT carries, as sent to all (`echoed`) and as resent to one rank
+(`resent`). The caller counts them."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from .wire import (
     serial_newer,
 )
 
-__all__ = ["RESULT_IN_FLIGHT_S", "RESULT_QUEUED_S", "answer", "echoed", "lost_on_the_way",
-           "on_its_way", "pending_notes", "resent", "to_every_rank"]
+__all__ = ["RESULT_IN_FLIGHT_S", "RESULT_QUEUED_S", "answer", "divergence", "echoed",
+           "lost_on_the_way", "on_its_way", "pending_notes", "resent", "to_every_rank"]
 
 # A PROBE (wire.Flags) for a result that left less than this long ago gets a PENDING note: the
 # result is taken to be on its way. No longer than the workers' RTO floor (Timing.rto_min), so a
@@ -126,3 +126,13 @@ def echoed(flags: int) -> int:
     and REPAIRED, and REPAIRED for a retransmission (wire.py: no rank samples that round
     trip)."""
     return flags & _ECHOED | (_REPAIRED if flags & Flags.RETRANSMIT else 0)
+
+
+def divergence(job: JobState, copy: SlotCopy, h: Header) -> str:
+    """What a DIVERGED notice says: `h` names another segment for the use `copy` holds."""
+    first = next((r for r in range(job.spec.world_size) if copy.arrived >> r & 1), None)
+    theirs = "the other ranks" if first is None else f"rank {first}"
+    return (f"ranks diverged at slot {h.slot} use {h.use} (epoch {job.spec.epoch}): rank "
+            f"{h.rank} sent round {h.round} offset {h.offset} length {h.length} {h.dtype.name} "
+            f"{h.op.name}, {theirs} sent {copy.describe()}: {copy.disagreement(h)}; "
+            "resynchronise the job (re-join, or resync) to continue")

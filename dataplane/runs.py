@@ -150,7 +150,8 @@ class RunPath:
         dtype, op = _DTYPES.get(dtype_no), _OPS.get(op_no)
         if (dtype is None or op is None or cookie != spec.cookie or rank >= spec.world_size
                 or spec.endpoints[rank] != source or epoch != spec.epoch
-                or job.diverged is not None or spec.deterministic or length % ITEMSIZE[dtype]
+                or job.diverged is not None or job.fence is not None or spec.deterministic
+                or length % ITEMSIZE[dtype]
                 or length > self._arena.max_payload):
             return 0
         # Each datagram: the same header as the first but for its sequence (the `serial`

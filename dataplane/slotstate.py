@@ -142,8 +142,8 @@ class Slot:
 
 class JobState:
     __slots__ = ("all_ranks", "arena_first", "arena_slots", "beats", "bytes_reduced", "diverged",
-                 "elsewhere", "held", "last_activity", "last_beat", "last_data", "last_seen",
-                 "lost_to",
+                 "elsewhere", "fence", "fence_heard", "held", "last_activity", "last_beat",
+                 "last_data", "last_seen", "lost_to",
                  "missed_from", "next_sequence", "rounds", "segments_reduced", "serial", "slots",
                  "spec")
 
@@ -167,6 +167,10 @@ class JobState:
         self.last_activity: float | None = None
         self.held = 0  # receive buffers its out-of-turn contributions hold (<= hold_buffers)
         self.diverged: str | None = None  # why the ranks disagree, until the next epoch
+        # Draining (dataplane.fence): the newest round that may still start (0: none may), and
+        # when a contribution or query of a round up to it last came
+        self.fence: int | None = None
+        self.fence_heard = float("-inf")
         self.serial = 0  # the serial this core's next result of the job carries
         # per rank, the send sequence its next first transmission should carry (-1: any;
         # dataplane.gaps)

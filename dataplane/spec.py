@@ -33,6 +33,9 @@ __all__ = [
     "CoreState",
     "CoreStats",
     "ErrorReport",
+    "FenceJobs",
+    "Fenced",
+    "Fences",
     "JobSpec",
     "JobStats",
     "PollMode",
@@ -191,6 +194,32 @@ class AbortJob(Command[None]):
 
     job_id: int
     reason: str = ""  # what the workers' error says: who aborted the job and why
+
+
+@dataclass(frozen=True)
+class Fenced:
+    """One core's view of a draining job (`FenceJobs`, dataplane.fence)."""
+
+    fence: int  # the newest round that may still start here (0: none may)
+    unfinished: int  # segments of rounds up to it still waiting for contributions here
+    quiet_s: float  # since a contribution or query of those rounds last came (inf: never)
+
+
+@dataclass(frozen=True)
+class Fences:
+    """The reply to `FenceJobs`: per job its `Fenced`, None where the core lacks the job."""
+
+    jobs: dict[int, Fenced | None]
+
+
+@dataclass(frozen=True)
+class FenceJobs(Command[Fences]):
+    """Drain these jobs (the appliance is stopping): no round after a job's fence may start
+    on this core. `floors`: (job, round) pairs, the fence each job must at least have (the
+    newest round any core has begun; 0: none), so every core lets the same rounds finish."""
+
+    floors: tuple[tuple[int, int], ...]
+    reply_type: ClassVar[type] = Fences
 
 
 @dataclass(frozen=True)

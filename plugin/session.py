@@ -464,10 +464,12 @@ class AllreduceRound(RoundAnswers, Overtaking):
     def check(self, now: float) -> None:
         if self._aborted_by is not None and not self.done:
             why = self._abort_reason or "an operator abort, idle eviction or appliance shutdown"
+            untouched = ("none of its results had come, so the tensor holds this rank's "
+                         "input as it was" if self.remaining == self.segments else
+                         f"{self.remaining} of {self.segments} segments unfinished")
             raise JobAborted(
                 f"{self._aborted_by} aborted job {self.endpoints[0].job_id} ({why}) during "
-                f"allreduce round {self.round} of rank {self.rank}; {self.remaining} of "
-                f"{self.segments} segments unfinished"
+                f"allreduce round {self.round} of rank {self.rank}; {untouched}"
             )
         if now < self._deadline or self.done:
             return

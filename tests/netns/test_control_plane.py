@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from reduction_appliance.control.apiclient import ApiError
+from reduction_appliance.control.daemon import DRAIN_GRACE_S
 from reduction_appliance.deploy.testnet.harness import (
     HarnessError,
     LabNetwork,
@@ -161,21 +163,28 @@ def test_an_aborted_jobs_workers_are_told_at_once_and_why(how: str) -> None:
         stalled = launch(net, [0, 1], worker_argv(net, appliance.api, 3, "doomed",
                                                   ["--sizes", "64KiB", "--deadline", "60"])[:2])
         # both launched ranks joined (a rank joining after the abort would wait out its own
-        # deadline, not be told) and the job's first datagrams in
-        wait_until(lambda: [j["joined"] for j in appliance.jobs_named("doomed")] == [[0, 1]]
-                   and appliance.counters().get("packets_in", 0) > 0, 30,
-                   what="ranks 0 and 1 joined and sending")
+        # deadline, not be told) and their first round begun, waiting for rank 2
+        wait_until(lambda: [(j["joined"], list(j["lagging"])) for j in
+                            appliance.status()["jobs"] if j["name"] == "doomed"]
+                   == [([0, 1], ["2"])], 30,
+                   what="ranks 0 and 1 joined and their round waiting for rank 2")
         (job_id,) = appliance.job_ids("doomed")
         if how == "SIGTERM":
             appliance.process.send_signal(signal.SIGTERM)
-            why = "the appliance is shutting down"
+            # the round begun cannot finish without rank 2: told after the drain's grace
+            why = (r"the appliance is shutting down: the rounds up to \d+ had not finished "
+                   rf"{DRAIN_GRACE_S:g} s after it began to \(a rank stopped sending, or never "
+                   r"joined\)")
         else:
             done = ctl("abort", str(job_id), "--socket", appliance.unix_socket)
             assert done.returncode == 0, done.stderr
-            why = f"an operator's abort: reductionctl abort {job_id} or DELETE /v1/jobs/{job_id}"
+            why = re.escape(f"an operator's abort: reductionctl abort {job_id} or DELETE "
+                            f"/v1/jobs/{job_id}")
         for code, _, stderr in finish(stalled, timeout_s=30):
             assert code == 3 and "JobAborted" in stderr, stderr[-2000:]
-            assert f"aborted job {job_id} ({why}) during" in stderr, stderr[-2000:]
+            assert re.search(rf"aborted job {job_id} \({why}\) during", stderr), stderr[-2000:]
+            # nothing of the round reached the tensor: no rank summed it with the others
+            assert "the tensor holds this rank's input as it was" in stderr, stderr[-2000:]
 
 
 def _route(net: LabNetwork, prefix: str) -> str:
