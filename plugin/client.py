@@ -45,6 +45,9 @@ from .transport import Outgoing, UdpWorkerTransport, WorkerTransport, decode_eac
 __all__ = ["ApplianceClient", "dtype_of", "op_of"]  # (the last two from plugin.arguments)
 
 _log = logging.getLogger(__name__)
+# How long a client whose block ended in an exception spends on each leave: the process is on
+# its way out (a Ctrl-C), and a refused connection ends it at once anyway.
+_LEAVE_ON_ERROR_S = 2.0
 
 
 _new_tuple = tuple.__new__
@@ -87,6 +90,8 @@ class ApplianceClient:
     dead; the answers name dead ranks (see plugin/pipeline.py). `transport`, `clock`
     and `join` replace the UDP sockets, the monotonic clock and the API call (tests pass an
     in-memory network and its simulated clock, and `lease=False`: they call `heartbeat()`).
+    A `with` block that ends in an exception leaves the jobs the client joined on its way out,
+    so its peers fail at once with RankLeft.
     """
 
     def __init__(
@@ -143,6 +148,10 @@ class ApplianceClient:
         except BaseException:
             self.transport.close()
             raise
+        # what it joined (and leaves if its block ends in an exception); jobs given joined
+        # are their giver's to leave
+        self._joined_here = [j for j, given in zip(self.jobs, jobs, strict=True)
+                             if given.cookie is None]
         epochs = {j.epoch for j in self.jobs}
         if len(epochs) != 1:
             self.transport.close()
@@ -261,7 +270,22 @@ class ApplianceClient:
     def __exit__(
         self, t: type[BaseException] | None, v: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if t is not None:
+            self._leave_on_the_way_out(t)
         self.close()
+
+    def _leave_on_the_way_out(self, t: type[BaseException]) -> None:
+        """The block this client serves ends in an exception (its own or the script's: a
+        failed data loader, Ctrl-C): leave the jobs it joined, so that its peers fail at once
+        with RankLeft instead of waiting out the liveness timeout for RankSilent. Best effort
+        and brief; a job already gone, or an appliance not answering, is left as it is."""
+        for info in self._joined_here:
+            with contextlib.suppress(ReductionError):
+                rendezvous.leave(info, self.rank, timeout_s=_LEAVE_ON_ERROR_S)
+        if self._joined_here:
+            _log.info("rank %d left job %s on its way out (%s)", self.rank,
+                      self._joined_here[0].name, t.__name__)
+        self._joined_here = []
 
     # ---- the collective ----
     def allreduce(self, array: NDArray[Any], op: str | Op = "sum") -> NDArray[Any]:

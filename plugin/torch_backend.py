@@ -66,11 +66,13 @@ reduction_appliance.bench.ddp_steps --device cuda` trains on it through this pat
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
 import secrets
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -367,6 +369,10 @@ class ApplianceProcessGroup(ProcessGroup):
             self.client, self.jobs = connect(config, job, secret, rank, world_size, timeout)
             self._pump = RoundPump(self.client, name)
         self._shut = False
+        # A script that ends without destroy_process_group (an exception, Ctrl-C) leaves the
+        # job as the interpreter exits, so its peers fail at once with RankLeft rather than
+        # after the liveness timeout with RankSilent. (A weak reference: the group may go.)
+        atexit.register(_leave_at_exit, weakref.ref(self))
 
     # -- identity --
     def size(self) -> int:
@@ -438,6 +444,12 @@ class ApplianceProcessGroup(ProcessGroup):
             self.client.close()
         with contextlib.suppress(RuntimeError, AttributeError):
             self.gloo.shutdown()
+
+
+def _leave_at_exit(group: weakref.ref[ApplianceProcessGroup]) -> None:
+    pg = group()
+    if pg is not None and not pg._shut:
+        pg._leave()
 
 
 def _delegate(name: str) -> Callable[..., Any]:

@@ -14,6 +14,8 @@ collective, on the backend and in a DDP step through the hook: longer than the a
 advised deadline, within the process group's timeout.
 MODE "stranded": the last rank leaves after two DDP steps; the others' next step must fail.
 MODE "loop": all_reduces until one fails (the test kills a rank), then says how it failed.
+MODE "crashed": the last rank's script raises after two DDP steps, its group never destroyed;
+the others' next step must fail at once, naming it as left.
 Prints one JSON line per check.
 """
 
@@ -410,11 +412,34 @@ def stranded(rank: int, world: int, store: str) -> None:
     dist.destroy_process_group()
 
 
+def crashed(rank: int, world: int, store: str) -> None:
+    """The last rank's script raises after two DDP steps (its data loader failed), and its
+    process exits without destroy_process_group. Leaving the job as the interpreter exits, it
+    lets rank 0's next step fail at once with RankLeft; rank 0 once waited out the liveness
+    timeout for RankSilent."""
+    init("reduction", rank, world, store)
+    gloo = dist.new_group(backend="gloo")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2))
+    for _ in range(2):
+        model(torch.ones(4, 8)).sum().backward()
+    dist.barrier(group=gloo)
+    if rank == world - 1:
+        raise RuntimeError("the data loader failed")
+    started = time.monotonic()
+    try:
+        model(torch.ones(4, 8)).sum().backward()
+        emit(check="crashed", raised=None)
+    except Exception as exc:
+        emit(check="crashed", raised=type(exc).__name__, message=str(exc),
+             seconds=time.monotonic() - started)
+    exit_without_finalizing(0)  # the group is broken: destroying it would wait on Gloo
+
+
 if __name__ == "__main__":
     mode, rank, world, store, local, ifname = sys.argv[1:7]
     os.environ["REDUCTION_LOCAL_ADDRESS"] = local
     os.environ["GLOO_SOCKET_IFNAME"] = ifname
     modes = {"backend": backend, "overlap": overlap, "stall": stall, "ddp": ddp, "named": named,
-             "patience": patience, "stranded": stranded, "loop": loop}
+             "patience": patience, "stranded": stranded, "loop": loop, "crashed": crashed}
     modes[mode](int(rank), int(world), store)
     exit_without_finalizing(0)  # all printed; see plugin.torch_exit for why
