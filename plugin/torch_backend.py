@@ -76,7 +76,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -105,6 +105,7 @@ __all__ = [
     "config_from_env",
     "create_appliance_pg",
     "job_name_for",
+    "leave_at_exit",
 ]
 
 BACKEND_NAME = "reduction"
@@ -369,10 +370,7 @@ class ApplianceProcessGroup(ProcessGroup):
             self.client, self.jobs = connect(config, job, secret, rank, world_size, timeout)
             self._pump = RoundPump(self.client, name)
         self._shut = False
-        # A script that ends without destroy_process_group (an exception, Ctrl-C) leaves the
-        # job as the interpreter exits, so its peers fail at once with RankLeft rather than
-        # after the liveness timeout with RankSilent. (A weak reference: the group may go.)
-        atexit.register(_leave_at_exit, weakref.ref(self))
+        leave_at_exit(self)
 
     # -- identity --
     def size(self) -> int:
@@ -446,10 +444,25 @@ class ApplianceProcessGroup(ProcessGroup):
             self.gloo.shutdown()
 
 
-def _leave_at_exit(group: weakref.ref[ApplianceProcessGroup]) -> None:
-    pg = group()
-    if pg is not None and not pg._shut:
-        pg._leave()
+class _Leaves(Protocol):
+    jobs: list[JobInfo]
+
+    def _leave(self) -> None: ...
+
+
+def leave_at_exit(owner: _Leaves) -> None:
+    """Leave `owner`'s jobs as the interpreter exits unless it has by then: a script that
+    ends without destroy_process_group (an exception, Ctrl-C) lets its peers fail at once with
+    RankLeft, not after the liveness timeout with RankSilent. (A weak reference: the owner
+    may go first.)"""
+    atexit.register(_leave_at_exit, weakref.ref(owner))
+
+
+def _leave_at_exit(owner: weakref.ref[_Leaves]) -> None:
+    alive = owner()
+    if alive is not None and alive.jobs:
+        with contextlib.suppress(ReductionError):
+            alive._leave()
 
 
 def _delegate(name: str) -> Callable[..., Any]:

@@ -41,6 +41,7 @@ from .torch_backend import (
     connect,
     group_timeout,
     job_name_for,
+    leave_at_exit,
     new_job_name,
     new_secret,
 )
@@ -106,6 +107,7 @@ class ApplianceHookState:
             self.client, self.jobs = connect(config, self.job, secret, self.rank,
                                              self.world_size, timeout)
             self.pump = RoundPump(self.client, name)
+            leave_at_exit(self)
             return
         groups: tuple[Any, Any] | None = None
         for ranks in layout.hosts:  # every rank makes every host's groups (new_group's rule)
@@ -124,6 +126,7 @@ class ApplianceHookState:
             leader = RoundPump(self.client, f"{name}-leader")
         self.pump = HostStage(groups, leader, self.world_size, leader_rank, name,
                               on_broken=self._leave, hosts=layout.describe())
+        leave_at_exit(self)
 
     def _layout(self, config: ApplianceConfig, group: dist.ProcessGroup) -> HostLayout | None:
         """How the ranks share hosts, where they stage on hosts (`plugin.torch_hosts`): on

@@ -192,19 +192,21 @@ def test_a_ddp_step_whose_buckets_cannot_be_reduced_raises_from_backward(
 
 def test_a_rank_whose_script_raises_leaves_as_it_exits_and_its_peer_hears_at_once(
         rack: tuple[LoopbackNetwork, ApplianceProcess], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A script that raises ends without destroy_process_group: its group leaves the job as
-    the interpreter exits, so the peer's next DDP step fails with RankLeft, not with
-    RankSilent after the liveness timeout."""
+    """A script that raises ends without destroy_process_group or closing its hook state:
+    both leave their jobs as the interpreter exits, so the peer's next DDP step fails with
+    RankLeft, on the backend and through the hook, not with RankSilent after the liveness
+    timeout."""
     net, appliance = rack
     monkeypatch.setenv("REDUCTION_APPLIANCE", appliance.api)
     monkeypatch.delenv("REDUCTION_JOB", raising=False)
     procs = launch_ranks(net, "crashed", 2)
     outputs = [proc.communicate(timeout=60) for proc in procs]
     assert procs[1].returncode != 0 and "the data loader failed" in outputs[1][1], outputs[1][1]
-    (record,) = [json.loads(line) for line in outputs[0][0].splitlines()
-                 if line.startswith("{")]
-    assert record["raised"] == "RuntimeError", (record, outputs[0][1][-2000:])
-    assert "RankLeft: rank 1 (" in record["message"], record
+    records = [json.loads(line) for line in outputs[0][0].splitlines() if line.startswith("{")]
+    assert [r["check"] for r in records] == ["crashed-backend", "crashed-hook"], outputs[0]
+    for record in records:
+        assert record["raised"] == "RuntimeError", (record, outputs[0][1][-2000:])
+        assert "RankLeft: rank 1 (" in record["message"], record
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # it dies

@@ -414,25 +414,27 @@ def stranded(rank: int, world: int, store: str) -> None:
 
 def crashed(rank: int, world: int, store: str) -> None:
     """The last rank's script raises after two DDP steps (its data loader failed), and its
-    process exits without destroy_process_group. Leaving the job as the interpreter exits, it
-    lets rank 0's next step fail at once with RankLeft; rank 0 once waited out the liveness
-    timeout for RankSilent."""
+    process exits without destroy_process_group or closing its hook state. Leaving both jobs
+    as the interpreter exits, it lets rank 0's next step fail at once with RankLeft, on the
+    backend and through the hook; rank 0 once waited out the liveness timeout for RankSilent."""
     init("reduction", rank, world, store)
     gloo = dist.new_group(backend="gloo")
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2))
+    on_backend = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2))
+    hooked = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2), process_group=gloo)
+    hooked.register_comm_hook(ApplianceHookState(group=gloo), appliance_allreduce_hook)
     for _ in range(2):
-        model(torch.ones(4, 8)).sum().backward()
+        for model in (on_backend, hooked):
+            model(torch.ones(4, 8)).sum().backward()
     dist.barrier(group=gloo)
     if rank == world - 1:
         raise RuntimeError("the data loader failed")
-    started = time.monotonic()
-    try:
-        model(torch.ones(4, 8)).sum().backward()
-        emit(check="crashed", raised=None)
-    except Exception as exc:
-        emit(check="crashed", raised=type(exc).__name__, message=str(exc),
-             seconds=time.monotonic() - started)
-    exit_without_finalizing(0)  # the group is broken: destroying it would wait on Gloo
+    for name, model in (("backend", on_backend), ("hook", hooked)):
+        try:
+            model(torch.ones(4, 8)).sum().backward()
+            emit(check=f"crashed-{name}", raised=None)
+        except Exception as exc:
+            emit(check=f"crashed-{name}", raised=type(exc).__name__, message=str(exc))
+    exit_without_finalizing(0)  # the groups are broken: destroying them would wait on Gloo
 
 
 if __name__ == "__main__":
