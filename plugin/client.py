@@ -270,21 +270,25 @@ class ApplianceClient:
     def __exit__(
         self, t: type[BaseException] | None, v: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if t is not None:
-            self._leave_on_the_way_out(t)
+        if t is not None and not issubclass(t, ReductionError):
+            self._leave_on_the_way_out(t.__name__)
         self.close()
 
-    def _leave_on_the_way_out(self, t: type[BaseException]) -> None:
-        """The block this client serves ends in an exception (its own or the script's: a
-        failed data loader, Ctrl-C): leave the jobs it joined, so that its peers fail at once
-        with RankLeft instead of waiting out the liveness timeout for RankSilent. Best effort
-        and brief; a job already gone, or an appliance not answering, is left as it is."""
+    def _leave_on_the_way_out(self, why: str) -> None:
+        """The script this client serves ends in an exception of its own (a failed data
+        loader, Ctrl-C): leave the jobs it joined, so that its peers fail at once with
+        RankLeft instead of waiting out the liveness timeout for RankSilent. Not where the job
+        itself failed (a round raised): its peers meet that failure too and are told why, and
+        the appliance's status keeps what explains it. Best effort and brief; a job already
+        gone, or an appliance not answering, is left as it is."""
+        if self.pipeline.failed_by is not None:
+            return
         for info in self._joined_here:
             with contextlib.suppress(ReductionError):
                 rendezvous.leave(info, self.rank, timeout_s=_LEAVE_ON_ERROR_S)
         if self._joined_here:
             _log.info("rank %d left job %s on its way out (%s)", self.rank,
-                      self._joined_here[0].name, t.__name__)
+                      self._joined_here[0].name, why)
         self._joined_here = []
 
     # ---- the collective ----

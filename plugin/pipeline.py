@@ -176,6 +176,9 @@ class RoundPipeline:
         self._silent_ranks: dict[int, RankSilent] = {}  # appliance -> why a rank is dead
         self._silent_appliances: dict[int, str] = {}  # appliance -> why we think it is dead
         self._broken: ReductionError | None = None  # fails every round from now on
+        #: the first error a round of this job failed with (the job's failure: its peers meet
+        #: it too, and the appliance's status keeps what explains it)
+        self.failed_by: ReductionError | None = None
         self.heartbeat_seq = 0  # the newest HEARTBEAT sent; older answers are stale
         self.submitted = 0
         self.most_in_flight = 0  # high-water mark: evidence that rounds really overlapped
@@ -265,6 +268,8 @@ class RoundPipeline:
             self.most_in_flight = max(self.most_in_flight, len(self._active))
 
     def _finish(self, rnd: AllreduceRound, error: ReductionError | None) -> None:
+        if error is not None and self.failed_by is None:
+            self.failed_by = error
         self._late = rnd.ended_late  # the next round starts late by that repair
         self._finish_silently(rnd)
         self._finished.append(Outcome(rnd.ticket, error, rnd.repairs))

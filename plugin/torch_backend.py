@@ -446,23 +446,28 @@ class ApplianceProcessGroup(ProcessGroup):
 
 class _Leaves(Protocol):
     jobs: list[JobInfo]
+    client: ApplianceClient | None
 
     def _leave(self) -> None: ...
 
 
 def leave_at_exit(owner: _Leaves) -> None:
     """Leave `owner`'s jobs as the interpreter exits unless it has by then: a script that
-    ends without destroy_process_group (an exception, Ctrl-C) lets its peers fail at once with
-    RankLeft, not after the liveness timeout with RankSilent. (A weak reference: the owner
-    may go first.)"""
+    ends without destroy_process_group (an exception of its own, Ctrl-C) lets its peers fail
+    at once with RankLeft, not after the liveness timeout with RankSilent. Not where the job
+    itself failed (as `ApplianceClient.__exit__`). (A weak reference: the owner may
+    go first.)"""
     atexit.register(_leave_at_exit, weakref.ref(owner))
 
 
 def _leave_at_exit(owner: weakref.ref[_Leaves]) -> None:
     alive = owner()
-    if alive is not None and alive.jobs:
-        with contextlib.suppress(ReductionError):
-            alive._leave()
+    if alive is None or not alive.jobs:
+        return
+    if alive.client is not None and alive.client.pipeline.failed_by is not None:
+        return
+    with contextlib.suppress(ReductionError):
+        alive._leave()
 
 
 def _delegate(name: str) -> Callable[..., Any]:

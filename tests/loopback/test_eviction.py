@@ -225,26 +225,28 @@ def test_a_client_whose_block_ends_in_an_exception_leaves_so_its_peer_hears_at_o
     """A script that fails (its data loader raised, Ctrl-C) between allreduces, inside its
     `with ApplianceClient(...)` block: the client leaves the job it joined on its way out, so
     the peer's next allreduce fails with RankLeft at once. It once waited for the liveness
-    timeout (here out of reach: 60 s) and its own deadline ended it."""
+    timeout (here out of reach: 60 s) and its own deadline ended it. A block that ends in the
+    job's own failure leaves nothing: the peers meet it too, and the status keeps its story."""
     config = _config()
     config["jobs"]["liveness_timeout_s"] = 60.0
     with local_daemon(config) as daemon:
         info = register(daemon.api, "crashed", world_size=2, secret="secret-of-the-test")
-        with ApplianceClient([info], 0, local_address="127.0.0.1",
-                             timing=Timing(deadline=15.0)) as waits:
+        api = UnixApi(daemon.unix_socket)
+        with pytest.raises(RankLeft) as stalled, \
+                ApplianceClient([info], 0, local_address="127.0.0.1",
+                                timing=Timing(deadline=15.0)) as waits:
             with pytest.raises(RuntimeError, match="data loader"), \
                     ApplianceClient([info], 1, local_address="127.0.0.1"):
                 raise RuntimeError("the data loader failed")
-            with pytest.raises(RankLeft) as stalled:
-                waits.allreduce(np.ones(2000, np.float32))
-            assert "stopped (an exception, Ctrl-C)" in str(stalled.value), stalled.value
-            # A client given the job joined leaves it to whoever joined it.
-            joined = waits.jobs[0]
-            with pytest.raises(RuntimeError, match="another"), \
-                    ApplianceClient([joined], 0, local_address="127.0.0.1", lease=False,
-                                    probe_path=False):
-                raise RuntimeError("another failure")
-            assert UnixApi(daemon.unix_socket).get(f"/v1/jobs/{info.job_id}")["joined"] == [0]
+            waits.allreduce(np.ones(2000, np.float32))
+        assert "stopped (an exception, Ctrl-C)" in str(stalled.value), stalled.value
+        assert api.get(f"/v1/jobs/{info.job_id}")["joined"] == [0]  # (RankLeft is the job's)
+        # A client given the job joined leaves it to whoever joined it.
+        with pytest.raises(RuntimeError, match="another"), \
+                ApplianceClient([waits.jobs[0]], 0, local_address="127.0.0.1", lease=False,
+                                probe_path=False):
+            raise RuntimeError("another failure")
+        assert api.get(f"/v1/jobs/{info.job_id}")["joined"] == [0]
 
 
 def test_a_rank_that_splits_the_slots_otherwise_is_refused_at_its_join() -> None:

@@ -94,6 +94,19 @@ def test_a_failure_for_good_ends_the_rounds_in_flight_and_every_later_one() -> N
     (outcome,) = p.finished()
     assert outcome.ticket == later and type(outcome.error) is AllreduceTimeout
     assert str(outcome.error) == "the path narrowed" and outcome.error is not ended[0].error
+    assert p.failed_by is ended[0].error  # the job's failure: the first, kept
+
+
+def test_a_pipeline_whose_rounds_all_ended_well_has_no_failure_to_tell() -> None:
+    """`failed_by` decides whether a worker on its way out leaves the job (plugin/client.py):
+    not where a round failed, since the peers meet that failure themselves."""
+    p = RoundPipeline(endpoints(1, 4), 0, 2, 64, RttEstimator())
+    assert p.failed_by is None
+    p.submit(DType.FLOAT32, Op.SUM, 64)
+    p.due(0.0)
+    assert p.failed_by is None  # in flight is not failed
+    p.fail_all(JobAborted("gone"))
+    assert isinstance(p.failed_by, JobAborted)
 
 
 def test_an_empty_collective_ends_at_once_without_a_round() -> None:
