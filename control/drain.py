@@ -7,17 +7,28 @@ at the same round (none can begin a later one), none of its segments up to there
 contribution, and nothing of those rounds came for `QUIET_S`: a worker that lost a result asks
 for it again within its retransmission timeout (tens of milliseconds on a rack; a timer backed
 off by loss waits up to 1 s, plugin/rtt.py's `rto_max`), and a rank aborted before it had
-heard every result up to the fence would fail a call its peers finished.
+heard every result up to the fence would fail a call its peers finished. Or, at once, when
+every segment still waiting waits for a rank that cannot come (`Fenced.stuck_on`).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from reduction_appliance.dataplane.spec import Fences
 from reduction_appliance.dataplane.wire import number_before
 
-__all__ = ["QUIET_S", "Drain"]
+__all__ = ["QUIET_S", "Drain", "Drained"]
 
 QUIET_S = 1.0
+
+
+class Drained(NamedTuple):
+    """A job that may be aborted: every round up to `fence` finished (0: none had begun), or,
+    where `stuck_on` names ranks, the rounds begun wait for those, which cannot come."""
+
+    fence: int
+    stuck_on: tuple[int, ...] = ()
 
 
 class Drain:
@@ -35,23 +46,28 @@ class Drain:
         """What to send the cores (`FenceJobs.floors`)."""
         return tuple(self._floors.items())
 
-    def take(self, replies: list[Fences]) -> dict[int, int]:
-        """Every answering core's `Fences`; the jobs that have drained (job -> the round
-        they finished at), which are pending no more."""
-        drained: dict[int, int] = {}
+    def take(self, replies: list[Fences]) -> dict[int, Drained]:
+        """Every answering core's `Fences`; the jobs that have drained, which are pending no
+        more."""
+        drained: dict[int, Drained] = {}
         for job_id, floor in list(self._floors.items()):
             views = [f for r in replies if (f := r.jobs.get(job_id)) is not None]
             if not views:  # no core has it (restarting): nothing of it can finish
-                drained[job_id] = floor
+                drained[job_id] = Drained(floor)
                 continue
             newest = floor
             for view in views:
                 if not newest or (view.fence and number_before(newest, view.fence)):
                     newest = view.fence
             self._floors[job_id] = newest
-            if (all(v.fence == newest for v in views) and not any(v.unfinished for v in views)
-                    and min(v.quiet_s for v in views) >= QUIET_S):
-                drained[job_id] = newest
+            if any(v.fence != newest for v in views):
+                continue
+            waiting = [v for v in views if v.unfinished]
+            if not waiting and min(v.quiet_s for v in views) >= QUIET_S:
+                drained[job_id] = Drained(newest)
+            elif waiting and all(v.stuck_on for v in waiting):
+                drained[job_id] = Drained(newest, tuple(sorted(
+                    {rank for v in waiting for rank in v.stuck_on})))
         for job_id in drained:
             del self._floors[job_id]
         return drained

@@ -326,9 +326,11 @@ class Appliance:
         while drain.pending:
             with self._lock:
                 drained = drain.take(self.supervisor.fence(drain.floors()))
-                for job_id, fence in drained.items():
+                for job_id, (fence, stuck_on) in drained.items():
                     self._end(job_id, "the appliance is shutting down: " + (
-                        f"it let every round up to {fence} finish, and no later one begin"
+                        f"the rounds up to {fence} wait for rank(s) {list(stuck_on)}, which "
+                        "never joined or left, so none could finish" if stuck_on
+                        else f"it let every round up to {fence} finish, and no later one begin"
                         if fence else "no round of the job had begun, and none may now"))
             if time.monotonic() >= deadline:
                 break
@@ -340,7 +342,7 @@ class Appliance:
                 fence = left.get(plan.spec.job_id, 0)
                 self._end(plan.spec.job_id, "the appliance is shutting down: the rounds up to "
                           f"{fence} had not finished {grace_s:g} s after it began to (a rank "
-                          "stopped sending, or never joined)")
+                          "stopped sending)")
 
     def _end(self, job_id: int, why: str) -> None:
         if any(p.spec.job_id == job_id for p in self.registry.jobs):  # (not evicted meanwhile)

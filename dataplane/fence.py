@@ -10,7 +10,9 @@ the next call of every rank waits, with nothing of it summed. Once the rounds up
 have finished on every core and nothing of them has come for a moment (a worker that lost a
 result asks again within its retransmission timeout), the control plane aborts the job: every
 rank then has every round up to the fence, and fails the next before any of its results
-reached its tensor (control.service.Appliance.shutdown).
+reached its tensor (control.service.Appliance.shutdown). Where every segment still waiting
+waits for a rank that cannot come (it never joined, or left), the job is aborted at once,
+saying which.
 
 The burst path leaves a fenced job's datagrams to the one-by-one path (dataplane.runs), which
 calls `fenced_out` for each contribution and query: only a draining job pays for the check.
@@ -22,7 +24,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .counters import Counter
-from .slotstate import CopyState, JobState
+from .slotstate import CopyState, JobState, SlotCopy
 from .spec import Fenced
 from .wire import number_before
 
@@ -55,9 +57,25 @@ def raise_fence(job: JobState, floor: int, now: float) -> Fenced:
         # Quiet counts from the job's last contribution: an idle job drains at once.
         job.fence_heard = job.last_activity if job.last_activity is not None else float("-inf")
     job.fence = _newer(_newer(newest_begun(job), job.fence or 0), floor)
-    unfinished = sum(copy.state is CopyState.FILLING for slot in job.slots
-                     for copy in slot.copies)
-    return Fenced(job.fence, unfinished, now - job.fence_heard)
+    filling = [copy for slot in job.slots for copy in slot.copies
+               if copy.state is CopyState.FILLING]
+    return Fenced(job.fence, len(filling), now - job.fence_heard, _stuck_on(job, filling))
+
+
+def _stuck_on(job: JobState, filling: list[SlotCopy]) -> tuple[int, ...]:
+    """The ranks the filling segments wait for that cannot come (not joined, or left: what
+    the control plane says, alike on every core), where every one of them waits for one;
+    else (). (Not a rank silent here: heartbeats go to one core, and the others hear a rank
+    only while it reduces.)"""
+    spec = job.spec
+    cannot = {rank for rank, at in enumerate(spec.endpoints) if at is None} | spec.departed
+    lacking: set[int] = set()
+    for copy in filling:
+        missing = {rank for rank in cannot if not copy.arrived >> rank & 1}
+        if not missing:
+            return ()  # this one can still finish
+        lacking |= missing
+    return tuple(sorted(lacking))
 
 
 def fenced_out(job: JobState, round_no: int, now: float, cells: NDArray[np.uint64]) -> bool:

@@ -203,6 +203,9 @@ class Fenced:
     fence: int  # the newest round that may still start here (0: none may)
     unfinished: int  # segments of rounds up to it still waiting for contributions here
     quiet_s: float  # since a contribution or query of those rounds last came (inf: never)
+    # where every one of those segments waits for a rank that cannot come (not joined, or
+    # left): those ranks; else empty
+    stuck_on: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

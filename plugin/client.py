@@ -90,8 +90,8 @@ class ApplianceClient:
     dead; the answers name dead ranks (see plugin/pipeline.py). `transport`, `clock`
     and `join` replace the UDP sockets, the monotonic clock and the API call (tests pass an
     in-memory network and its simulated clock, and `lease=False`: they call `heartbeat()`).
-    A `with` block that ends in an exception leaves the jobs the client joined on its way out,
-    so its peers fail at once with RankLeft.
+    A `with` block that ends in an exception of the script's own (not the job's failure)
+    leaves the jobs the client joined on its way out, so its peers fail at once with RankLeft.
     """
 
     def __init__(

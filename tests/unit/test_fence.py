@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from reduction_appliance.control.drain import QUIET_S, Drain
-from reduction_appliance.dataplane.counters import Counter
+from reduction_appliance.control.drain import QUIET_S, Drain, Drained
+from reduction_appliance.dataplane.aggregator import Aggregator
+from reduction_appliance.dataplane.counters import Counter, Counters
 from reduction_appliance.dataplane.slots import SlotArena
 from reduction_appliance.dataplane.spec import Fenced, Fences
 from reduction_appliance.dataplane.wire import WRAP, Kind, unpack
 
-from .test_aggregator import contribute, make, query
-from .test_runs import as_run, build, contribution, where
+from .test_aggregator import KERNELS, contribute, make, query, spec, where
+from .test_runs import as_run, build, contribution
 
 
 @pytest.fixture
@@ -106,6 +108,19 @@ def test_a_fenced_jobs_bursts_go_one_by_one_and_stop_at_the_fence() -> None:
         assert counters[Counter.DROP_FENCED] == 4
 
 
+def test_segments_that_wait_for_a_rank_that_never_joined_or_left_are_stuck_on_it(
+        arena: SlotArena) -> None:
+    agg = Aggregator(arena, KERNELS, Counters())
+    agg.add_job(replace(spec(), endpoints=(where(0), where(1), None)), 0.0)  # rank 2 not in
+    contribute(agg, 0, ones(), round_no=1, slot=0, now=1.0)
+    contribute(agg, 1, ones(), round_no=1, slot=0, now=1.0)
+    assert agg.fence(5, 0, 1.0) == Fenced(1, 1, 0.0, (2,))
+    agg.update_job(replace(spec(), departed=frozenset({1})), 1.0)  # rank 2 joined, 1 left
+    assert agg.fence(5, 0, 1.0).stuck_on == ()  # rank 1 is in: it waits for rank 2 only
+    contribute(agg, 0, ones(), round_no=1, slot=1, offset=32, now=1.1)
+    assert agg.fence(5, 0, 1.1).stuck_on == ()  # one stuck on rank 1, the other can finish
+
+
 # ---- control/drain.py: when the control plane may abort ----
 
 def fences(job: int, *views: Fenced | None) -> list[Fences]:
@@ -120,14 +135,22 @@ def test_a_job_drains_when_every_core_fences_it_alike_and_it_is_done_and_quiet()
     assert drain.floors() == ((5, 8),)
     assert drain.take(fences(5, Fenced(8, 1, 9.0), Fenced(8, 0, 9.0))) == {}  # one waits
     assert drain.take(fences(5, Fenced(8, 0, QUIET_S / 2), Fenced(8, 0, 9.0))) == {}
-    assert drain.take(fences(5, Fenced(8, 0, QUIET_S), Fenced(8, 0, 9.0))) == {5: 8}
+    assert drain.take(fences(5, Fenced(8, 0, QUIET_S), Fenced(8, 0, 9.0))) == {5: Drained(8)}
     assert drain.pending == {} and drain.floors() == ()
+
+
+def test_a_job_whose_waiting_segments_are_stuck_on_every_core_drains_at_once() -> None:
+    drain = Drain((5,))
+    stuck, free = Fenced(3, 2, 0.0, (2,)), Fenced(3, 1, 0.0)
+    assert drain.take(fences(5, stuck, free)) == {}  # core 1's segment may still finish
+    assert drain.take(fences(5, stuck, Fenced(3, 0, 0.0), Fenced(3, 1, 0.0, (4,)))) == {
+        5: Drained(3, (2, 4))}
 
 
 def test_an_idle_job_a_lost_one_and_a_wrapped_fence_drain() -> None:
     drain = Drain((5, 6, 7))
     replies = [Fences({5: Fenced(0, 0, math.inf), 6: None, 7: Fenced(WRAP - 1, 0, 1.0)}),
                Fences({5: Fenced(0, 0, math.inf), 6: None, 7: Fenced(2, 0, 1.0)})]
-    assert drain.take(replies) == {5: 0, 6: 0}  # idle; on no core (restarting)
+    assert drain.take(replies) == {5: Drained(0), 6: Drained(0)}  # idle; on no core
     assert drain.pending == {7: 2}  # round 2 is past WRAP - 1
-    assert drain.take([Fences({7: Fenced(2, 0, 1.0)})] * 2) == {7: 2}
+    assert drain.take([Fences({7: Fenced(2, 0, 1.0)})] * 2) == {7: Drained(2)}
