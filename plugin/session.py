@@ -464,8 +464,10 @@ class AllreduceRound(RoundAnswers, Overtaking):
     def check(self, now: float) -> None:
         if self._aborted_by is not None and not self.done:
             why = self._abort_reason or "an operator abort, idle eviction or appliance shutdown"
-            untouched = ("none of its results had come, so the tensor holds this rank's "
-                         "input as it was" if self.remaining == self.segments else
+            # (Of the array this round was given: staged on hosts, a leader's holds its host's
+            # sum already, summed by Gloo before this round began.)
+            untouched = ("none of its results had come, so the appliance wrote nothing into "
+                         "the array it was given" if self.remaining == self.segments else
                          f"{self.remaining} of {self.segments} segments unfinished")
             raise JobAborted(
                 f"{self._aborted_by} aborted job {self.endpoints[0].job_id} ({why}) during "

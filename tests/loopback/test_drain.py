@@ -78,8 +78,8 @@ def test_a_stopped_appliance_finishes_the_calls_begun_and_cuts_none_in_half() ->
                           str(failure))
         assert found, failure
         assert (int(found[1]), int(found[2])) == (calls[rank], calls[rank] + 1), failure
-        assert str(failure).endswith("none of its results had come, so the tensor holds this "
-                                     "rank's input as it was")
+        assert str(failure).endswith("none of its results had come, so the appliance wrote "
+                                     "nothing into the array it was given")
         x = left[rank]
         assert x is not None
         assert np.array_equal(x, np.arange(ELEMENTS, dtype=np.float32) + (rank + 1))
