@@ -18,9 +18,10 @@ from typing import NamedTuple
 from reduction_appliance.dataplane.spec import Fences
 from reduction_appliance.dataplane.wire import number_before
 
-__all__ = ["QUIET_S", "Drain", "Drained"]
+__all__ = ["QUIET_S", "Drain", "Drained", "overdue"]
 
 QUIET_S = 1.0
+_STOPPING = "the appliance is shutting down"
 
 
 class Drained(NamedTuple):
@@ -29,6 +30,22 @@ class Drained(NamedTuple):
 
     fence: int
     stuck_on: tuple[int, ...] = ()
+
+    def why(self) -> str:
+        """What the job's workers are told (their JobAborted carries it)."""
+        if self.stuck_on:
+            return (f"{_STOPPING}: the rounds up to {self.fence} wait for rank(s) "
+                    f"{list(self.stuck_on)}, which never joined or left, so none could finish")
+        if self.fence:
+            return (f"{_STOPPING}: it let every round up to {self.fence} finish, and no later "
+                    "one begin")
+        return f"{_STOPPING}: no round of the job had begun, and none may now"
+
+
+def overdue(fence: int, grace_s: float) -> str:
+    """What the workers of a job still draining after `grace_s` are told."""
+    return (f"{_STOPPING}: the rounds up to {fence} had not finished {grace_s:g} s after it "
+            "began to (a rank stopped sending)")
 
 
 class Drain:

@@ -28,7 +28,7 @@ from reduction_appliance.dataplane.spec import Address
 from reduction_appliance.dataplane.wire import HEADER_SIZE, number_before
 
 from . import bodies
-from .drain import Drain
+from .drain import Drain, overdue
 from .registry import (
     EVICTION_CAUSES,
     ConflictError,
@@ -326,12 +326,8 @@ class Appliance:
         while drain.pending:
             with self._lock:
                 drained = drain.take(self.supervisor.fence(drain.floors()))
-                for job_id, (fence, stuck_on) in drained.items():
-                    self._end(job_id, "the appliance is shutting down: " + (
-                        f"the rounds up to {fence} wait for rank(s) {list(stuck_on)}, which "
-                        "never joined or left, so none could finish" if stuck_on
-                        else f"it let every round up to {fence} finish, and no later one begin"
-                        if fence else "no round of the job had begun, and none may now"))
+                for job_id, done in drained.items():
+                    self._end(job_id, done.why())
             if time.monotonic() >= deadline:
                 break
             if drain.pending:
@@ -339,10 +335,7 @@ class Appliance:
         left = drain.pending
         with self._lock:
             for plan in self.registry.jobs:
-                fence = left.get(plan.spec.job_id, 0)
-                self._end(plan.spec.job_id, "the appliance is shutting down: the rounds up to "
-                          f"{fence} had not finished {grace_s:g} s after it began to (a rank "
-                          "stopped sending)")
+                self._end(plan.spec.job_id, overdue(left.get(plan.spec.job_id, 0), grace_s))
 
     def _end(self, job_id: int, why: str) -> None:
         if any(p.spec.job_id == job_id for p in self.registry.jobs):  # (not evicted meanwhile)

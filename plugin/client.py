@@ -283,9 +283,7 @@ class ApplianceClient:
         gone, or an appliance not answering, is left as it is."""
         if self.pipeline.failed_by is not None:
             return
-        for info in self._joined_here:
-            with contextlib.suppress(ReductionError):
-                rendezvous.leave(info, self.rank, timeout_s=_LEAVE_ON_ERROR_S)
+        rendezvous.leave_quietly(self._joined_here, self.rank, _LEAVE_ON_ERROR_S)
         if self._joined_here:
             _log.info("rank %d left job %s on its way out (%s)", self.rank,
                       self._joined_here[0].name, why)

@@ -41,8 +41,8 @@ from reduction_appliance.dataplane.wire import VERSION
 
 from .session import Address, Endpoint
 
-__all__ = ["JobInfo", "RendezvousError", "api_address", "connect", "join", "leave", "register",
-           "resync", "unicast"]
+__all__ = ["JobInfo", "RendezvousError", "api_address", "connect", "join", "leave",
+           "leave_quietly", "register", "resync", "unicast"]
 
 _log = logging.getLogger(__name__)
 
@@ -447,3 +447,12 @@ def leave(info: JobInfo, rank: int, timeout_s: float = 10.0) -> None:
                       unreachable_is_final=True, gone_after_retry=True)
     if reply is not None:
         _job_of(info.appliance, reply)  # (checked as every job reply is)
+
+
+def leave_quietly(jobs: list[JobInfo], rank: int, timeout_s: float = 10.0) -> None:
+    """`leave` each job, best effort: a worker on its way out (or withdrawing after a failed
+    start) has a first error to report, and a job already gone or an appliance not answering
+    is left as it is."""
+    for info in jobs:
+        with contextlib.suppress(ReductionError):
+            leave(info, rank, timeout_s)

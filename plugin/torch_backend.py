@@ -92,7 +92,7 @@ from reduction_appliance.dataplane.errors import ReductionError
 from reduction_appliance.dataplane.registration import JOB_NAME_CHARS, JOB_NAME_MAX
 
 from .client import ApplianceClient
-from .rendezvous import JobInfo, api_address, leave, register
+from .rendezvous import JobInfo, api_address, leave_quietly, register
 from .rtt import Timing
 from .torch_hosts import HIERARCHIES, HostLayout, HostStage, host_key, open_stage
 from .torch_pump import APPLIANCE_DTYPES, RoundPump
@@ -230,9 +230,7 @@ def connect(config: ApplianceConfig, job: str, secret: str, rank: int, world_siz
         client = ApplianceClient(registered, rank, local_address=config.local_address,
                                  lanes=config.lanes, timing=timing)
     except BaseException:
-        for info in registered:
-            with contextlib.suppress(ReductionError):  # best effort: the first error counts
-                leave(info, rank, timeout_s=_WITHDRAW_S)
+        leave_quietly(registered, rank, _WITHDRAW_S)  # best effort: the first error counts
         raise
     return client, client.jobs
 
@@ -428,9 +426,7 @@ class ApplianceProcessGroup(ProcessGroup):
     def _leave(self) -> None:
         """Leave the job at every appliance (the others are told at once); once is enough."""
         jobs, self.jobs = self.jobs, []
-        for info in jobs:
-            with contextlib.suppress(ReductionError):
-                leave(info, self.appliance_rank)
+        leave_quietly(jobs, self.appliance_rank)
 
     def _stop(self, abandon: bool) -> None:
         if self._shut:
@@ -464,10 +460,9 @@ def _leave_at_exit(owner: weakref.ref[_Leaves]) -> None:
     alive = owner()
     if alive is None or not alive.jobs:
         return
-    if alive.client is not None and alive.client.pipeline.failed_by is not None:
-        return
-    with contextlib.suppress(ReductionError):
-        alive._leave()
+    if alive.client is None or alive.client.pipeline.failed_by is None:
+        with contextlib.suppress(ReductionError):  # (the hook's own `_leave` raises)
+            alive._leave()
 
 
 def _delegate(name: str) -> Callable[..., Any]:

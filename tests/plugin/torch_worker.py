@@ -383,31 +383,43 @@ def patience(rank: int, world: int, store: str) -> None:
     dist.destroy_process_group()
 
 
-def stranded(rank: int, world: int, store: str) -> None:
-    """Rank 1 stops after two DDP steps (its process group shut, as Ctrl-C's unwinding does);
-    rank 0's next step, on the backend and through the hook, can never be reduced: backward()
-    must raise the appliance's reason, not end the process (it once died of SIGSEGV)."""
-    init("reduction", rank, world, store)
-    gloo = dist.new_group(backend="gloo")
+def _two_trained_models(gloo: dist.ProcessGroup) -> tuple[
+        torch.nn.Module, torch.nn.Module, ApplianceHookState]:
+    """A DDP model on the backend and one through the hook (on `gloo`), two steps each: the
+    buckets are rebuilt (a Gloo broadcast) in the second; then every rank at a barrier."""
     torch.manual_seed(0)
     on_backend = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2))
     hooked = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2), process_group=gloo)
     state = ApplianceHookState(group=gloo)
     hooked.register_comm_hook(state, appliance_allreduce_hook)
-    for _ in range(2):  # buckets are rebuilt (a Gloo broadcast) in the second step
+    for _ in range(2):
         for model in (on_backend, hooked):
             model(torch.ones(4, 8)).sum().backward()
     dist.barrier(group=gloo)
+    return on_backend, hooked, state
+
+
+def _step_each(check: str, on_backend: torch.nn.Module, hooked: torch.nn.Module) -> None:
+    """One more step of each model, saying for each whether (and how) it raised."""
+    for name, model in (("backend", on_backend), ("hook", hooked)):
+        try:
+            model(torch.ones(4, 8)).sum().backward()
+            emit(check=f"{check}-{name}", raised=None)
+        except Exception as exc:
+            emit(check=f"{check}-{name}", raised=type(exc).__name__, message=str(exc))
+
+
+def stranded(rank: int, world: int, store: str) -> None:
+    """Rank 1 stops after two DDP steps (its process group shut, as Ctrl-C's unwinding does);
+    rank 0's next step, on the backend and through the hook, can never be reduced: backward()
+    must raise the appliance's reason, not end the process (it once died of SIGSEGV)."""
+    init("reduction", rank, world, store)
+    on_backend, hooked, state = _two_trained_models(dist.new_group(backend="gloo"))
     if rank == world - 1:
         state.close()
         dist.destroy_process_group()
         return
-    for name, model in (("backend", on_backend), ("hook", hooked)):
-        try:
-            model(torch.ones(4, 8)).sum().backward()
-            emit(check=f"stranded-{name}", raised=None)
-        except Exception as exc:
-            emit(check=f"stranded-{name}", raised=type(exc).__name__, message=str(exc))
+    _step_each("stranded", on_backend, hooked)
     state.close()
     dist.destroy_process_group()
 
@@ -418,22 +430,10 @@ def crashed(rank: int, world: int, store: str) -> None:
     as the interpreter exits, it lets rank 0's next step fail at once with RankLeft, on the
     backend and through the hook; rank 0 once waited out the liveness timeout for RankSilent."""
     init("reduction", rank, world, store)
-    gloo = dist.new_group(backend="gloo")
-    on_backend = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2))
-    hooked = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2), process_group=gloo)
-    hooked.register_comm_hook(ApplianceHookState(group=gloo), appliance_allreduce_hook)
-    for _ in range(2):
-        for model in (on_backend, hooked):
-            model(torch.ones(4, 8)).sum().backward()
-    dist.barrier(group=gloo)
+    on_backend, hooked, _ = _two_trained_models(dist.new_group(backend="gloo"))
     if rank == world - 1:
         raise RuntimeError("the data loader failed")
-    for name, model in (("backend", on_backend), ("hook", hooked)):
-        try:
-            model(torch.ones(4, 8)).sum().backward()
-            emit(check=f"crashed-{name}", raised=None)
-        except Exception as exc:
-            emit(check=f"crashed-{name}", raised=type(exc).__name__, message=str(exc))
+    _step_each("crashed", on_backend, hooked)
     exit_without_finalizing(0)  # the groups are broken: destroying them would wait on Gloo
 
 
