@@ -137,6 +137,17 @@ CORE_COUNTERS: dict[str, tuple[str, str]] = {
         "UNKNOWN_JOB: the workers of a job lost when the appliance restarted, or of one that "
         "ended, learn it at once (they ask the API before they believe it).",
     ),
+    "reach_probes": (
+        "core_reach_probes",
+        "REACHes sent to ranks whose heartbeats stopped while a slot waits for them: is anything "
+        "still listening at their endpoint? A live (or paused) worker ignores them.",
+    ),
+    "ranks_ended": (
+        "core_ranks_ended",
+        "Ranks whose host answered ICMP port unreachable at their endpoint: their process ended "
+        "without leaving (killed, crashed, exited), and their peers were told at once instead "
+        "of after the liveness timeout.",
+    ),
     "declined_datagrams": (
         "core_declined_datagrams",
         "Datagrams of coalesced receives the burst path left to the one-by-one path (a "

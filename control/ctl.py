@@ -42,6 +42,8 @@ def _age(seconds: float | None) -> str:
 
 
 _NAME_MAX = 40  # the widest name column; longer names keep their start and end
+_ENDED = ("ended: its host says nothing listens there any more (killed, crashed or exited "
+          "without leaving)")
 
 
 def _fit(name: str, width: int) -> str:
@@ -165,12 +167,18 @@ def render_status(s: dict[str, Any]) -> str:
                              f"{'its host caps' if len(ranks) == 1 else 'their hosts cap'} UDP "
                              "receive buffers (net.core.rmem_max, workers not root). There: "
                              "sysctl -w net.core.rmem_max=67108864 net.core.wmem_max=67108864")
+            ended = set(j.get("ended", ()))
             for rank, silent_s in j.get("silent", {}).items():
                 where = _joined_from(j, rank)
-                if int(rank) in j["joined"]:
+                if int(rank) in ended:
+                    lines.append(f"     ! rank {rank} ({where}) silent for {silent_s:.1f} s, "
+                                 f"{_ENDED}")
+                elif int(rank) in j["joined"]:
                     lines.append(f"     ! rank {rank} ({where}) silent for {silent_s:.1f} s")
                 else:  # it left; a round the others are in waits for it
                     lines.append(f"     ! rank {rank} ({where}) left {silent_s:.1f} s ago")
+            for rank in sorted(ended - {int(r) for r in j.get("silent", {})}):
+                lines.append(f"     ! rank {rank} ({_joined_from(j, rank)}) {_ENDED}")
     evicted = {cause: n for cause, n in s.get("jobs_evicted", {}).items() if n}
     if evicted:
         lines.append("jobs evicted since start: " + ", ".join(

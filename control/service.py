@@ -386,6 +386,7 @@ class Appliance:
                 for rank, ago in st.heard.items():  # the core that heard it last
                     act.heard[rank] = min(act.heard.get(rank, ago), ago)
                 act.elsewhere.update(st.elsewhere)
+                act.ended.update(st.ended)  # (heard on one core: the one it heartbeats to)
                 for rank, n in st.missed_from.items():
                     act.missed[rank] = act.missed.get(rank, 0) + n
                 for rank, n in st.lost_to.items():
@@ -420,6 +421,7 @@ class Appliance:
                 lagging={r: round(w, 3) for r, w in sorted(act.lagging.items())},
                 epoch=plan.spec.epoch, diverged=act.diverged,
                 silent={r: round(s, 1) for r, s in sorted(act.silent.items())},
+                ended=tuple(sorted(act.ended)),
                 heard_s={r: round(s, 3) for r, s in sorted(act.heard.items())},
                 seen_elsewhere={r: f"{a[0]}:{a[1]}" for r, a in sorted(act.elsewhere.items())},
                 contributions_missed=dict(sorted(act.missed.items())),
@@ -466,7 +468,7 @@ class Appliance:
 
 
 class _Activity:
-    __slots__ = ("bytes_reduced", "diverged", "elsewhere", "heard", "job_id", "lagging",
+    __slots__ = ("bytes_reduced", "diverged", "elsewhere", "ended", "heard", "job_id", "lagging",
                  "last_activity", "lost", "missed", "quiet_s", "reports", "rounds",
                  "segments_reduced", "silent_votes")
 
@@ -483,6 +485,7 @@ class _Activity:
         self.lagging: dict[int, float] = {}
         self.heard: dict[int, float] = {}  # rank -> seconds since any core heard it
         self.elsewhere: dict[int, Address] = {}  # rank -> another source its datagrams had
+        self.ended: set[int] = set()  # ranks a core found ended (dataplane.reach)
         self.missed: dict[int, int] = {}  # rank -> its contributions that never came, all cores
         self.lost: dict[int, int] = {}  # rank -> results it is known to have lost, all cores
 

@@ -52,6 +52,9 @@ class JobSnapshot:
     endpoints: dict[int, str] = field(default_factory=dict)  # rank -> "host:port" it joined from
     diverged: str | None = None  # why the ranks disagree (a core said so), until a new epoch
     silent: dict[int, float] = field(default_factory=dict)  # rank -> seconds without a word
+    # ranks whose host said nothing listens at their endpoint any more, not heard since: their
+    # process ended without leaving (killed, crashed, exited: dataplane.reach)
+    ended: tuple[int, ...] = ()
     # joined rank -> seconds since a core last heard it (a datagram from where it joined)
     heard_s: dict[int, float] = field(default_factory=dict)
     # rank -> "host:port" its datagrams came from instead of where it joined (a NAT between)

@@ -33,8 +33,10 @@ Slot protocol (after SwitchML, without its limits):
 * Liveness: every datagram a bound rank sends (a contribution, or the HEARTBEAT its worker
   sends several times per liveness timeout even while it computes) marks it alive. A HEARTBEAT
   is answered with LIVENESS listing the ranks silent longer than `JobSpec.liveness_timeout`
-  (and at once a rank that left while a use here waits for it), so every rank learns within a
-  heartbeat that a peer died; and an answer at all tells the worker the appliance lives.
+  (and at once a rank that left, or whose process ended, while a use here waits for it: its
+  heartbeats stopped and its host said its port is closed, `dataplane.reach`), so every rank
+  learns within a heartbeat that a peer died; and an answer at all tells the worker the
+  appliance lives.
   A PATH_PROBE is echoed at the size it asks for (a joining worker's test of its path), and
   a HEARTBEAT of a job this core lacks hears UNKNOWN_JOB (`dataplane.upkeep`): the appliance
   restarted without it, or the job ended. A draining job (the appliance stopping) begins no
@@ -64,6 +66,7 @@ from .notices import (
     resent,
     to_every_rank,
 )
+from .reach import probes, refused
 from .reduce import KernelTable, SegmentKernel
 from .runs import RunPath
 from .slots import RxPool, SlotArena, holdable_buffers, receive_reserve
@@ -196,6 +199,14 @@ class Aggregator:
         job = self._jobs.get(job_id)
         return None if job is None else raise_fence(job, floor, now)
 
+    def reach(self, closed: list[Address], now: float) -> list[Send]:
+        """Mark the ranks whose endpoints were found `closed`, and REACH the ranks whose
+        heartbeats stopped while a slot waits for them (`dataplane.reach`)."""
+        jobs = self._jobs.values()
+        if closed:
+            refused(jobs, closed, now, self._cells)
+        return [send for job in jobs for send in probes(job, now, self._cells)]
+
     @property
     def pool(self) -> RxPool:
         """The receive buffers transports must receive into (ours: see `on_batch`)."""
@@ -217,7 +228,8 @@ class Aggregator:
                         quiet_s=now - max(job.last_seen),
                         heard={rank: now - seen for rank, seen in enumerate(job.last_seen)
                                if job.spec.endpoints[rank] is not None},
-                        elsewhere=dict(job.elsewhere), missed_from=missed, lost_to=lost)
+                        elsewhere=dict(job.elsewhere), missed_from=missed, lost_to=lost,
+                        ended=tuple(sorted(job.closed_ranks())))
 
     # ---- datagram path ----
     def on_batch(self, batch: RxBatch, now: float) -> list[Send]:

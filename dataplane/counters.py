@@ -79,6 +79,11 @@ class Counter(IntEnum):
     # Contributions to rounds after a draining job's fence (dataplane.fence): the appliance is
     # stopping, the rounds begun finish, and a later one never starts
     DROP_FENCED = 50
+    # REACHes sent to ranks whose heartbeats stopped while a slot waits for them, and ranks
+    # whose host then said nothing listens at their endpoint: their process ended without
+    # leaving (dataplane.reach)
+    REACH_PROBES = 51
+    RANKS_ENDED = 52
 
 
 N_COUNTERS = len(Counter)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .transport import RxBatch, Send, TransportCounts
+from .transport import Address, RxBatch, Send, TransportCounts
 
 if TYPE_CHECKING:
     from .roce import RoceCoreTransport
@@ -55,6 +55,14 @@ class DualCoreTransport:
 
     def fallbacks(self) -> tuple[str, ...]:
         return tuple(self.udp.fallbacks())
+
+    def closed_ports(self) -> list[Address] | None:
+        """The UDP half's, but never a queue pair's address: a notice to one whose queue pair
+        is gone leaves over UDP, and what its host answers says nothing of its process."""
+        from .roce import ROCE_PORTS  # (pyverbs: only where a core serves RoCE)
+
+        closed: list[Address] | None = self.udp.closed_ports()
+        return closed and [a for a in closed if a[1] not in ROCE_PORTS]
 
     def close(self) -> None:
         """Both halves, and the RDMA device (this transport owns it)."""

@@ -31,6 +31,7 @@ __all__ = [
     "NotFound",
     "PathTooNarrow",
     "PeerError",
+    "RankEnded",
     "RankHeld",
     "RankLeft",
     "RankSilent",
@@ -130,8 +131,16 @@ class RankSilent(ReductionError):
 
 class RankLeft(RankSilent):
     """A rank of the job left it (its worker closed its client or process group and said so)
-    while this rank's allreduce waits for it: the ranks made different numbers of allreduce
-    calls (uneven inputs across ranks). Reported, like a silent rank, after the liveness
+    while this rank's allreduce waits for it: it was stopped before that allreduce, or the
+    ranks made different numbers of allreduce calls (uneven inputs across ranks). Reported at
+    once, not after the liveness timeout."""
+
+
+class RankEnded(RankSilent):
+    """A rank's process ended without leaving the job (killed, by the OOM killer or a
+    scheduler, crashed, or exited) while this rank's allreduce waits for it: its heartbeats
+    stopped and its host answered that nothing listens at its endpoint any more
+    (dataplane.reach). Reported about a second after its end, not after the liveness
     timeout."""
 
 

@@ -56,6 +56,7 @@ __all__ = ["CoreLoop", "run_core"]
 _MAILBOX_EVERY = 256  # busy mode: loop iterations between mailbox checks
 _IDLE_BLOCK_S = 0.05  # adaptive mode: longest block, bounds mailbox latency
 _FIRST_BLOCK_S = 50e-6  # adaptive mode, a transport without a descriptor: the first block
+_TEND_S = 0.1  # how often the loop looks for closed ports and stopped heartbeats (`tend`)
 
 
 class CoreLoop:
@@ -158,6 +159,21 @@ class CoreLoop:
         if sends:
             self.transport.send(sends)
 
+    def tend(self, now: float) -> None:
+        """What no datagram prompts: the ports found closed since the last call, and REACHes
+        to ranks whose heartbeats stopped (dataplane.reach), where the transport can tell."""
+        closed = self.transport.closed_ports()
+        if closed is not None:
+            self._send(self.aggregator.reach(closed, now))
+
+    def _tended(self, due: float) -> float:
+        """`tend` if it is `due`; when it is due next."""
+        now = self.clock()
+        if now < due:
+            return due
+        self.tend(now)
+        return now + _TEND_S
+
     def receive_burst(self) -> int:
         """Receive and process up to `burst` datagrams, then send what they finished (results
         of one burst to one group leave together, in GSO batches); return how many arrived."""
@@ -194,6 +210,7 @@ class CoreLoop:
         longest_s = min(_IDLE_BLOCK_S, self.transport.idle_block_s)
         first_s = longest_s if longest_s >= _IDLE_BLOCK_S else min(longest_s, _FIRST_BLOCK_S)
         blocks = IdleBlocks(first_s, longest_s, _IDLE_BLOCK_S)
+        tend_at = 0.0
         while self._running:
             loops += 1
             cells[Counter.POLL_LOOPS] += 1
@@ -206,10 +223,12 @@ class CoreLoop:
                 blocks.restart()
                 if loops % _MAILBOX_EVERY == 0:
                     self.drain_mailbox()
+                    tend_at = self._tended(tend_at)
                 continue
             if busy:
                 if loops % _MAILBOX_EVERY == 0:
                     self.drain_mailbox()
+                    tend_at = self._tended(tend_at)
                 continue
             now = polled or time.perf_counter()
             if not idle_since:
@@ -220,6 +239,7 @@ class CoreLoop:
             blocks.blocked(now - idle_since)
             if mailbox_fd in readable:
                 self.drain_mailbox()
+            tend_at = self._tended(tend_at)
 
 
 def _open(cfg: CoreConfig, mailbox: Connection, counters: Counters) -> CoreLoop:

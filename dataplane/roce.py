@@ -440,6 +440,10 @@ class RoceCoreTransport:
     def fallbacks(self) -> tuple[str, ...]:
         return ()
 
+    def closed_ports(self) -> list[Address] | None:
+        """None: a peer whose process ends errs its queue pair, and falls silent."""
+        return None
+
     def close_peers(self) -> None:
         """Destroy every queue pair (the core stops serving RoCE; peers see errors)."""
         for address in list(self._by_address):

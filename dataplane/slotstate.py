@@ -141,11 +141,10 @@ class Slot:
 
 
 class JobState:
-    __slots__ = ("all_ranks", "arena_first", "arena_slots", "beats", "bytes_reduced", "diverged",
-                 "elsewhere", "fence", "fence_heard", "held", "last_activity", "last_beat",
-                 "last_data", "last_seen", "lost_to",
-                 "missed_from", "next_sequence", "rounds", "segments_reduced", "serial", "slots",
-                 "spec")
+    __slots__ = ("all_ranks", "arena_first", "arena_slots", "beats", "bytes_reduced", "closed",
+                 "diverged", "elsewhere", "fence", "fence_heard", "held", "last_activity",
+                 "last_beat", "last_data", "last_seen", "lost_to", "missed_from", "next_sequence",
+                 "reached", "rounds", "segments_reduced", "serial", "slots", "spec")
 
     def __init__(self, spec: JobSpec, arena_slots: list[int], slots: list[Slot],
                  now: float) -> None:
@@ -184,6 +183,10 @@ class JobState:
         # above the others is its cable, its port or its host.
         self.missed_from = [0] * spec.world_size
         self.lost_to = [0] * spec.world_size
+        # dataplane.reach: rank -> (the endpoint whose port its host said is closed, when);
+        # and rank -> when this core last sent it a REACH
+        self.closed: dict[int, tuple[Address, float]] = {}
+        self.reached: dict[int, float] = {}
 
     def losses(self) -> tuple[dict[int, int], dict[int, int]]:
         """JobStats' `missed_from` and `lost_to`: the ranks with any."""
@@ -209,17 +212,30 @@ class JobState:
         return waiting
 
     def silent(self, now: float, awaited: dict[int, float] | None = None) -> list[SilentRank]:
-        """Joined ranks silent past the liveness timeout, and at once a rank that left while a
-        use of a slot here still waits for it: its contribution will never come (a peer
-        stopped by Ctrl-C once kept every other rank's shutdown waiting the timeout out). A
-        rank that has not joined yet is not one of them (workers start at different times): its
-        peers wait for it until their deadline, and the timeout then names it as missing.
-        `awaited`: `awaited()`, where the caller has it."""
+        """Joined ranks silent past the liveness timeout, and at once a rank that left, or
+        whose process ended (`closed_ranks`), while a use of a slot here still waits for it:
+        its contribution will never come (a peer stopped by Ctrl-C once kept every other
+        rank's shutdown waiting the timeout out). Not at once where nothing here waits for it:
+        its peers may still be taking the results of their last round. A rank that has not
+        joined yet is not one of them (workers start at different times): its peers wait for
+        it until their deadline, and the timeout then names it as missing. `awaited`:
+        `awaited()`, where the caller has it."""
         limit = self.spec.liveness_timeout
         endpoints = self.spec.endpoints
         departed = self.spec.departed
-        gone = departed & (self.awaited() if awaited is None else awaited).keys() \
-            if departed else frozenset()
-        return [SilentRank(rank, endpoints[rank], now - seen, rank in departed)
+        closed = self.closed_ranks() if self.closed else frozenset()
+        gone = (departed | closed) & (self.awaited() if awaited is None else awaited).keys() \
+            if departed or closed else frozenset()
+        return [SilentRank(rank, endpoints[rank], now - seen, rank in departed,
+                           rank in closed and rank not in departed)
                 for rank, seen in enumerate(self.last_seen)
                 if endpoints[rank] is not None and (now - seen > limit or rank in gone)]
+
+    def closed_ranks(self) -> frozenset[int]:
+        """Ranks whose host said nothing listens at their endpoint, and which were not heard
+        since from it (a rank that joined again, from another endpoint, is not one)."""
+        endpoints = self.spec.endpoints
+        return frozenset(
+            rank for rank, (address, when) in self.closed.items()
+            if when >= self.last_seen[rank]
+            and address in (endpoints[rank], self.elsewhere.get(rank)))

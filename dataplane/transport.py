@@ -48,6 +48,7 @@ Address = tuple[str, int]
 _COALESCED_BYTES = 65536  # what one coalesced receive brings at most (an IPv4 datagram)
 _COALESCED_DATAGRAMS = 64  # ... and how many datagrams (the kernel's UDP_GRO_CNT_MAX)
 _COALESCED_RUNS = 16  # coalesced receives per burst
+_REFUSALS_KEPT = 1024  # an endpoint's unread refusals at most (a sender that never asks)
 
 
 class Send(NamedTuple):
@@ -166,6 +167,12 @@ class CoreTransport(Protocol):
         each with why: the core reports them and the daemon logs each once."""
         ...
 
+    def closed_ports(self) -> list[Address] | None:
+        """The endpoints found closed (nothing listens there) since the last call, from what
+        their hosts answered this transport's datagrams (dataplane.reach); None where this
+        transport cannot tell."""
+        ...
+
     def close(self) -> None:
         ...
 
@@ -236,8 +243,11 @@ class MemoryNetwork:
         while self._in_flight and self._in_flight[0][0] <= self.now:
             _, _, dest, source, datagram = heapq.heappop(self._in_flight)
             endpoint = self._endpoints.get(dest)
-            if endpoint is not None:  # nobody bound there: lost, like ICMP port unreachable
+            if endpoint is not None:
                 endpoint.deliver(datagram, source)
+            elif (dest not in self._groups and (sender := self._endpoints.get(source))
+                  and len(sender.refused) < _REFUSALS_KEPT):
+                sender.refused.append(dest)  # nobody bound there: ICMP port unreachable
 
 
 class MemoryEndpoint:
@@ -247,6 +257,7 @@ class MemoryEndpoint:
     def __init__(self, net: MemoryNetwork, address: Address) -> None:
         self.net = net
         self.address = address
+        self.refused: list[Address] = []  # where its datagrams found nobody bound
         self._queue: deque[tuple[bytes, Address]] = deque()
         self._rfd, self._wfd = os.pipe()
         os.set_blocking(self._rfd, False)
@@ -362,6 +373,10 @@ class MemoryCoreTransport:
 
     def fallbacks(self) -> tuple[str, ...]:
         return ()
+
+    def closed_ports(self) -> list[Address] | None:
+        refused, self.endpoint.refused = self.endpoint.refused, []
+        return refused
 
     def close(self) -> None:
         self.endpoint.close()

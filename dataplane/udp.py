@@ -23,6 +23,7 @@ import sys
 from collections.abc import Iterable, Sequence
 
 from .errors import ConfigError
+from .icmpwatch import IcmpWatch
 from .slots import RxPool
 from .spec import CoreConfig
 from .transport import RxBatch, Send, Staging, TransportCounts, datagram_starts
@@ -262,9 +263,14 @@ class UdpCoreTransport:
 
     idle_block_s = 0.05  # the socket wakes the loop's select: this only bounds mailbox latency
 
-    def __init__(self, sock: socket.socket, *, gro: bool = True, why_not: str = "") -> None:
+    def __init__(self, sock: socket.socket, *, gro: bool = True, why_not: str = "",
+                 watch: IcmpWatch | str | None = None) -> None:
         self.sock = sock
         self.batcher = DatagramBatcher(sock)
+        # Which ports ICMP says are closed behind our datagrams (dataplane.reach), or why they
+        # cannot be watched (None, "": not asked).
+        self.watch = watch if isinstance(watch, IcmpWatch) else None
+        self.watch_refused = watch if isinstance(watch, str) else ""
         # Why receives are not coalesced ("" when they are): the kernel's refusal, or ours.
         self.gro_refused = enable_gro(sock) if gro else (why_not or "turned off")
         self._staging = [Staging(GRO_BUFFER) for _ in range(_STAGING_BUFFERS)]
@@ -284,6 +290,7 @@ class UdpCoreTransport:
                 sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF,
                                 socket.inet_aton(cfg.multicast_interface))
             _bind(sock, cfg.bind)
+            watch = IcmpWatch.open(sock.getsockname())
         except BaseException:
             sock.close()
             raise
@@ -292,8 +299,8 @@ class UdpCoreTransport:
         # slots.receive_reserve): a smaller pool could wait for buffers that never come back.
         if cfg.rx_buffers < 2 * GRO_SEGMENTS:
             return cls(sock, gro=False, why_not=f"dataplane.rx_buffers {cfg.rx_buffers} is "
-                                                f"below {2 * GRO_SEGMENTS}")
-        return cls(sock)
+                                                f"below {2 * GRO_SEGMENTS}", watch=watch)
+        return cls(sock, watch=watch)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -363,9 +370,16 @@ class UdpCoreTransport:
         if self.gro_refused:
             found.append(f"UDP GRO off ({self.gro_refused}): one receive call per "
                          "contribution")
+        if self.watch_refused:
+            found.append(f"closed ports not watched: {self.watch_refused}")
         return tuple(found)
 
+    def closed_ports(self) -> list[Address] | None:
+        return None if self.watch is None else self.watch.take()
+
     def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
         self.sock.close()
 
 

@@ -36,10 +36,12 @@ fields are in network byte order::
 
 A LIVENESS payload is a list of silent ranks, one 12-byte record each (`SILENT`)::
 
-    L | rank (15) | port (16) | IPv4 address (32) | silent for, milliseconds (32)
+    L | C | rank (14) | port (16) | IPv4 address (32) | silent for, milliseconds (32)
 
 L (`SILENT_LEFT`) says the rank left the job (its worker said so) rather than went quiet: its
-peers still waiting for it made more all_reduce calls than it did.
+peers still waiting for it made more all_reduce calls than it did. C (`SILENT_CLOSED`) says its
+host answered a REACH with ICMP port unreachable: nothing listens at its endpoint any more, so
+its process ended without leaving (killed, crashed, or exited).
 
 Its `round` echoes the HEARTBEAT's, so a worker can tell a fresh answer from one that waited in
 its socket.
@@ -94,6 +96,7 @@ __all__ = [
     "SERIALS",
     "SERIAL_AT",
     "SILENT",
+    "SILENT_CLOSED",
     "SILENT_LEFT",
     "VERSION",
     "WRAP",
@@ -117,8 +120,8 @@ __all__ = [
 ]
 
 MAGIC = 0x5241
-VERSION = 8  # 4: contributions numbered per core (serial), MISSING; 5: QUERY's SENT; 6: L;
-# 7: PATH_PROBE and PATH_ECHO; 8: UNKNOWN_JOB
+VERSION = 9  # 4: contributions numbered per core (serial), MISSING; 5: QUERY's SENT; 6: L;
+# 7: PATH_PROBE and PATH_ECHO; 8: UNKNOWN_JOB; 9: REACH and C
 
 # Byte 7 (`serial`) is read and written apart from HEADER, whose pad byte it is: a datagram
 # packed with HEADER alone carries serial 0.
@@ -135,6 +138,7 @@ IP_UDP_HEADERS = 28  # what a datagram adds to its payload on the wire: IPv4 (20
 assert HEADER_SIZE == 48
 SILENT = struct.Struct("!HH4sI")
 SILENT_LEFT = 0x8000  # in a SILENT record's rank field (ranks are below 4096)
+SILENT_CLOSED = 0x4000  # ... its endpoint's port is closed (dataplane.reach)
 
 
 class Kind(IntEnum):
@@ -174,6 +178,10 @@ class Kind(IntEnum):
     # header echoes the heartbeat's, cookie included (only who saw the heartbeat can answer
     # it); no payload. A hint, not a verdict: the worker asks the appliance's API.
     UNKNOWN_JOB = 13
+    # appliance core -> one worker whose heartbeats stopped while a slot waits for it: is
+    # anything still listening there? No payload; a live worker ignores it, and a host whose
+    # port is closed answers ICMP port unreachable (dataplane.reach).
+    REACH = 14
 
 
 class DType(IntEnum):
@@ -331,13 +339,15 @@ class SilentRank(NamedTuple):
     address: tuple[str, int] | None  # the endpoint it joined from
     silent_s: float
     left: bool = False  # it left the job (and has not joined again)
+    closed: bool = False  # its host said nothing listens at its endpoint (not left)
 
 
 def pack_silent(ranks: list[SilentRank]) -> bytes:
     out = bytearray()
     for r in ranks:
         host, port = r.address or ("0.0.0.0", 0)
-        out += SILENT.pack(r.rank | (SILENT_LEFT if r.left else 0), port, socket.inet_aton(host),
+        flags = (SILENT_LEFT if r.left else 0) | (SILENT_CLOSED if r.closed else 0)
+        out += SILENT.pack(r.rank | flags, port, socket.inet_aton(host),
                            min(int(r.silent_s * 1000), 2**32 - 1))
     return bytes(out)
 
@@ -346,6 +356,6 @@ def unpack_silent(payload: bytes | memoryview) -> list[SilentRank]:
     """The records of a LIVENESS payload; `WireError` for one that is not whole records."""
     if len(payload) % SILENT.size:
         raise WireError(f"LIVENESS payload of {len(payload)} bytes is not whole records")
-    return [SilentRank(rank & ~SILENT_LEFT, (socket.inet_ntoa(ip), port), ms / 1000,
-                       bool(rank & SILENT_LEFT))
+    return [SilentRank(rank & ~(SILENT_LEFT | SILENT_CLOSED), (socket.inet_ntoa(ip), port),
+                       ms / 1000, bool(rank & SILENT_LEFT), bool(rank & SILENT_CLOSED))
             for rank, port, ip, ms in SILENT.iter_unpack(payload)]

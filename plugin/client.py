@@ -25,6 +25,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from reduction_appliance.dataplane.errors import PeerError, ReductionError
+from reduction_appliance.dataplane.reach import beat_interval
 from reduction_appliance.dataplane.transport import Address
 from reduction_appliance.dataplane.wire import Header, Kind, Op, peek_kind, unpack_silent
 
@@ -201,7 +202,7 @@ class ApplianceClient:
         self._driving = threading.RLock()
         self._driver = ""
         self._lease: Lease | None = None
-        self._beat_s = max(0.05, liveness / 10)
+        self._beat_s = beat_interval(liveness)
         self._last_turn = clock()  # when `progress` last read the sockets
         groups = [j.multicast for j in self.jobs if j.multicast is not None]
         self._multicast_watch = (

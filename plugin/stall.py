@@ -2,14 +2,15 @@
 unanswered, and, where a core's last PENDING told, which ranks it still waits for. An operator
 reads this first when training hangs, so it names the ranks to look at. Sans-I/O: plain values
 in, text out (the round gathers them, `AllreduceTimeout` carries the text). And what an
-appliance's answer naming silent ranks says (`rank_verdict`): `RankSilent` or `RankLeft`."""
+appliance's answer naming silent ranks says (`rank_verdict`): `RankSilent`, `RankEnded` or
+`RankLeft`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from reduction_appliance.dataplane.errors import RankLeft, RankSilent
+from reduction_appliance.dataplane.errors import RankEnded, RankLeft, RankSilent
 from reduction_appliance.dataplane.wire import SilentRank
 
 __all__ = ["CoreStall", "rank_verdict", "stall_report", "stalled_cores"]
@@ -72,6 +73,14 @@ def rank_verdict(dead: list[SilentRank], job_id: int, liveness_timeout: float) -
         return "; ".join(f"rank {s.rank} ({s.address[0]}:{s.address[1]})" if s.address
                          else f"rank {s.rank}" for s in ranks)
 
+    ended = [s for s in dead if s.closed]
+    if ended:
+        return RankEnded(
+            f"{named(ended)} ended without leaving job {job_id}: its heartbeats stopped "
+            f"{max(s.silent_s for s in ended):.1f} s ago, and its host answers that nothing "
+            "listens at its endpoint any more (its process was killed, by the OOM killer or a "
+            "scheduler, crashed, or exited); this rank's allreduce cannot finish without it "
+            "(a restarted rank re-joins)")
     gone = [s for s in dead if not s.left]
     if gone:
         return RankSilent(

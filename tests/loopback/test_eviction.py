@@ -16,6 +16,7 @@ import pytest
 from reduction_appliance.client import (
     AllreduceTimeout,
     ApplianceClient,
+    RankEnded,
     RankLeft,
     ReductionError,
     RendezvousError,
@@ -28,6 +29,7 @@ from reduction_appliance.plugin import rendezvous
 from reduction_appliance.plugin.rendezvous import leave
 from reduction_appliance.plugin.rtt import Timing
 from reduction_appliance.plugin.transport import UdpWorkerTransport
+from tests.capabilities import needs_raw_icmp
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow  # a real daemon and its data-plane process: seconds
@@ -219,6 +221,32 @@ def test_a_rank_stopped_mid_job_is_named_to_its_waiting_peer_at_once() -> None:
             text = str(stalled.value)
             assert text.startswith("rank 1 (127.0.0.1:") and "stopped (an exception, Ctrl-C)" \
                 in text, text
+
+
+@needs_raw_icmp
+def test_a_rank_whose_process_ended_without_leaving_is_named_ended_within_a_second_or_so(
+        ) -> None:
+    """Rank 1's process is killed (its socket closes, it leaves nothing): the core reaches it
+    once its heartbeats are overdue, loopback answers ICMP port unreachable, and rank 0's
+    allreduce fails with RankEnded, not RankSilent a liveness timeout (5 s) later. Its status
+    says the same."""
+    config = _config()
+    config["jobs"]["liveness_timeout_s"] = 5.0
+    with local_daemon(config) as daemon:
+        info = register(daemon.api, "killed", world_size=2, secret="secret-of-the-test")
+        with ApplianceClient([info], 0, local_address="127.0.0.1",
+                             timing=Timing(deadline=15.0)) as waits, \
+                ApplianceClient([info], 1, local_address="127.0.0.1") as killed:
+            killed.close()  # as the kernel closes a killed process's socket: no leave
+            with pytest.raises(RankEnded) as stalled:
+                waits.allreduce(np.ones(2000, np.float32))
+            text = str(stalled.value)
+            assert text.startswith("rank 1 (127.0.0.1:") and "ended without leaving" in text \
+                and "nothing listens at its endpoint" in text, text
+            status = UnixApi(daemon.unix_socket).get("/v1/status")
+            (job,) = status["jobs"]
+            assert job["ended"] == [1], job
+            assert "ended: its host says nothing listens there" in render_status(status)
 
 
 def test_a_client_whose_block_ends_in_an_exception_leaves_so_its_peer_hears_at_once() -> None:

@@ -1,7 +1,8 @@
-"""Fail fast, never hang: on the emulated rack, a dead rank is named to the others within the
-liveness timeout, a slow rank is never declared dead, a dead appliance is named to the workers,
-a stalled data-plane core is restarted while the daemon lives on, and a job outlives a network
-outage shorter than the timeout and loses one round, saying why, to a longer one."""
+"""Fail fast, never hang: on the emulated rack, a killed rank is named to the others as ended
+(its host says its port is closed), a slow rank is never declared dead, a dead appliance is
+named to the workers, a stalled data-plane core is restarted while the daemon lives on, and a
+job outlives a network outage shorter than the timeout and loses one round, saying why, to a
+longer one."""
 
 from __future__ import annotations
 
@@ -41,8 +42,10 @@ def assert_named_within_the_bound(reports: list[dict[str, Any]], error: str, nam
                   f"(liveness {LIVENESS_S:g} s)")
 
 
-def test_a_killed_worker_is_named_to_the_others_within_the_liveness_timeout(
+def test_a_killed_worker_is_named_ended_to_the_others_from_its_closed_port(
         capsys: pytest.CaptureFixture[str]) -> None:
+    """RankEnded, which only the appliance's REACH and the worker host's ICMP port unreachable
+    give (dataplane.reach): not RankSilent after the liveness timeout."""
     with LabNetwork.rack(3) as net, start_appliance(net, liveness_s=LIVENESS_S) as appliance:
         job = Job(net, appliance, "mortal", 3)
         try:
@@ -52,8 +55,9 @@ def test_a_killed_worker_is_named_to_the_others_within_the_liveness_timeout(
             job.ranks[2].kill()
             reports = [survivor.next(timeout=60) for survivor in job.ranks[:2]]
             assert all(report["errors"] > 0 for report in reports), reports
-            assert_named_within_the_bound(reports, "RankSilent", "rank 2 (198.18.0.103:",
+            assert_named_within_the_bound(reports, "RankEnded", "rank 2 (198.18.0.103:",
                                           killed_at, capsys, "rank 2 killed, a survivor")
+            assert appliance.counters()["ranks_ended"] >= 1
         finally:
             job.ranks = job.ranks[:2]
             job.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from reduction_appliance.plugin.torch_backend import (
     job_name_for,
 )
 from reduction_appliance.plugin.torch_pump import PinnedPool, RoundPump
+from tests.capabilities import needs_raw_icmp
 from tests.fake_api import fake_api
 
 from .ranks import BACKEND_CHECKS, launch_ranks, run_ranks
@@ -207,6 +209,28 @@ def test_a_rank_whose_script_raises_leaves_as_it_exits_and_its_peer_hears_at_onc
     for record in records:
         assert record["raised"] == "RuntimeError", (record, outputs[0][1][-2000:])
         assert "RankLeft: rank 1 (" in record["message"], record
+
+
+@needs_raw_icmp
+def test_a_rank_killed_outright_is_named_ended_to_its_peer_in_about_a_second(
+        rack: tuple[LoopbackNetwork, ApplianceProcess], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last rank is SIGKILLed between DDP steps (the OOM killer): it leaves nothing. Rank
+    0's next step raises from backward() with RankEnded, on the backend and through the hook,
+    not with RankSilent after the liveness timeout (5 s each)."""
+    net, appliance = rack
+    monkeypatch.setenv("REDUCTION_APPLIANCE", appliance.api)
+    monkeypatch.delenv("REDUCTION_JOB", raising=False)
+    procs = launch_ranks(net, "killed", 2)
+    outputs = [proc.communicate(timeout=60) for proc in procs]
+    assert procs[1].returncode == -signal.SIGKILL, outputs[1][1][-2000:]
+    records = [json.loads(line) for line in outputs[0][0].splitlines() if line.startswith("{")]
+    assert [r["check"] for r in records] == ["killed-backend", "killed-hook", "killed-took"], \
+        outputs[0]
+    for record in records[:2]:
+        assert record["raised"] == "RuntimeError", (record, outputs[0][1][-2000:])
+        assert "RankEnded: rank 1 (" in record["message"], record
+    print(f"\nrank 1 killed: rank 0's two steps raised after {records[2]['seconds']} s "
+          "(liveness timeout 5 s)")
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # it dies

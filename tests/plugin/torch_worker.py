@@ -16,6 +16,8 @@ MODE "stranded": the last rank leaves after two DDP steps; the others' next step
 MODE "loop": all_reduces until one fails (the test kills a rank), then says how it failed.
 MODE "crashed": the last rank's script raises after two DDP steps, its group never destroyed;
 the others' next step must fail at once, naming it as left.
+MODE "killed": the last rank is SIGKILLed after two DDP steps; the others' next step must fail
+within about a second, naming it as ended.
 Prints one JSON line per check.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -437,11 +440,27 @@ def crashed(rank: int, world: int, store: str) -> None:
     exit_without_finalizing(0)  # the groups are broken: destroying them would wait on Gloo
 
 
+def killed(rank: int, world: int, store: str) -> None:
+    """The last rank is SIGKILLed after two DDP steps (the OOM killer, a scheduler): it says
+    nothing to anyone. Rank 0's next step fails with RankEnded, on the backend and through the
+    hook, about a second later: the appliance reached the killed rank's port and its host said
+    it is closed. It once waited out the liveness timeout for RankSilent."""
+    init("reduction", rank, world, store)
+    on_backend, hooked, _ = _two_trained_models(dist.new_group(backend="gloo"))
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    started = time.monotonic()
+    _step_each("killed", on_backend, hooked)
+    emit(check="killed-took", seconds=round(time.monotonic() - started, 2))
+    exit_without_finalizing(0)  # the groups are broken: destroying them would wait on Gloo
+
+
 if __name__ == "__main__":
     mode, rank, world, store, local, ifname = sys.argv[1:7]
     os.environ["REDUCTION_LOCAL_ADDRESS"] = local
     os.environ["GLOO_SOCKET_IFNAME"] = ifname
     modes = {"backend": backend, "overlap": overlap, "stall": stall, "ddp": ddp, "named": named,
-             "patience": patience, "stranded": stranded, "loop": loop, "crashed": crashed}
+             "patience": patience, "stranded": stranded, "loop": loop, "crashed": crashed,
+             "killed": killed}
     modes[mode](int(rank), int(world), store)
     exit_without_finalizing(0)  # all printed; see plugin.torch_exit for why

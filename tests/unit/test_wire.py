@@ -49,7 +49,7 @@ TEST_PORT = 47000
 # value that differs from its neighbours' bytes, so a swapped, shifted or truncated field shows.
 
 CONTRIBUTION_HEX = """
-    5241 08 01     magic "RA", version 8, kind CONTRIBUTION
+    5241 09 01     magic "RA", version 9, kind CONTRIBUTION
     03 02 00 5a    dtype BFLOAT16, op AVG, no flags, send sequence 90 (a first transmission)
     0a0b0c0d       job id
     1234 5678      rank, epoch
@@ -70,7 +70,7 @@ CONTRIBUTION = Header(
 
 # A second golden with the top bit set in every wide field (catches signed packing).
 PENDING_HEX = """
-    5241 08 03     magic "RA", version 8, kind PENDING
+    5241 09 03     magic "RA", version 9, kind PENDING
     01 04 00 00    dtype FLOAT32, op MAX, no flags, zero
     fffffffe       job id
     ffff 8001      rank, epoch
@@ -93,7 +93,7 @@ PENDING = Header(
 # A QUERY ("the result, or say what you lack"): a contribution's header with no payload behind
 # it, so `length` is the segment's length, not the datagram's.
 QUERY_HEX = """
-    5241 08 09     magic "RA", version 8, kind QUERY
+    5241 09 09     magic "RA", version 9, kind QUERY
     02 01 00 00    dtype FLOAT16, op SUM, no flags, zero
     00000021       job id
     0003 0002      rank, epoch
@@ -172,7 +172,8 @@ def test_scapy_layer_agrees_with_golden_bytes(golden: bytes, header: Header) -> 
     assert (dissected.magic, dissected.version) == (MAGIC, VERSION)
 
 
-# A LIVENESS payload: two SILENT records, the second for a rank that left the job.
+# A LIVENESS payload: three SILENT records, the second for a rank that left the job, the third
+# for one whose process ended (its host said its port is closed).
 LIVENESS_HEX = """
     0003 9ca4      rank 3, port 40100
     c6120065       address 198.18.0.101
@@ -180,12 +181,16 @@ LIVENESS_HEX = """
     8007 9ca5      L set: rank 7 left; port 40101
     c6120066       address 198.18.0.102
     0000157c       silent 5500 ms
+    4002 9ca6      C set: rank 2 ended; port 40102
+    c6120067       address 198.18.0.103
+    000004b0       silent 1200 ms
 """
 
 
-def test_a_liveness_payload_says_which_rank_left_and_which_went_quiet() -> None:
+def test_a_liveness_payload_says_which_rank_left_ended_or_went_quiet() -> None:
     records = [wire.SilentRank(3, ("198.18.0.101", 40100), 8.0),
-               wire.SilentRank(7, ("198.18.0.102", 40101), 5.5, left=True)]
+               wire.SilentRank(7, ("198.18.0.102", 40101), 5.5, left=True),
+               wire.SilentRank(2, ("198.18.0.103", 40102), 1.2, closed=True)]
     golden = from_annotated_hex(LIVENESS_HEX)
     assert wire.pack_silent(records) == golden
     assert wire.unpack_silent(golden) == records
