@@ -8,7 +8,9 @@ contribution, and nothing of those rounds came for `QUIET_S`: a worker that lost
 for it again within its retransmission timeout (tens of milliseconds on a rack; a timer backed
 off by loss waits up to 1 s, plugin/rtt.py's `rto_max`), and a rank aborted before it had
 heard every result up to the fence would fail a call its peers finished. Or, at once, when
-every segment still waiting waits for a rank that cannot come (`Fenced.stuck_on`).
+every segment still waiting waits for a rank that cannot come (`Fenced.stuck_on`): one that
+never joined, left, or ended. A rank ended is found by the one core its heartbeats come to
+(`Fenced.ended`), and passed on to every core with the next `FenceJobs` (`ended`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ class Drained(NamedTuple):
         """What the job's workers are told (their JobAborted carries it)."""
         if self.stuck_on:
             return (f"{_STOPPING}: the rounds up to {self.fence} wait for rank(s) "
-                    f"{list(self.stuck_on)}, which never joined or left, so none could finish")
+                    f"{list(self.stuck_on)}, which never joined, left, or ended (its process "
+                    "gone), so none could finish")
         if self.fence:
             return (f"{_STOPPING}: it let every round up to {self.fence} finish, and no later "
                     "one begin")
@@ -53,6 +56,7 @@ class Drain:
 
     def __init__(self, job_ids: tuple[int, ...]) -> None:
         self._floors = dict.fromkeys(job_ids, 0)
+        self._ended: dict[int, set[int]] = {job_id: set() for job_id in job_ids}
 
     @property
     def pending(self) -> dict[int, int]:
@@ -62,6 +66,11 @@ class Drain:
     def floors(self) -> tuple[tuple[int, int], ...]:
         """What to send the cores (`FenceJobs.floors`)."""
         return tuple(self._floors.items())
+
+    def ended(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """... and `FenceJobs.ended`: the ranks of each job some core found ended."""
+        return tuple((job_id, tuple(sorted(ranks))) for job_id, ranks in self._ended.items()
+                     if ranks and job_id in self._floors)
 
     def take(self, replies: list[Fences]) -> dict[int, Drained]:
         """Every answering core's `Fences`; the jobs that have drained, which are pending no
@@ -74,6 +83,7 @@ class Drain:
                 continue
             newest = floor
             for view in views:
+                self._ended[job_id].update(view.ended)
                 if not newest or (view.fence and number_before(newest, view.fence)):
                     newest = view.fence
             self._floors[job_id] = newest

@@ -325,7 +325,7 @@ class Appliance:
         deadline = time.monotonic() + grace_s
         while drain.pending:
             with self._lock:
-                drained = drain.take(self.supervisor.fence(drain.floors()))
+                drained = drain.take(self.supervisor.fence(drain.floors(), drain.ended()))
                 for job_id, done in drained.items():
                     self._end(job_id, done.why())
             if time.monotonic() >= deadline:

@@ -477,12 +477,13 @@ class Supervisor:
                 self.ask(core, RemoveJob(job_id) if abort is None
                          else AbortJob(job_id, abort))
 
-    def fence(self, floors: tuple[tuple[int, int], ...]) -> list[Fences]:
+    def fence(self, floors: tuple[tuple[int, int], ...],
+              ended: tuple[tuple[int, tuple[int, ...]], ...] = ()) -> list[Fences]:
         """Drain these jobs (control.drain): what every running core says of them."""
         out: list[Fences] = []
         for core in self.cores:
             with contextlib.suppress(CoreUnavailable):
-                out.append(self.ask(core, FenceJobs(floors)))
+                out.append(self.ask(core, FenceJobs(floors, ended)))
         return out
 
     def probe(self) -> None:

@@ -194,10 +194,12 @@ class Aggregator:
         self._arena.release(job.arena_slots)
         self._cells[Counter.SLOTS_IN_USE] -= job.spec.slots
 
-    def fence(self, job_id: int, floor: int, now: float) -> Fenced | None:
-        """Drain the job: no round after its fence starts here (`dataplane.fence`)."""
+    def fence(self, job_id: int, floor: int, now: float,
+              ended: frozenset[int] = frozenset()) -> Fenced | None:
+        """Drain the job: no round after its fence starts here (`dataplane.fence`); `ended`:
+        its ranks other cores found ended."""
         job = self._jobs.get(job_id)
-        return None if job is None else raise_fence(job, floor, now)
+        return None if job is None else raise_fence(job, floor, now, ended)
 
     def reach(self, closed: list[Address], now: float) -> list[Send]:
         """Mark the ranks whose endpoints were found `closed`, and REACH the ranks whose

@@ -11,8 +11,8 @@ have finished on every core and nothing of them has come for a moment (a worker 
 result asks again within its retransmission timeout), the control plane aborts the job: every
 rank then has every round up to the fence, and fails the next before any of its results
 reached its tensor (control.service.Appliance.shutdown). Where every segment still waiting
-waits for a rank that cannot come (it never joined, or left), the job is aborted at once,
-saying which.
+waits for a rank that cannot come (it never joined, left, or its process ended: a core found
+its port closed, dataplane.reach), the job is aborted at once, saying which.
 
 The burst path leaves a fenced job's datagrams to the one-by-one path (dataplane.runs), which
 calls `fenced_out` for each contribution and query: only a draining job pays for the check.
@@ -50,25 +50,30 @@ def newest_begun(job: JobState) -> int:
     return newest
 
 
-def raise_fence(job: JobState, floor: int, now: float) -> Fenced:
+def raise_fence(job: JobState, floor: int, now: float,
+                ended: frozenset[int] = frozenset()) -> Fenced:
     """Fence the job at the newest of: the newest round begun here, its fence so far, and
-    `floor` (what another core has begun); say how far the rounds up to it are."""
+    `floor` (what another core has begun); say how far the rounds up to it are. `ended`: the
+    job's ranks other cores found ended."""
     if job.fence is None:
         # Quiet counts from the job's last contribution: an idle job drains at once.
         job.fence_heard = job.last_activity if job.last_activity is not None else float("-inf")
     job.fence = _newer(_newer(newest_begun(job), job.fence or 0), floor)
     filling = [copy for slot in job.slots for copy in slot.copies
                if copy.state is CopyState.FILLING]
-    return Fenced(job.fence, len(filling), now - job.fence_heard, _stuck_on(job, filling))
+    found = job.closed_ranks() if job.closed else frozenset()
+    return Fenced(job.fence, len(filling), now - job.fence_heard,
+                  _stuck_on(job, filling, ended | found), tuple(sorted(found)))
 
 
-def _stuck_on(job: JobState, filling: list[SlotCopy]) -> tuple[int, ...]:
+def _stuck_on(job: JobState, filling: list[SlotCopy], ended: frozenset[int]) -> tuple[int, ...]:
     """The ranks the filling segments wait for that cannot come (not joined, or left: what
-    the control plane says, alike on every core), where every one of them waits for one;
-    else (). (Not a rank silent here: heartbeats go to one core, and the others hear a rank
-    only while it reduces.)"""
+    the control plane says, alike on every core; or `ended`: found so by a core, and passed
+    on to every core), where every one of them waits for one; else (). (Not a rank silent
+    here: heartbeats go to one core, and the others hear a rank only while it reduces.)"""
     spec = job.spec
-    cannot = {rank for rank, at in enumerate(spec.endpoints) if at is None} | spec.departed
+    cannot = {rank for rank, at in enumerate(spec.endpoints) if at is None} | spec.departed \
+        | ended
     lacking: set[int] = set()
     for copy in filling:
         missing = {rank for rank in cannot if not copy.arrived >> rank & 1}

@@ -108,7 +108,9 @@ class CoreLoop:
             return None
         if isinstance(command, FenceJobs):
             now = self.clock()
-            return Fences({job: agg.fence(job, floor, now) for job, floor in command.floors})
+            ended = dict(command.ended)
+            return Fences({job: agg.fence(job, floor, now, frozenset(ended.get(job, ())))
+                           for job, floor in command.floors})
         if isinstance(command, QueryStats):
             now = self.clock()
             return CoreStats(now, {j: agg.stats(j, now) for j in command.job_ids},

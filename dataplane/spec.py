@@ -206,9 +206,10 @@ class Fenced:
     fence: int  # the newest round that may still start here (0: none may)
     unfinished: int  # segments of rounds up to it still waiting for contributions here
     quiet_s: float  # since a contribution or query of those rounds last came (inf: never)
-    # where every one of those segments waits for a rank that cannot come (not joined, or
-    # left): those ranks; else empty
+    # where every one of those segments waits for a rank that cannot come (not joined, left,
+    # or ended: `FenceJobs.ended`, or found here): those ranks; else empty
     stuck_on: tuple[int, ...] = ()
+    ended: tuple[int, ...] = ()  # the ranks this core found ended (dataplane.reach)
 
 
 @dataclass(frozen=True)
@@ -222,9 +223,12 @@ class Fences:
 class FenceJobs(Command[Fences]):
     """Drain these jobs (the appliance is stopping): no round after a job's fence may start
     on this core. `floors`: (job, round) pairs, the fence each job must at least have (the
-    newest round any core has begun; 0: none), so every core lets the same rounds finish."""
+    newest round any core has begun; 0: none), so every core lets the same rounds finish.
+    `ended`: (job, ranks) pairs, the ranks some core found ended (`Fenced.ended`): they cannot
+    come on any core."""
 
     floors: tuple[tuple[int, int], ...]
+    ended: tuple[tuple[int, tuple[int, ...]], ...] = ()
     reply_type: ClassVar[type] = Fences
 
 

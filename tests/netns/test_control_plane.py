@@ -172,7 +172,8 @@ def test_an_aborted_jobs_workers_are_told_at_once_and_why(how: str) -> None:
             appliance.process.send_signal(signal.SIGTERM)
             # the round begun cannot finish without rank 2, which never joined: told at once
             why = (r"the appliance is shutting down: the rounds up to \d+ wait for rank\(s\) "
-                   r"\[2\], which never joined or left, so none could finish")
+                   r"\[2\], which never joined, left, or ended \(its process gone\), so none could "
+                   "finish")
         else:
             done = ctl("abort", str(job_id), "--socket", appliance.unix_socket)
             assert done.returncode == 0, done.stderr

@@ -121,6 +121,19 @@ def test_segments_that_wait_for_a_rank_that_never_joined_or_left_are_stuck_on_it
     assert agg.fence(5, 0, 1.1).stuck_on == ()  # one stuck on rank 1, the other can finish
 
 
+def test_segments_that_wait_for_a_rank_found_ended_are_stuck_on_it_on_every_core(
+        arena: SlotArena) -> None:
+    """Only the core the job's heartbeats come to finds a rank ended (dataplane.reach); it
+    says so, and every core is told with the next FenceJobs."""
+    agg = make(arena)
+    contribute(agg, 0, ones(), round_no=1, slot=0, now=1.0)
+    contribute(agg, 1, ones(), round_no=1, slot=0, now=1.0)
+    assert agg.fence(5, 0, 1.0).stuck_on == ()  # rank 2 may still come
+    assert agg.fence(5, 0, 1.0, frozenset({2})) == Fenced(1, 1, 0.0, (2,))  # another core's
+    agg.reach([where(2)], 1.1)  # its host said its port is closed
+    assert agg.fence(5, 0, 1.2) == Fenced(1, 1, pytest.approx(0.2), (2,), (2,))
+
+
 # ---- control/drain.py: when the control plane may abort ----
 
 def fences(job: int, *views: Fenced | None) -> list[Fences]:
@@ -145,6 +158,20 @@ def test_a_job_whose_waiting_segments_are_stuck_on_every_core_drains_at_once() -
     assert drain.take(fences(5, stuck, free)) == {}  # core 1's segment may still finish
     assert drain.take(fences(5, stuck, Fenced(3, 0, 0.0), Fenced(3, 1, 0.0, (4,)))) == {
         5: Drained(3, (2, 4))}
+
+
+def test_a_rank_one_core_found_ended_is_passed_on_and_the_job_drains_once_all_agree() -> None:
+    drain = Drain((5, 6))
+    found, unaware = Fenced(3, 1, 0.0, (2,), (2,)), Fenced(3, 1, 0.0)
+    assert drain.take([Fences({5: found, 6: Fenced(4, 1, 0.0)}),
+                       Fences({5: unaware, 6: Fenced(4, 1, 0.0)})]) == {}
+    assert drain.ended() == ((5, (2,)),)  # for every core, with the next FenceJobs
+    told = Fenced(3, 1, 0.0, (2,))
+    drained = drain.take([Fences({5: found, 6: Fenced(4, 1, 0.0)}),
+                          Fences({5: told, 6: Fenced(4, 1, 0.0)})])
+    assert drained == {5: Drained(3, (2,))}, drained  # job 6 still waits
+    assert "or ended (its process gone)" in drained[5].why()
+    assert drain.ended() == ()  # (job 5 is drained; job 6 has none)
 
 
 def test_an_idle_job_a_lost_one_and_a_wrapped_fence_drain() -> None:
