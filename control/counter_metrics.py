@@ -139,14 +139,15 @@ CORE_COUNTERS: dict[str, tuple[str, str]] = {
     ),
     "reach_probes": (
         "core_reach_probes",
-        "REACHes sent to ranks whose heartbeats stopped while a slot waits for them: is anything "
-        "still listening at their endpoint? A live (or paused) worker ignores them.",
+        "REACHes sent to ranks a slot waits for that the core has not heard for 1.5 heartbeat "
+        "intervals: is anything still listening at their endpoint? A live (or paused) worker "
+        "ignores them.",
     ),
     "ranks_ended": (
         "core_ranks_ended",
-        "Ranks whose host answered ICMP port unreachable at their endpoint: their process ended "
-        "without leaving (killed, crashed, exited), and their peers were told at once instead "
-        "of after the liveness timeout.",
+        "Ranks whose host answered ICMP port unreachable at their endpoint (each core that read "
+        "it counts it): their process ended without leaving (killed, crashed, exited); where a "
+        "round waits for one, its peers are told at once, not after the liveness timeout.",
     ),
     "declined_datagrams": (
         "core_declined_datagrams",

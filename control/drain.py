@@ -9,7 +9,7 @@ for it again within its retransmission timeout (tens of milliseconds on a rack; 
 off by loss waits up to 1 s, plugin/rtt.py's `rto_max`), and a rank aborted before it had
 heard every result up to the fence would fail a call its peers finished. Or, at once, when
 every segment still waiting waits for a rank that cannot come (`Fenced.stuck_on`): one that
-never joined, left, or ended. A rank ended is found by the one core its heartbeats come to
+never joined, left, or ended. A rank ended is found by a core a slot of which waits for it
 (`Fenced.ended`), and passed on to every core with the next `FenceJobs` (`ended`).
 """
 

@@ -386,7 +386,7 @@ class Appliance:
                 for rank, ago in st.heard.items():  # the core that heard it last
                     act.heard[rank] = min(act.heard.get(rank, ago), ago)
                 act.elsewhere.update(st.elsewhere)
-                act.ended.update(st.ended)  # (heard on one core: the one it heartbeats to)
+                act.ended.update(st.ended)  # (found by a core a slot of which waits for it)
                 for rank, n in st.missed_from.items():
                     act.missed[rank] = act.missed.get(rank, 0) + n
                 for rank, n in st.lost_to.items():

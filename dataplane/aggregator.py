@@ -66,7 +66,7 @@ from .notices import (
     resent,
     to_every_rank,
 )
-from .reach import probes, refused
+from .reach import refused, tend
 from .reduce import KernelTable, SegmentKernel
 from .runs import RunPath
 from .slots import RxPool, SlotArena, holdable_buffers, receive_reserve
@@ -202,12 +202,12 @@ class Aggregator:
         return None if job is None else raise_fence(job, floor, now, ended)
 
     def reach(self, closed: list[Address], now: float) -> list[Send]:
-        """Mark the ranks whose endpoints were found `closed`, and REACH the ranks whose
-        heartbeats stopped while a slot waits for them (`dataplane.reach`)."""
+        """Mark the ranks whose endpoints were found `closed`; REACH the ranks a slot waits for
+        that are overdue, and tell the others of those that ended (`dataplane.reach`)."""
         jobs = self._jobs.values()
         if closed:
             refused(jobs, closed, now, self._cells)
-        return [send for job in jobs for send in probes(job, now, self._cells)]
+        return [send for job in jobs for send in tend(job, now, self._cells)]
 
     @property
     def pool(self) -> RxPool:
@@ -231,7 +231,7 @@ class Aggregator:
                         heard={rank: now - seen for rank, seen in enumerate(job.last_seen)
                                if job.spec.endpoints[rank] is not None},
                         elsewhere=dict(job.elsewhere), missed_from=missed, lost_to=lost,
-                        ended=tuple(sorted(job.closed_ranks())))
+                        ended=tuple(sorted(job.closed_ranks(now))))
 
     # ---- datagram path ----
     def on_batch(self, batch: RxBatch, now: float) -> list[Send]:

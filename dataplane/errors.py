@@ -138,8 +138,8 @@ class RankLeft(RankSilent):
 
 class RankEnded(RankSilent):
     """A rank's process ended without leaving the job (killed, by the OOM killer or a
-    scheduler, crashed, or exited) while this rank's allreduce waits for it: its heartbeats
-    stopped and its host answered that nothing listens at its endpoint any more
+    scheduler, crashed, or exited) while this rank's allreduce waits for it: it fell silent,
+    and its host answered that nothing listens at its endpoint any more
     (dataplane.reach). Reported about a second after its end, not after the liveness
     timeout."""
 

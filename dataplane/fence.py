@@ -61,7 +61,7 @@ def raise_fence(job: JobState, floor: int, now: float,
     job.fence = _newer(_newer(newest_begun(job), job.fence or 0), floor)
     filling = [copy for slot in job.slots for copy in slot.copies
                if copy.state is CopyState.FILLING]
-    found = job.closed_ranks() if job.closed else frozenset()
+    found = job.closed_ranks(now) if job.closed else frozenset()
     return Fenced(job.fence, len(filling), now - job.fence_heard,
                   _stuck_on(job, filling, ended | found), tuple(sorted(found)))
 

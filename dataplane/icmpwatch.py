@@ -2,9 +2,13 @@
 
 A raw ICMP socket gets a copy of every ICMP message that reaches the host (the kernel filters
 all but destination unreachable for us). Each quotes the IP and UDP headers of the datagram it
-answers, so a core keeps those answering its own port and reads the worker's endpoint from
-them (dataplane.reach says why). Not `IP_RECVERR` on the core's socket: that also makes the
-socket's next send fail with the error, losing a result to whichever worker it was for.
+answers, so a core reads the closed endpoint from them (dataplane.reach says why). It keeps
+those answering any UDP datagram from its own address (when bound to one), not only its own
+port's: a host rate-limits its ICMP, and the answer that comes may be to another core's
+datagram. Only an endpoint a rank joined from means anything (dataplane.reach).
+
+Not `IP_RECVERR` on the core's socket: that also makes the socket's next send fail with the
+error, losing a result to whichever worker it was for.
 
 A raw socket needs CAP_NET_RAW; without it the core says so among its fallbacks, and a worker
 whose process ended is found by the liveness timeout instead.
@@ -23,15 +27,15 @@ _SOL_RAW = 255
 _ICMP_FILTER = 1  # a mask of the ICMP types the kernel drops for this socket
 _DEST_UNREACH = 3
 _PORT_UNREACH = 3
-_PORTS = struct.Struct("!HH")
+_PORT = struct.Struct("!H")
 _MOST_PER_TAKE = 64  # a flood of ICMP cannot hold the core's loop for long
 
 
-def port_unreachable(packet: bytes | memoryview, port: int,
+def port_unreachable(packet: bytes | memoryview,
                      address: bytes = b"\0\0\0\0") -> Address | None:
     """The endpoint a port-unreachable `packet` (an IPv4 packet as a raw socket gets it) says
-    is closed, if it answers a UDP datagram sent from `port` (and from `address`, packed,
-    unless that is 0.0.0.0); None for anything else, truncated or not."""
+    is closed, if it answers a UDP datagram sent from `address` (packed; any, for 0.0.0.0);
+    None for anything else, truncated or not."""
     if len(packet) < 20:
         return None
     outer = (packet[0] & 0x0F) * 4
@@ -44,18 +48,17 @@ def port_unreachable(packet: bytes | memoryview, port: int,
     if inner < 20 or len(packet) < udp + 4 or packet[quoted + 9] != socket.IPPROTO_UDP:
         return None
     source, dest = bytes(packet[quoted + 12:quoted + 16]), bytes(packet[quoted + 16:quoted + 20])
-    sport, dport = _PORTS.unpack_from(packet, udp)
-    if sport != port or (address != b"\0\0\0\0" and source != address):
+    if address != b"\0\0\0\0" and source != address:
         return None
-    return socket.inet_ntoa(dest), dport
+    return socket.inet_ntoa(dest), _PORT.unpack_from(packet, udp + 2)[0]
 
 
 class IcmpWatch:
-    """The ports found closed behind the datagrams a core's socket sends (`take`)."""
+    """The ports found closed behind the datagrams this host sends from a core's address
+    (`take`)."""
 
     def __init__(self, sock: socket.socket, bound: Address) -> None:
         self.sock = sock
-        self._port = bound[1]
         self._address = socket.inet_aton(bound[0])
         self._buffer = bytearray(576)  # an ICMP error quotes at most 576 bytes in all
 
@@ -85,7 +88,7 @@ class IcmpWatch:
                 nbytes = self.sock.recv_into(buffer)
             except BlockingIOError:
                 break
-            closed = port_unreachable(memoryview(buffer)[:nbytes], self._port, self._address)
+            closed = port_unreachable(memoryview(buffer)[:nbytes], self._address)
             if closed is not None:
                 found.append(closed)
         return found

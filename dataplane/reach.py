@@ -3,16 +3,23 @@
 A worker killed by the OOM killer, by a crash or by a scheduler's SIGKILL says nothing, and its
 peers waited for it until the liveness timeout (5 s by default) named it silent. Its host is
 usually still up, though, and its socket closed with its process: a datagram sent to that port
-comes back as ICMP port unreachable. So the core that a job's heartbeats come to sends a REACH
-(`probes`) to each rank whose heartbeats stopped for `REACH_AFTER_BEATS` of their intervals
-while a slot here waits for it, and again each interval while that lasts. It leaves from the
-socket the rank's own datagrams came to, so that a stateful firewall on the worker's host lets
-it through as their reply. A live worker ignores it, and so does a paused one: its port is open.
+comes back as ICMP port unreachable. So each core sends a REACH (`tend`) to each rank a slot
+there waits for, once the rank is overdue there (nothing from it for `OVERDUE_BEATS` heartbeat
+intervals: on the core its heartbeats come to, they stopped), and again each interval while
+that lasts. It leaves from the socket the rank's own datagrams came to, so that a stateful
+firewall on the worker's host lets it through as their reply. A live worker ignores it, and so
+does a paused one: its port is open.
 
-The transport watches ICMP (dataplane.icmpwatch) and gives back the endpoints found closed; the
-rank behind one (`refused`) is then named at once in the answers to its peers' heartbeats, as a
-rank whose process ended, while a slot here waits for it (`JobState.silent`). Where ICMP cannot
-be watched, or the worker's whole host is gone, the liveness timeout decides, as before.
+The transport watches ICMP (dataplane.icmpwatch) and gives back the endpoints found closed,
+whichever core's datagram the host answered (hosts rate-limit their ICMP, one message a second
+after a burst, and a REACH's answer may be the one withheld). Each rank joined from one is
+marked (`refused`); once it is overdue too (`JobState.closed_ranks`), it has ended. A core that
+a slot of which waits for an ended rank tells every other rank so at once, each interval while
+it waits (LIVENESS flagged UNASKED: their rounds waiting for it fail with RankEnded); the core
+the heartbeats come to also names it in its answers (`JobState.silent`). A rank nothing waits
+for is left to the liveness timeout: its peers may still be taking their last round's results.
+Where ICMP cannot be watched, or the worker's whole host is gone, the timeout decides, as
+before.
 """
 
 from __future__ import annotations
@@ -24,59 +31,79 @@ from numpy.typing import NDArray
 
 from .counters import Counter
 from .notices import answer
-from .slotstate import JobState
+from .slotstate import OVERDUE_BEATS, JobState
 from .spec import Address
 from .transport import Send
-from .wire import DType, Header, Kind, Op
+from .wire import (
+    HEADER_SIZE,
+    DType,
+    Flags,
+    Header,
+    Kind,
+    Op,
+    SilentRank,
+    beat_interval,
+    pack_into,
+    pack_silent,
+)
 
-__all__ = ["REACH_AFTER_BEATS", "beat_interval", "probes", "refused"]
-
-# Heartbeats overdue by this many intervals: a lease thread late by half an interval (a busy
-# host, the GIL) is common and costs one datagram; the port's answer decides, not the delay.
-REACH_AFTER_BEATS = 1.5
+__all__ = ["OVERDUE_BEATS", "refused", "tend"]
 
 
-def beat_interval(liveness_s: float) -> float:
-    """How often a worker heartbeats each appliance: ten times per liveness timeout."""
-    return max(0.05, liveness_s / 10)
-
-
-def probes(job: JobState, now: float, cells: NDArray[np.uint64]) -> list[Send]:
-    """REACH to each rank of `job` that a slot here waits for, whose heartbeats and
-    datagrams stopped `REACH_AFTER_BEATS` intervals ago; none where the job's heartbeats go
-    to another core (that core asks: only its answers tell the rank's peers)."""
-    if job.last_beat is None:
-        return []
+def tend(job: JobState, now: float, cells: NDArray[np.uint64]) -> list[Send]:
+    """Each interval, for each rank of `job` a slot here waits for and overdue here: a REACH
+    to it, or, once it has ended, a LIVENESS flagged UNASKED to every other bound rank."""
     spec = job.spec
     interval = beat_interval(spec.liveness_timeout)
-    overdue = now - REACH_AFTER_BEATS * interval
-    stopped = [rank for rank, beat in enumerate(job.beats)
-               if beat < overdue and job.last_seen[rank] < overdue
-               and job.reached.get(rank, -np.inf) <= now - interval]
-    if not stopped:
+    overdue = job.overdue(now)
+    due = [rank for rank, seen in enumerate(job.last_seen)
+           if seen < overdue and job.reached.get(rank, -np.inf) <= now - interval]
+    if not due:
         return []
     awaited = job.awaited()
-    sends = []
-    for rank in stopped:
+    ended = job.closed_ranks(now) if job.closed else frozenset()
+    sends: list[Send] = []
+    for rank in due:
         address = job.elsewhere.get(rank) or spec.endpoints[rank]
         if address is None or rank in spec.departed or rank not in awaited:
             continue
         job.reached[rank] = now
+        if rank in ended:
+            sends.extend(_tell(job, SilentRank(rank, spec.endpoints[rank],
+                                               now - job.last_seen[rank], closed=True)))
+            continue
         h = Header(Kind.REACH, DType.FLOAT32, Op.SUM, 0, spec.job_id, rank, spec.cookie,
                    job.rounds, 0, 0, 0, 0, spec.epoch)
         sends.append(answer(Kind.REACH, h, address, spec.epoch))
-    cells[Counter.REACH_PROBES] += len(sends)
+        cells[Counter.REACH_PROBES] += 1
+    return sends
+
+
+def _tell(job: JobState, ended: SilentRank) -> list[Send]:
+    """LIVENESS, UNASKED, naming `ended` to every other bound rank of the job."""
+    spec = job.spec
+    payload = pack_silent([ended])
+    sends = []
+    for rank, address in enumerate(spec.endpoints):
+        if address is not None and rank != ended.rank and rank not in spec.departed:
+            header = bytearray(HEADER_SIZE)
+            pack_into(header, Header(Kind.LIVENESS, DType.FLOAT32, Op.SUM, Flags.UNASKED,
+                                     spec.job_id, rank, spec.cookie, 0, 0, 0, len(payload), 0,
+                                     spec.epoch))
+            sends.append(Send(address, header, payload))
     return sends
 
 
 def refused(jobs: Iterable[JobState], addresses: Iterable[Address], now: float,
             cells: NDArray[np.uint64]) -> None:
-    """The hosts behind `addresses` said nothing listens there: mark each rank joined from one
-    as ended (until it is heard again, or joins from elsewhere)."""
+    """The hosts behind `addresses` said nothing listens there: mark each rank joined from
+    one (what that means waits for it to be overdue: `JobState.closed_ranks`)."""
     closed = set(addresses)
     for job in jobs:
         for rank, joined_from in enumerate(job.spec.endpoints):
             address = job.elsewhere.get(rank) or joined_from
-            if address in closed and rank not in job.closed_ranks():
+            if address in closed:
+                was = job.closed.get(rank)
                 job.closed[rank] = (address, now)
-                cells[Counter.RANKS_ENDED] += 1
+                if was is None or was[1] < job.last_seen[rank]:  # (counted once per end)
+                    cells[Counter.RANKS_ENDED] += 1

@@ -19,9 +19,14 @@ from numpy.typing import NDArray
 
 from .reduce import SegmentKernel
 from .spec import Address, JobSpec
-from .wire import HEADER_SIZE, DType, Header, Op, SilentRank
+from .wire import HEADER_SIZE, DType, Header, Op, SilentRank, beat_interval
 
-__all__ = ["COPY_TRANSITIONS", "CopyState", "Event", "JobState", "Slot", "SlotCopy", "move"]
+__all__ = ["COPY_TRANSITIONS", "OVERDUE_BEATS", "CopyState", "Event", "JobState", "Slot",
+           "SlotCopy", "move"]
+
+# A rank's heartbeats are overdue this many intervals after its last (dataplane.reach): a lease
+# thread late by half an interval (a busy host, the GIL) is common, and costs one REACH.
+OVERDUE_BEATS = 1.5
 
 
 class CopyState(Enum):
@@ -223,7 +228,7 @@ class JobState:
         limit = self.spec.liveness_timeout
         endpoints = self.spec.endpoints
         departed = self.spec.departed
-        closed = self.closed_ranks() if self.closed else frozenset()
+        closed = self.closed_ranks(now) if self.closed else frozenset()
         gone = (departed | closed) & (self.awaited() if awaited is None else awaited).keys() \
             if departed or closed else frozenset()
         return [SilentRank(rank, endpoints[rank], now - seen, rank in departed,
@@ -231,11 +236,19 @@ class JobState:
                 for rank, seen in enumerate(self.last_seen)
                 if endpoints[rank] is not None and (now - seen > limit or rank in gone)]
 
-    def closed_ranks(self) -> frozenset[int]:
-        """Ranks whose host said nothing listens at their endpoint, and which were not heard
-        since from it (a rank that joined again, from another endpoint, is not one)."""
+    def overdue(self, now: float) -> float:
+        """Ranks last heard here before this are overdue (`now` - the job's `OVERDUE_BEATS`
+        heartbeat intervals): their heartbeats stopped, where they come to this core."""
+        return now - OVERDUE_BEATS * beat_interval(self.spec.liveness_timeout)
+
+    def closed_ranks(self, now: float) -> frozenset[int]:
+        """Ranks whose process ended, as far as this core can tell: their host said nothing
+        listens at their endpoint, they were not heard since (a rank that joined again, from
+        another endpoint, is not one), and they are overdue here (where its heartbeats come,
+        a forged ICMP message cannot end a rank that heartbeats)."""
         endpoints = self.spec.endpoints
+        overdue = self.overdue(now)
         return frozenset(
             rank for rank, (address, when) in self.closed.items()
-            if when >= self.last_seen[rank]
+            if when >= self.last_seen[rank] and self.last_seen[rank] < overdue
             and address in (endpoints[rank], self.elsewhere.get(rank)))

@@ -147,8 +147,8 @@ class JobStats:
     # (ranks with none left out): where the job's datagrams are lost
     missed_from: dict[int, int] = field(default_factory=dict)
     lost_to: dict[int, int] = field(default_factory=dict)
-    # ranks whose host said nothing listens at their endpoint, not heard since: their process
-    # ended without leaving (dataplane.reach)
+    # ranks whose host said nothing listens at their endpoint, overdue here and not heard
+    # since: their process ended without leaving (dataplane.reach)
     ended: tuple[int, ...] = ()
 
 

@@ -107,6 +107,7 @@ __all__ = [
     "Op",
     "SilentRank",
     "WireError",
+    "beat_interval",
     "next_number",
     "number_before",
     "pack_into",
@@ -178,7 +179,7 @@ class Kind(IntEnum):
     # header echoes the heartbeat's, cookie included (only who saw the heartbeat can answer
     # it); no payload. A hint, not a verdict: the worker asks the appliance's API.
     UNKNOWN_JOB = 13
-    # appliance core -> one worker whose heartbeats stopped while a slot waits for it: is
+    # appliance core -> one worker a slot waits for, not heard for 1.5 heartbeat intervals: is
     # anything still listening there? No payload; a live worker ignores it, and a host whose
     # port is closed answers ICMP port unreachable (dataplane.reach).
     REACH = 14
@@ -231,6 +232,9 @@ class Flags(IntFlag):
     # bound within 25 calls). On a first transmission: its sender starts the round late by a
     # repair of its own (its previous round's last result was resent to it alone).
     REPAIRED = 32
+    # On a LIVENESS: not an answer to a heartbeat. A core whose segments the rank waits on
+    # found the ranks it names ended (dataplane.reach); rounds waiting for them fail.
+    UNASKED = 64
 
 
 class WireError(PeerError):
@@ -340,6 +344,11 @@ class SilentRank(NamedTuple):
     silent_s: float
     left: bool = False  # it left the job (and has not joined again)
     closed: bool = False  # its host said nothing listens at its endpoint (not left)
+
+
+def beat_interval(liveness_s: float) -> float:
+    """How often a worker heartbeats each appliance: ten times per liveness timeout."""
+    return max(0.05, liveness_s / 10)
 
 
 def pack_silent(ranks: list[SilentRank]) -> bytes:

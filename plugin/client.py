@@ -25,9 +25,15 @@ import numpy as np
 from numpy.typing import NDArray
 
 from reduction_appliance.dataplane.errors import PeerError, ReductionError
-from reduction_appliance.dataplane.reach import beat_interval
 from reduction_appliance.dataplane.transport import Address
-from reduction_appliance.dataplane.wire import Header, Kind, Op, peek_kind, unpack_silent
+from reduction_appliance.dataplane.wire import (
+    Header,
+    Kind,
+    Op,
+    beat_interval,
+    peek_kind,
+    unpack_silent,
+)
 
 from . import rendezvous
 from .arguments import check_array, check_in_place, dtype_of, op_of, staged

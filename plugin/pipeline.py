@@ -46,6 +46,7 @@ from reduction_appliance.dataplane.wire import (
     HEADER_SIZE,
     WRAP,
     DType,
+    Flags,
     Header,
     Kind,
     Op,
@@ -361,15 +362,18 @@ class RoundPipeline:
 
     def on_liveness(self, h: Header, silent: list[SilentRank],
                     source: Address | None = None) -> None:
-        """An answer to our heartbeat: the ranks the appliance has not heard for too long."""
+        """An answer to our heartbeat: the ranks the appliance has not heard for too long. Or,
+        flagged UNASKED, a core's word that ranks ended which segments it has wait for."""
+        unasked = h.flags & Flags.UNASKED
         if (h.kind is not Kind.LIVENESS or not self._ours(h, source) or h.epoch != self.epoch
-                or h.round + 2 < self.heartbeat_seq):  # an old answer, left in the socket
+                or (not unasked and h.round + 2 < self.heartbeat_seq)):  # an old answer
             return
         appliance = next(ep.appliance for ep in self.endpoints
                          if source is None or ep.address == source)
         dead = [s for s in silent if s.rank != self.rank]
         if not dead:
-            self._silent_ranks.pop(appliance, None)
+            if not unasked:  # (an unasked word names ranks, and lifts nothing)
+                self._silent_ranks.pop(appliance, None)
             return
         verdict = rank_verdict(dead, h.job_id, self.liveness_timeout)
         self._silent_ranks[appliance] = verdict

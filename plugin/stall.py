@@ -76,8 +76,8 @@ def rank_verdict(dead: list[SilentRank], job_id: int, liveness_timeout: float) -
     ended = [s for s in dead if s.closed]
     if ended:
         return RankEnded(
-            f"{named(ended)} ended without leaving job {job_id}: its heartbeats stopped "
-            f"{max(s.silent_s for s in ended):.1f} s ago, and its host answers that nothing "
+            f"{named(ended)} ended without leaving job {job_id}: nothing came from it for "
+            f"{max(s.silent_s for s in ended):.1f} s, and its host answers that nothing "
             "listens at its endpoint any more (its process was killed, by the OOM killer or a "
             "scheduler, crashed, or exited); this rank's allreduce cannot finish without it "
             "(a restarted rank re-joins)")

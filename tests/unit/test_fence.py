@@ -19,7 +19,8 @@ from reduction_appliance.dataplane.slots import SlotArena
 from reduction_appliance.dataplane.spec import Fenced, Fences
 from reduction_appliance.dataplane.wire import WRAP, Kind, unpack
 
-from .test_aggregator import KERNELS, contribute, make, query, spec, where
+from .feeding import feed
+from .test_aggregator import KERNELS, contribute, heartbeat_of, make, query, spec, where
 from .test_runs import as_run, build, contribution
 
 
@@ -126,11 +127,13 @@ def test_segments_that_wait_for_a_rank_found_ended_are_stuck_on_it_on_every_core
     """Only the core the job's heartbeats come to finds a rank ended (dataplane.reach); it
     says so, and every core is told with the next FenceJobs."""
     agg = make(arena)
+    feed(agg, [(heartbeat_of(r), where(r)) for r in range(3)], 0.0)  # (the heartbeats' core)
     contribute(agg, 0, ones(), round_no=1, slot=0, now=1.0)
     contribute(agg, 1, ones(), round_no=1, slot=0, now=1.0)
     assert agg.fence(5, 0, 1.0).stuck_on == ()  # rank 2 may still come
     assert agg.fence(5, 0, 1.0, frozenset({2})) == Fenced(1, 1, 0.0, (2,))  # another core's
-    agg.reach([where(2)], 1.1)  # its host said its port is closed
+    (reach,) = agg.reach([], 1.0)  # its heartbeats stopped
+    agg.reach([reach.dest], 1.1)  # and its host said its port is closed
     assert agg.fence(5, 0, 1.2) == Fenced(1, 1, pytest.approx(0.2), (2,), (2,))
 
 

@@ -1,5 +1,5 @@
 """A worker whose process ended without leaving (dataplane.reach, dataplane.icmpwatch): REACHes
-to ranks whose heartbeats stopped while a slot waits for them, the ICMP answers read back, and
+to ranks a slot waits for that fell silent, the ICMP answers read back, and
 what the ranks' peers are told. Values in, decisions out, on a simulated clock."""
 
 from __future__ import annotations
@@ -17,14 +17,20 @@ from reduction_appliance.dataplane.aggregator import Aggregator
 from reduction_appliance.dataplane.counters import Counter
 from reduction_appliance.dataplane.errors import RankEnded, RankLeft, RankSilent
 from reduction_appliance.dataplane.icmpwatch import port_unreachable
-from reduction_appliance.dataplane.reach import REACH_AFTER_BEATS, beat_interval
+from reduction_appliance.dataplane.reach import OVERDUE_BEATS, beat_interval
 from reduction_appliance.dataplane.registration import EndpointInfo
 from reduction_appliance.dataplane.slots import SlotArena
 from reduction_appliance.dataplane.spec import AddJob, JobSpec, Request
 from reduction_appliance.dataplane.transport import MemoryCoreTransport, MemoryNetwork, Send
 from reduction_appliance.dataplane.wire import (
+    HEADER_SIZE,
+    DType,
+    Flags,
+    Header,
     Kind,
+    Op,
     SilentRank,
+    pack_into,
     pack_silent,
     unpack,
     unpack_silent,
@@ -39,7 +45,7 @@ from .test_aggregator import contribute, heartbeat_of, make, spec, where
 from .test_seams import CORE, GROUP, core_loop
 
 BEAT = beat_interval(5.0)  # the jobs here have the default liveness timeout, 5 s
-OVERDUE = REACH_AFTER_BEATS * BEAT
+OVERDUE = OVERDUE_BEATS * BEAT
 
 
 @pytest.fixture
@@ -94,10 +100,11 @@ def test_its_closed_port_names_it_ended_at_once_to_its_waiting_peers(arena: Slot
     assert ended.silent_s == pytest.approx(1.2)
     assert agg.counters.cells[Counter.RANKS_ENDED] == 1
     assert agg.stats(5, 1.2).silent == {2: pytest.approx(1.2)}  # (status shows it too)
+    assert {s.dest for s in agg.reach([], 1.5)} == {where(0), where(1)}  # and told unasked
     verdict = rank_verdict([ended], 5, 5.0)
     assert type(verdict) is RankEnded and isinstance(verdict, RankSilent)
-    assert str(verdict).startswith("rank 2 (198.18.0.12:9002) ended without leaving job 5: its "
-                                   "heartbeats stopped 1.2 s ago, and its host answers that "
+    assert str(verdict).startswith("rank 2 (198.18.0.12:9002) ended without leaving job 5: "
+                                   "nothing came from it for 1.2 s, and its host answers that "
                                    "nothing listens at its endpoint any more")
 
 
@@ -105,19 +112,23 @@ def test_a_closed_rank_heard_again_or_joined_from_elsewhere_is_not_ended(
         arena: SlotArena) -> None:
     agg = make(arena)
     rank_2_stops(agg)
+    agg.reach([], 1.0)
     agg.reach([where(2)], 1.1)
     beat(agg, 2, 1.15)  # a late datagram of its own: its port was open after all
     assert named(beat(agg, 0, 1.2)[0]) == []
     agg.reach([where(2)], 1.3)
+    assert [s.rank for s in named(beat(agg, 0, 1.15 + OVERDUE + 0.01)[0])] == [2]
     moved = replace(spec(), endpoints=(where(0), where(1), ("198.18.0.12", 9102)))
-    agg.update_job(moved, 1.4)  # restarted, it joined again from another port
-    assert named(beat(agg, 0, 1.5)[0]) == []
-    agg.reach([where(2)], 1.6)  # the old port's answer, late: not the rank's new one
-    assert named(beat(agg, 0, 1.7)[0]) == []
+    agg.update_job(moved, 2.0)  # restarted, it joined again from another port
+    assert named(beat(agg, 0, 2.1)[0]) == []
+    agg.reach([where(2)], 2.2)  # the old port's answer, late: not the rank's new one
+    assert named(beat(agg, 0, 2.0 + OVERDUE + 0.1)[0]) == []
 
 
 def test_a_closed_rank_nothing_waits_for_is_left_to_the_timeout(arena: SlotArena) -> None:
-    """Its peers may still be taking their last round's results: it finished its part."""
+    """Nothing waits for rank 2: its peers may still be taking their last round's results
+    (it finished its part), so it is neither reached nor named at once; the liveness timeout
+    names it, as ended."""
     agg = make(arena)
     for rank in range(3):
         beat(agg, rank, 0.0)
@@ -126,26 +137,58 @@ def test_a_closed_rank_nothing_waits_for_is_left_to_the_timeout(arena: SlotArena
     for tenth in range(5, 55, 5):  # ranks 0 and 1 heartbeat on, each interval
         beat(agg, 0, tenth / 10)
         assert named(beat(agg, 1, tenth / 10)[0]) == []
-    (late,) = named(beat(agg, 0, 5.5)[0])  # the liveness timeout names it, as ended
+    (late,) = named(beat(agg, 0, 5.5)[0])
     assert (late.rank, late.closed) == (2, True)
+
+
+def test_a_port_unreachable_ends_a_rank_only_once_its_heartbeats_are_overdue(
+        arena: SlotArena) -> None:
+    """One answering another core's datagram counts (the host rate-limits its answers, and a
+    REACH's may be withheld), but one for a rank that heartbeats, forged or stale, ends
+    nobody."""
+    agg = make(arena)
+    for rank in range(3):
+        beat(agg, rank, 0.0)
+    for rank in (0, 1):
+        contribute(agg, rank, np.ones(8, np.float32), now=0.1)
+    beat(agg, 2, 0.4)  # rank 2 computes on, heartbeating
+    agg.reach([where(2)], 0.45)
+    assert named(beat(agg, 0, 0.5)[0]) == []  # its heartbeat is 0.1 s old
+    assert named(beat(agg, 1, 0.5 + OVERDUE - 0.1)[0]) == []
+    (ended,) = named(beat(agg, 0, 0.4 + OVERDUE + 0.01)[0])  # it said nothing since: ended
+    assert ended.closed and agg.stats(5, 1.2).ended == (2,)
 
 
 def test_a_rank_that_left_is_neither_reached_nor_called_ended(arena: SlotArena) -> None:
     agg = make(arena)
     rank_2_stops(agg)
     agg.update_job(replace(spec(), departed=frozenset({2})), 0.5)
-    assert agg.reach([where(2)], 1.5) == []
+    assert agg.reach([], 1.5) == []
     (gone,) = named(beat(agg, 0, 1.6)[0])
     assert (gone.left, gone.closed) == (True, False)
     assert type(rank_verdict([gone], 5, 5.0)) is RankLeft
 
 
-def test_a_core_that_hears_no_heartbeats_of_the_job_reaches_nobody(arena: SlotArena) -> None:
-    """Heartbeats go to a job's first core: only its answers tell the peers."""
+def test_a_core_the_heartbeats_do_not_come_to_tells_the_waiting_ranks_itself(
+        arena: SlotArena) -> None:
+    """Heartbeats go to a job's first core, but the segments waiting for an ended rank may all
+    be on another: that core reaches the rank once it is overdue there, and tells the others
+    itself, with a LIVENESS they did not ask for."""
     agg = make(arena)
     for rank in (0, 1):
         contribute(agg, rank, np.ones(8, np.float32), now=0.1)
-    assert agg.reach([], 3.0) == []
+    assert agg.reach([], OVERDUE - 0.01) == []  # (it joined at 0: nothing from it since)
+    (probe,) = agg.reach([], OVERDUE + 0.01)
+    assert probe.dest == where(2) and unpack(bytes(probe.header)).kind is Kind.REACH
+    assert agg.reach([where(2)], OVERDUE + 0.1) == []  # (once per interval)
+    told = agg.reach([], OVERDUE + 0.01 + BEAT)
+    assert sorted(s.dest for s in told) == [where(0), where(1)]
+    for notice in told:
+        h = unpack(bytes(notice.header))
+        assert (h.kind, h.flags) == (Kind.LIVENESS, Flags.UNASKED)
+        assert notice.dest == where(h.rank)
+        (ended,) = unpack_silent(bytes(notice.payload))
+        assert (ended.rank, ended.closed, ended.address) == (2, True, where(2))
 
 
 def test_the_ended_flag_travels_in_a_liveness_record() -> None:
@@ -167,21 +210,20 @@ def _port_unreachable(sport: int, dest: tuple[str, int], *, icmp: tuple[int, int
             + struct.pack("!HHHH", sport, dest[1], 8, 0))
 
 
-def test_a_port_unreachable_answering_our_port_names_the_closed_endpoint() -> None:
+def test_a_port_unreachable_answering_our_address_names_the_closed_endpoint() -> None:
     ours = socket.inet_aton("198.18.0.1")
-    assert port_unreachable(_port_unreachable(7100, ("198.18.0.12", 9002)), 7100) \
+    assert port_unreachable(_port_unreachable(7100, ("198.18.0.12", 9002))) \
         == ("198.18.0.12", 9002)
-    assert port_unreachable(_port_unreachable(7100, ("198.18.0.12", 9002), options=2), 7100,
-                            ours) == ("198.18.0.12", 9002)
+    assert port_unreachable(_port_unreachable(7101, ("198.18.0.12", 9002), options=2),
+                            ours) == ("198.18.0.12", 9002)  # (another core's port: taken)
     packet = _port_unreachable(7100, ("198.18.0.12", 9002))
-    for other in (_port_unreachable(7101, ("198.18.0.12", 9002)),  # another core's
-                  _port_unreachable(7100, ("198.18.0.12", 9002), icmp=(3, 1)),  # host unreach.
+    for other in (_port_unreachable(7100, ("198.18.0.12", 9002), icmp=(3, 1)),  # host unreach.
                   _port_unreachable(7100, ("198.18.0.12", 9002), icmp=(11, 0)),
                   _port_unreachable(7100, ("198.18.0.12", 9002), protocol=6),
                   packet[:-5], packet[:20], b""):  # (the ports cut off)
-        assert port_unreachable(other, 7100) is None
+        assert port_unreachable(other) is None
     assert port_unreachable(_port_unreachable(7100, ("198.18.0.12", 9002), source="10.0.0.1"),
-                            7100, ours) is None  # another address of this host's
+                            ours) is None  # another address of this host's
 
 
 def test_the_memory_network_answers_a_datagram_to_nobody_as_the_kernel_does() -> None:
@@ -246,6 +288,44 @@ def test_through_the_real_loop_a_killed_rank_is_named_ended_within_two_intervals
     finally:
         for c in clients:
             c.close()
+        loop.close()
+        ours.close()
+        theirs.close()
+
+
+def test_a_worker_takes_an_unasked_word_of_an_ended_rank_and_not_a_stale_answer() -> None:
+    """A LIVENESS flagged UNASKED fails the rounds waiting, whatever heartbeat it follows; an
+    unflagged one with an old heartbeat's number is an answer left in the socket: ignored."""
+    net = MemoryNetwork()
+    ours, theirs = Pipe()
+    loop = core_loop(net, theirs)
+    worker = ("198.18.0.101", 40000)
+    spec = JobSpec(4, 0xBEEF, 2, 4, multicast=GROUP, endpoints=(worker, ("198.18.0.102", 40000)))
+    assert loop.serve(Request(1, AddJob(spec))).error is None
+    info = JobInfo("memory", 4, "unasked", 2, 1024, GROUP, False, 60.0,
+                   (EndpointInfo(0, *CORE, 4),), cookie=0xBEEF, liveness_s=5.0)
+    client = ApplianceClient([info], 0, clock=net.clock, lease=False,
+                             transport=MemoryWorkerTransport(net, worker, [GROUP]))
+    try:
+        ticket = client.start(np.ones(1000, np.float32))
+        for _ in range(5):
+            client.heartbeat()  # (their answers: heartbeat numbers 1-5)
+        ended = pack_silent([SilentRank(1, ("198.18.0.102", 40000), 1.2, closed=True)])
+        for flags in (0, Flags.UNASKED):
+            header = bytearray(HEADER_SIZE)
+            pack_into(header, Header(Kind.LIVENESS, DType.FLOAT32, Op.SUM, flags, 4, 0, 0xBEEF,
+                                     0, 0, 0, len(ended), 0, 1))
+            net.transmit(CORE, worker, bytes(header) + ended)
+            while loop.receive_burst():
+                pass
+            net.advance(net.now + 0.001)
+            outcomes = client.progress(timeout=0)
+            if not flags:
+                assert outcomes == []  # a stale answer's verdict: not taken
+        (outcome,) = outcomes
+        assert outcome.ticket == ticket and type(outcome.error) is RankEnded, outcome
+    finally:
+        client.close()
         loop.close()
         ours.close()
         theirs.close()
