@@ -82,7 +82,8 @@ CORE_COUNTERS: dict[str, tuple[str, str]] = {
     ),
     "job_notices": (
         "core_job_notices",
-        "RESYNC and DIVERGED notices sent to workers (a re-joined rank, ranks that disagree).",
+        "RESYNC and DIVERGED notices sent to workers (a re-joined rank, ranks that disagree), and "
+        "the word that a rank they wait for ended (LIVENESS flagged UNASKED).",
     ),
     "bytes_reduced": (
         "core_bytes_reduced",

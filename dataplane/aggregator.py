@@ -220,18 +220,7 @@ class Aggregator:
 
     def stats(self, job_id: int, now: float) -> JobStats | None:
         job = self._jobs.get(job_id)
-        if job is None:
-            return None
-        waiting = job.awaited()
-        silent = {s.rank: s.silent_s for s in job.silent(now, waiting)}
-        missed, lost = job.losses()
-        return JobStats(job.rounds, job.bytes_reduced, job.segments_reduced,
-                        job.last_activity, waiting, job.diverged, silent,
-                        quiet_s=now - max(job.last_seen),
-                        heard={rank: now - seen for rank, seen in enumerate(job.last_seen)
-                               if job.spec.endpoints[rank] is not None},
-                        elsewhere=dict(job.elsewhere), missed_from=missed, lost_to=lost,
-                        ended=tuple(sorted(job.closed_ranks(now))))
+        return None if job is None else job.stats(now)
 
     # ---- datagram path ----
     def on_batch(self, batch: RxBatch, now: float) -> list[Send]:

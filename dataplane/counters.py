@@ -45,7 +45,7 @@ class Counter(IntEnum):
     DROP_BAD_SOURCE = 26  # not from the address the rank joined from
     DROP_EPOCH = 27  # from an epoch before the job's current one (answered with RESYNC)
     DROP_WINDOW = 28  # a slot use beyond the next one: can never occupy a slot
-    JOB_NOTICES = 29  # RESYNC and DIVERGED notices sent to workers
+    JOB_NOTICES = 29  # RESYNC and DIVERGED notices sent to workers, and UNASKED LIVENESS
     HEARTBEATS = 30  # HEARTBEATs from bound ranks (each answered with LIVENESS)
     QUERIES = 31  # QUERYs: a rank whose contribution is in asks for the result
     # RoCE (dataplane/roce.py): verbs calls, completions, lost peers

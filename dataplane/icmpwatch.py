@@ -74,6 +74,10 @@ class IcmpWatch:
             sock.setsockopt(_SOL_RAW, _ICMP_FILTER,
                             struct.pack("=I", ~(1 << _DEST_UNREACH) & 0xFFFFFFFF))
             sock.setblocking(False)
+        except OSError as exc:
+            sock.close()
+            return (f"this kernel refuses ICMP_FILTER on a raw socket ({exc.strerror or exc}): "
+                    "a worker whose process ended is found by the liveness timeout")
         except BaseException:
             sock.close()
             raise

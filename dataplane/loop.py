@@ -56,7 +56,7 @@ __all__ = ["CoreLoop", "run_core"]
 _MAILBOX_EVERY = 256  # busy mode: loop iterations between mailbox checks
 _IDLE_BLOCK_S = 0.05  # adaptive mode: longest block, bounds mailbox latency
 _FIRST_BLOCK_S = 50e-6  # adaptive mode, a transport without a descriptor: the first block
-_TEND_S = 0.1  # how often the loop looks for closed ports and stopped heartbeats (`tend`)
+_TEND_S = 0.1  # how often the loop looks for closed ports and silent ranks (`tend`)
 
 
 class CoreLoop:
@@ -162,8 +162,9 @@ class CoreLoop:
             self.transport.send(sends)
 
     def tend(self, now: float) -> None:
-        """What no datagram prompts: the ports found closed since the last call, and REACHes
-        to ranks whose heartbeats stopped (dataplane.reach), where the transport can tell."""
+        """What no datagram prompts: the ports found closed since the last call, REACHes to the
+        ranks a slot waits for that fell silent, and word to the others of those that ended
+        (dataplane.reach), where the transport can tell closed ports."""
         closed = self.transport.closed_ports()
         if closed is not None:
             self._send(self.aggregator.reach(closed, now))

@@ -69,8 +69,10 @@ def tend(job: JobState, now: float, cells: NDArray[np.uint64]) -> list[Send]:
             continue
         job.reached[rank] = now
         if rank in ended:
-            sends.extend(_tell(job, SilentRank(rank, spec.endpoints[rank],
-                                               now - job.last_seen[rank], closed=True)))
+            told = _tell(job, SilentRank(rank, spec.endpoints[rank],
+                                         now - job.last_seen[rank], closed=True))
+            cells[Counter.JOB_NOTICES] += len(told)
+            sends.extend(told)
             continue
         h = Header(Kind.REACH, DType.FLOAT32, Op.SUM, 0, spec.job_id, rank, spec.cookie,
                    job.rounds, 0, 0, 0, 0, spec.epoch)

@@ -18,7 +18,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .reduce import SegmentKernel
-from .spec import Address, JobSpec
+from .spec import Address, JobSpec, JobStats
 from .wire import HEADER_SIZE, DType, Header, Op, SilentRank, beat_interval
 
 __all__ = ["COPY_TRANSITIONS", "OVERDUE_BEATS", "CopyState", "Event", "JobState", "Slot",
@@ -193,10 +193,19 @@ class JobState:
         self.closed: dict[int, tuple[Address, float]] = {}
         self.reached: dict[int, float] = {}
 
-    def losses(self) -> tuple[dict[int, int], dict[int, int]]:
-        """JobStats' `missed_from` and `lost_to`: the ranks with any."""
-        return ({r: n for r, n in enumerate(self.missed_from) if n},
-                {r: n for r, n in enumerate(self.lost_to) if n})
+    def stats(self, now: float) -> JobStats:
+        """What this core saw of the job, for status and metrics."""
+        waiting = self.awaited()
+        silent = {s.rank: s.silent_s for s in self.silent(now, waiting)}
+        return JobStats(self.rounds, self.bytes_reduced, self.segments_reduced,
+                        self.last_activity, waiting, self.diverged, silent,
+                        quiet_s=now - max(self.last_seen),
+                        heard={rank: now - seen for rank, seen in enumerate(self.last_seen)
+                               if self.spec.endpoints[rank] is not None},
+                        elsewhere=dict(self.elsewhere),
+                        missed_from={r: n for r, n in enumerate(self.missed_from) if n},
+                        lost_to={r: n for r, n in enumerate(self.lost_to) if n},
+                        ended=tuple(sorted(self.closed_ranks(now))))
 
     @property
     def bound(self) -> list[Address]:

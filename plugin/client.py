@@ -17,7 +17,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -38,10 +37,10 @@ from reduction_appliance.dataplane.wire import (
 from . import rendezvous
 from .arguments import check_array, check_in_place, dtype_of, op_of, staged
 from .congestion import Congestion
-from .hostchecks import buffer_window, fragmenting_routes, say_refusals
+from .joining import join_jobs
 from .lease import Lease, heartbeat
 from .multicast_watch import MulticastWatch, ask_unicast
-from .pathprobe import STALL_S, PathWatch, abort_jobs, check_paths, narrow_error, targets_of
+from .pathprobe import STALL_S, PathWatch, abort_jobs, narrow_error, targets_of
 from .pipeline import Outcome, RoundPipeline
 from .rendezvous import JobInfo
 from .rtt import RttEstimator, Timing
@@ -117,74 +116,27 @@ class ApplianceClient:
         lease: bool = True,
         probe_path: bool = True,
     ) -> None:
-        if not jobs:
-            raise ReductionError("ApplianceClient needs at least one registered job")
-        world = {j.world_size for j in jobs}
-        if len(world) != 1:
-            raise ReductionError(f"appliances disagree on the world size: {sorted(world)}")
-        self.world_size = world.pop()
-        if not 0 <= rank < self.world_size:
-            raise ReductionError(f"rank {rank} is outside world size {self.world_size}")
+        joined = join_jobs(jobs, rank, local_address=local_address, transport=transport,
+                           join=join, rejoin=rejoin, lanes=lanes, probe_path=probe_path)
+        self.world_size = joined.world_size
         self.rank = rank
-        kinds = {j.transport for j in jobs}
-        if len(kinds) != 1:
-            raise ReductionError(f"one client speaks one transport; these jobs use {sorted(kinds)}")
-        if transport is None and kinds == {"roce"}:
-            from .roce import connect_jobs  # pyverbs only where a job asks for RoCE
-
-            transport = connect_jobs(jobs, rank, local_address, rendezvous.connect)
-        if transport is None:
-            udp = UdpWorkerTransport(local_address,
-                                     [j.multicast for j in jobs if j.multicast is not None])
-            say_refusals(udp)
-            transport = udp
-        self.transport: WorkerTransport = transport
+        self.transport: WorkerTransport = joined.transport
         #: the window per core this host's receive buffer holds, where fewer than the slots
-        #: (told to the appliance as it joins, for its operator's status)
-        self.window_cap = (buffer_window(transport, max(c.slots for j in jobs for c in j.cores),
-                                         sum(len(j.cores) for j in jobs),
-                                         min(j.segment_bytes for j in jobs), rank)
-                           if isinstance(transport, UdpWorkerTransport) else None)
-        try:
-            self.jobs = [
-                j if j.cookie is not None else join(
-                    j, rank, self.transport.source_for((j.cores[0].host, j.cores[0].port)),
-                    rejoin=rejoin, lanes=lanes, window_cap=self.window_cap)
-                for j in jobs
-            ]
-        except BaseException:
-            self.transport.close()
-            raise
-        # what it joined (and leaves if its block ends in an exception); jobs given joined
-        # are their giver's to leave
-        self._joined_here = [j for j, given in zip(self.jobs, jobs, strict=True)
-                             if given.cookie is None]
-        epochs = {j.epoch for j in self.jobs}
-        if len(epochs) != 1:
-            self.transport.close()
-            raise ReductionError(f"the appliances are at different epochs of this job "
-                                 f"({sorted(epochs)}); resync it")
-        self.endpoints: tuple[Endpoint, ...] = tuple(
-            replace(e, appliance=a) for a, j in enumerate(self.jobs) for e in j.endpoints)
-        self.segment_bytes = min(j.segment_bytes for j in self.jobs)
+        self.window_cap = joined.window_cap
+        self.jobs = joined.jobs
+        # what it joined (and leaves if its block ends in an exception)
+        self._joined_here = joined.joined_here
+        self.endpoints: tuple[Endpoint, ...] = joined.endpoints
+        self.segment_bytes = joined.segment_bytes
         #: routes to cores that fragment this job's datagrams (hostchecks.py)
-        self.fragmenting: list[str] = []
-        if isinstance(self.transport, UdpWorkerTransport):
-            self.fragmenting = fragmenting_routes(self.transport, self.endpoints,
-                                                  self.segment_bytes, rank)
-            if probe_path:
-                try:
-                    check_paths(self.transport, self.jobs, rank, self.segment_bytes)
-                except BaseException:
-                    self.transport.close()
-                    raise
+        self.fragmenting = joined.fragmenting
         timing = timing or Timing(deadline=min(j.deadline_s for j in self.jobs))
         if self.transport.reliable:
             timing = timing.reliable()
         self.rtt = RttEstimator(timing)
         liveness = min(j.liveness_s for j in self.jobs)
         self.pipeline = RoundPipeline(self.endpoints, rank, self.world_size, self.segment_bytes,
-                                      self.rtt, lanes, epoch=epochs.pop(),
+                                      self.rtt, lanes, epoch=joined.epoch,
                                       liveness_timeout=liveness,
                                       congestion=None if self.transport.reliable
                                       else congestion or self._advised_congestion(),

@@ -141,8 +141,10 @@ def test_multicast_sends_one_copy_per_segment_unicast_sends_n() -> None:
     def first_copies(c: dict[str, int]) -> float:
         """Result datagrams sent per reduced segment, not counting the answers to
         retransmissions (stored results resent, PENDING notes), which go to one worker, nor
-        the answers to heartbeats, path probes and other notices."""
-        answers = c["heartbeats"] + c["path_probes"] + c["job_notices"] + c["abort_notices"]
+        the answers to heartbeats, path probes and other notices, nor the REACHes to a rank
+        late to a round (dataplane.reach)."""
+        answers = c["heartbeats"] + c["path_probes"] + c["job_notices"] + c["abort_notices"] \
+            + c["reach_probes"]
         sent = c["packets_out"] - c["results_resent"] - c["pending_sent"] - answers
         assert c["segments_reduced"] > 0
         return sent / c["segments_reduced"]

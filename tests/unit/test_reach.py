@@ -183,6 +183,7 @@ def test_a_core_the_heartbeats_do_not_come_to_tells_the_waiting_ranks_itself(
     assert agg.reach([where(2)], OVERDUE + 0.1) == []  # (once per interval)
     told = agg.reach([], OVERDUE + 0.01 + BEAT)
     assert sorted(s.dest for s in told) == [where(0), where(1)]
+    assert agg.counters.cells[Counter.JOB_NOTICES] == 2
     for notice in told:
         h = unpack(bytes(notice.header))
         assert (h.kind, h.flags) == (Kind.LIVENESS, Flags.UNASKED)
