@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from reduction_appliance.dataplane.errors import (
     ApplianceSilent,
@@ -44,7 +44,6 @@ from reduction_appliance.dataplane.errors import (
 )
 from reduction_appliance.dataplane.wire import (
     HEADER_SIZE,
-    WRAP,
     DType,
     Flags,
     Header,
@@ -67,7 +66,7 @@ from .session import (
     SlotUses,
     Transmit,
 )
-from .slotplan import transmit_of
+from .slotplan import lane_endpoints, transmit_of, wire_round
 from .stall import rank_verdict
 
 __all__ = ["Outcome", "RoundPipeline", "lane_endpoints"]
@@ -84,31 +83,6 @@ class Outcome:
     @property
     def retransmissions(self) -> int:
         return self.repairs.total
-
-
-def lane_endpoints(endpoints: tuple[Endpoint, ...], lanes: int) -> list[tuple[Endpoint, ...]]:
-    """Each lane's view of the endpoints: the same cores, a disjoint range of their slots."""
-    if lanes < 1:
-        raise ReductionError(f"lanes must be at least 1, not {lanes}")
-    fewest = min(ep.slots for ep in endpoints)
-    if lanes > fewest:
-        raise ReductionError(
-            f"{lanes} lanes need at least {lanes} slots per appliance core; the job has "
-            f"{fewest} (raise jobs.slots in the appliance config, or use fewer lanes)")
-    return [
-        tuple(replace(ep, slot_base=ep.slot_base + ep.slots * lane // lanes,
-                      slots=ep.slots * (lane + 1) // lanes - ep.slots * lane // lanes)
-              for ep in endpoints)
-        for lane in range(lanes)
-    ]
-
-
-def wire_round(count: int) -> int:
-    """The header's number of an epoch's `count`-th round: 1..WRAP, then 1 again (a long job
-    passes 2**32 rounds). Lanes follow the count, which never wraps: they take their turns
-    across the wrap as everywhere (WRAP is odd: by the wire number, two rounds in a row would
-    share a lane there)."""
-    return (count - 1) % WRAP + 1
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,22 @@
-"""What a worker's rounds are cut into and sent to: the appliance cores (`Endpoint`), the
-uses of their slots (`SlotUses`), the numbering of what leaves for each core (`SendOrder`),
+"""What a worker's rounds are cut into and sent to: the appliance cores (`Endpoint`), each
+lane's share of their slots (`lane_endpoints`), the uses of their slots (`SlotUses`), a
+round's number on the wire (`wire_round`), the numbering of what leaves for each core (`SendOrder`),
 what leaves (`Transmit`, or `Packed` with its header already in wire bytes), and why what left
 again did (`Repairs`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple
 
-from reduction_appliance.dataplane.wire import SERIALS, Header, unpack
+from reduction_appliance.dataplane.errors import ReductionError
+from reduction_appliance.dataplane.wire import SERIALS, WRAP, Header, unpack
 
 if TYPE_CHECKING:
     from .session import AllreduceRound
 
 __all__ = ["Address", "Endpoint", "Packed", "Repairs", "SendOrder", "SlotUses", "Transmit",
-           "transmit_of"]
+           "lane_endpoints", "transmit_of", "wire_round"]
 
 Address = tuple[str, int]
 
@@ -30,6 +32,31 @@ class Endpoint:
     name: str
     slot_base: int = 0  # this round uses slots slot_base .. slot_base + slots - 1 (its lane)
     appliance: int = 0  # which of the client's appliances the core belongs to
+
+
+def lane_endpoints(endpoints: tuple[Endpoint, ...], lanes: int) -> list[tuple[Endpoint, ...]]:
+    """Each lane's view of the endpoints: the same cores, a disjoint range of their slots."""
+    if lanes < 1:
+        raise ReductionError(f"lanes must be at least 1, not {lanes}")
+    fewest = min(ep.slots for ep in endpoints)
+    if lanes > fewest:
+        raise ReductionError(
+            f"{lanes} lanes need at least {lanes} slots per appliance core; the job has "
+            f"{fewest} (raise jobs.slots in the appliance config, or use fewer lanes)")
+    return [
+        tuple(replace(ep, slot_base=ep.slot_base + ep.slots * lane // lanes,
+                      slots=ep.slots * (lane + 1) // lanes - ep.slots * lane // lanes)
+              for ep in endpoints)
+        for lane in range(lanes)
+    ]
+
+
+def wire_round(count: int) -> int:
+    """The header's number of an epoch's `count`-th round: 1..WRAP, then 1 again (a long job
+    passes 2**32 rounds). Lanes follow the count, which never wraps: they take their turns
+    across the wrap as everywhere (WRAP is odd: by the wire number, two rounds in a row would
+    share a lane there)."""
+    return (count - 1) % WRAP + 1
 
 
 class Transmit(NamedTuple):
