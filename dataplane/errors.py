@@ -138,10 +138,10 @@ class RankLeft(RankSilent):
 
 class RankEnded(RankSilent):
     """A rank's process ended without leaving the job (killed, by the OOM killer or a
-    scheduler, crashed, or exited) while this rank's allreduce waits for it: it fell silent,
-    and its host answered that nothing listens at its endpoint any more
-    (dataplane.reach). Reported about a second after its end, not after the liveness
-    timeout."""
+    scheduler, crashed, or exited; or its client was closed without leaving) while this rank's
+    allreduce waits for it: it fell silent, and its host answered that nothing listens at its
+    endpoint any more (dataplane.reach). Reported about a second after its end, not after the
+    liveness timeout."""
 
 
 class ApplianceSilent(ReductionError):

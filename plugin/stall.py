@@ -79,7 +79,8 @@ def rank_verdict(dead: list[SilentRank], job_id: int, liveness_timeout: float) -
             f"{named(ended)} ended without leaving job {job_id}: nothing came from it for "
             f"{max(s.silent_s for s in ended):.1f} s, and its host answers that nothing "
             "listens at its endpoint any more (its process was killed, by the OOM killer or a "
-            "scheduler, crashed, or exited); this rank's allreduce cannot finish without it "
+            "scheduler, crashed, or exited, or its client was closed without leaving); this "
+            "rank's allreduce cannot finish without it "
             "(a restarted rank re-joins)")
     gone = [s for s in dead if not s.left]
     if gone:
