@@ -12,9 +12,10 @@ from collections.abc import Iterator
 import pytest
 
 from reduction_appliance.dataplane.errors import ReductionError
+from reduction_appliance.dataplane.icmpwatch import IcmpWatch
 from reduction_appliance.dataplane.slots import SlotArena
 from reduction_appliance.dataplane.spec import CoreConfig
-from reduction_appliance.dataplane.transport import RxBatch, datagram_starts
+from reduction_appliance.dataplane.transport import RxBatch, Send, datagram_starts
 from reduction_appliance.dataplane.udp import (
     SO_TIMESTAMPNS,
     UDP_GRO,
@@ -33,6 +34,7 @@ from reduction_appliance.dataplane.wire import (
     pack_into,
 )
 from reduction_appliance.plugin.transport import UdpWorkerTransport
+from tests.capabilities import needs_raw_icmp
 from tests.waiting import wait_until
 
 SEGMENT = 1024  # payload bytes per datagram
@@ -214,9 +216,8 @@ def test_a_pool_too_small_to_spare_a_burst_receives_one_datagram_per_call() -> N
                      slot_capacity=4, rx_buffers=64)
     transport = UdpCoreTransport.open(cfg)
     try:
-        assert transport.fallbacks() == (
-            "UDP GRO off (dataplane.rx_buffers 64 is below 128): one receive call per "
-            "contribution",)
+        assert ("UDP GRO off (dataplane.rx_buffers 64 is below 128): one receive call per "
+                "contribution") in transport.fallbacks()
         with SlotArena(capacity=4, max_payload=SEGMENT, rx_buffers=64) as arena:
             payloads = gso_burst(transport.sock.getsockname(), 3)
             got = received(transport, arena, 3)
@@ -309,3 +310,36 @@ def test_a_worker_address_not_on_this_host_is_refused_naming_the_setting(address
     text = str(refused.value)
     assert f"cannot send from local address {address!r} (REDUCTION_LOCAL_ADDRESS" in text
     assert why in text and "an IPv4 address of this host" in text
+
+
+def test_a_core_refused_a_raw_socket_says_it_watches_no_closed_ports(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without CAP_NET_RAW a core cannot read ICMP port unreachable (dataplane.reach): it says
+    so among its fallbacks, and tells its loop it cannot tell closed ports (no REACHes)."""
+    why = "no raw ICMP socket (Operation not permitted: CAP_NET_RAW is needed): ..."
+    monkeypatch.setattr(IcmpWatch, "open", classmethod(lambda cls, bound: why))
+    cfg = CoreConfig(index=0, cpu=None, bind=("127.0.0.1", 0), max_payload=SEGMENT,
+                     slot_capacity=4, rx_buffers=256)
+    transport = UdpCoreTransport.open(cfg)
+    try:
+        assert transport.fallbacks() == (f"closed ports not watched: {why}",)
+        assert transport.closed_ports() is None
+    finally:
+        transport.close()
+
+
+@needs_raw_icmp
+def test_a_core_reads_the_port_unreachable_its_datagram_to_a_closed_port_brings() -> None:
+    cfg = CoreConfig(index=0, cpu=None, bind=("127.0.0.1", 0), max_payload=SEGMENT,
+                     slot_capacity=4, rx_buffers=256)
+    transport = UdpCoreTransport.open(cfg)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as gone:
+            gone.bind(("127.0.0.1", 0))
+            closed = gone.getsockname()
+        transport.send([Send(closed, bytes(HEADER_SIZE), b"")])
+        assert wait_until(lambda: transport.closed_ports(), 5.0,
+                          what="the port unreachable") == [closed]
+        assert transport.fallbacks() == ()
+    finally:
+        transport.close()
