@@ -33,8 +33,8 @@ Slot protocol (after SwitchML, without its limits):
 * Liveness: every datagram a bound rank sends (a contribution, or the HEARTBEAT its worker
   sends several times per liveness timeout even while it computes) marks it alive. A HEARTBEAT
   is answered with LIVENESS listing the ranks silent longer than `JobSpec.liveness_timeout`
-  (and at once a rank that left, or whose process ended, while a use here waits for it: its
-  heartbeats stopped and its host said its port is closed, `dataplane.reach`), so every rank
+  (and at once a rank that left, or whose process ended, while a use here waits for it: it
+  fell silent and its host said its port is closed, `dataplane.reach`), so every rank
   learns within a heartbeat that a peer died; and an answer at all tells the worker the
   appliance lives.
   A PATH_PROBE is echoed at the size it asks for (a joining worker's test of its path), and
