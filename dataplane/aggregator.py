@@ -158,14 +158,7 @@ class Aggregator:
                 forget_sequences(job, rank)  # and numbers its contributions afresh
         if spec.epoch == old.epoch:
             return []
-        for slot in job.slots:
-            slot.latest = 0
-            for copy in slot.copies:
-                self._release_held(job, copy)
-                copy.state = move(copy.state, Event.RESET)
-                copy.use, copy.round, copy.offset = 0, -1, -1
-        job.diverged = None
-        job.rounds = 0
+        job.empty_slots(self._pool)
         forget_sequences(job)
         return self._tell(job, Kind.RESYNC, b"")
 
@@ -190,7 +183,7 @@ class Aggregator:
             return
         for slot in job.slots:
             for copy in slot.copies:
-                self._release_held(job, copy)
+                job.release_held(copy, self._pool)
         self._arena.release(job.arena_slots)
         self._cells[Counter.SLOTS_IN_USE] -= job.spec.slots
 
@@ -404,10 +397,10 @@ class Aggregator:
                 self._cells[Counter.DROP_SLOT_BUSY] += 1
                 return False
             self._cells[Counter.ABANDONED] += 1
-            self._release_held(job, latest)
+            job.release_held(latest, self._pool)
         slot.latest = 1 - slot.latest
         copy = slot.copies[slot.latest]
-        self._release_held(job, copy)
+        job.release_held(copy, self._pool)
         copy.begin(h.use, h.round, h.offset, h.dtype, h.op, self._kernels.kernel(h.dtype, h.op),
                    h.length, now)
         return self._accumulate(job, copy, h.rank, index, now, out, echoed(h.flags))
@@ -504,10 +497,4 @@ class Aggregator:
         """A notice answering `h`; it carries the job's current epoch when the job exists."""
         job = self._jobs.get(h.job_id)
         return answer(kind, h, dest, job.spec.epoch if job is not None else h.epoch, payload)
-
-    def _release_held(self, job: JobState, copy: SlotCopy) -> None:
-        for index in copy.held.values():
-            self._pool.release(index)
-        job.held -= len(copy.held)
-        copy.held.clear()
 

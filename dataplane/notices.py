@@ -93,15 +93,19 @@ def pending_notes(job: JobState, copy: SlotCopy, h: Header, source: Address) -> 
     return sends
 
 
-def to_every_rank(job: JobState, kind: Kind, payload: bytes) -> list[Send]:
-    """A notice of `kind` to every bound rank of the job, in its current epoch."""
+def to_every_rank(job: JobState, kind: Kind, payload: bytes, flags: int = 0,
+                  skip: frozenset[int] = frozenset()) -> list[Send]:
+    """A notice of `kind`, flagged `flags`, to every bound rank of the job but those in
+    `skip`, in its current epoch."""
     spec = job.spec
     notices = []
     for rank, address in enumerate(spec.endpoints):
-        if address is not None:
-            h = Header(kind, DType.FLOAT32, Op.SUM, 0, spec.job_id, rank, spec.cookie,
-                       job.rounds, 0, 0, len(payload), 0, spec.epoch)
-            notices.append(answer(kind, h, address, spec.epoch, payload))
+        if address is not None and rank not in skip:
+            header = bytearray(HEADER_SIZE)
+            pack_into(header, Header(kind, DType.FLOAT32, Op.SUM, flags, spec.job_id, rank,
+                                     spec.cookie, job.rounds, 0, 0, len(payload), 0,
+                                     spec.epoch))
+            notices.append(Send(address, header, payload))
     return notices
 
 

@@ -30,12 +30,11 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .counters import Counter
-from .notices import answer
+from .notices import answer, to_every_rank
 from .slotstate import OVERDUE_BEATS, JobState
 from .spec import Address
 from .transport import Send
 from .wire import (
-    HEADER_SIZE,
     DType,
     Flags,
     Header,
@@ -43,7 +42,6 @@ from .wire import (
     Op,
     SilentRank,
     beat_interval,
-    pack_into,
     pack_silent,
 )
 
@@ -69,8 +67,10 @@ def tend(job: JobState, now: float, cells: NDArray[np.uint64]) -> list[Send]:
             continue
         job.reached[rank] = now
         if rank in ended:
-            told = _tell(job, SilentRank(rank, spec.endpoints[rank],
-                                         now - job.last_seen[rank], closed=True))
+            ended_here = SilentRank(rank, spec.endpoints[rank], now - job.last_seen[rank],
+                                    closed=True)
+            told = to_every_rank(job, Kind.LIVENESS, pack_silent([ended_here]), Flags.UNASKED,
+                                 skip=spec.departed | {rank})
             cells[Counter.JOB_NOTICES] += len(told)
             sends.extend(told)
             continue
@@ -78,21 +78,6 @@ def tend(job: JobState, now: float, cells: NDArray[np.uint64]) -> list[Send]:
                    job.rounds, 0, 0, 0, 0, spec.epoch)
         sends.append(answer(Kind.REACH, h, address, spec.epoch))
         cells[Counter.REACH_PROBES] += 1
-    return sends
-
-
-def _tell(job: JobState, ended: SilentRank) -> list[Send]:
-    """LIVENESS, UNASKED, naming `ended` to every other bound rank of the job."""
-    spec = job.spec
-    payload = pack_silent([ended])
-    sends = []
-    for rank, address in enumerate(spec.endpoints):
-        if address is not None and rank != ended.rank and rank not in spec.departed:
-            header = bytearray(HEADER_SIZE)
-            pack_into(header, Header(Kind.LIVENESS, DType.FLOAT32, Op.SUM, Flags.UNASKED,
-                                     spec.job_id, rank, spec.cookie, 0, 0, 0, len(payload), 0,
-                                     spec.epoch))
-            sends.append(Send(address, header, payload))
     return sends
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .reduce import SegmentKernel
+from .slots import RxPool
 from .spec import Address, JobSpec, JobStats
 from .wire import HEADER_SIZE, DType, Header, Op, SilentRank, beat_interval
 
@@ -192,6 +193,25 @@ class JobState:
         # and rank -> when this core last sent it a REACH
         self.closed: dict[int, tuple[Address, float]] = {}
         self.reached: dict[int, float] = {}
+
+    def release_held(self, copy: SlotCopy, pool: RxPool) -> None:
+        """Give the receive buffers `copy` holds (deterministic mode) back to `pool`."""
+        for index in copy.held.values():
+            pool.release(index)
+        self.held -= len(copy.held)
+        copy.held.clear()
+
+    def empty_slots(self, pool: RxPool) -> None:
+        """A new epoch: every slot empty again (`Event.RESET`), its held buffers back in
+        `pool`, no round finished and no disagreement."""
+        for slot in self.slots:
+            slot.latest = 0
+            for copy in slot.copies:
+                self.release_held(copy, pool)
+                copy.state = move(copy.state, Event.RESET)
+                copy.use, copy.round, copy.offset = 0, -1, -1
+        self.diverged = None
+        self.rounds = 0
 
     def stats(self, now: float) -> JobStats:
         """What this core saw of the job, for status and metrics."""

@@ -42,7 +42,7 @@ from reduction_appliance.plugin.transport import MemoryWorkerTransport
 
 from .feeding import feed
 from .test_aggregator import contribute, heartbeat_of, make, spec, where
-from .test_seams import CORE, GROUP, core_loop
+from .test_seams import CORE, GROUP, core_loop, until_ranks_0_and_1_fail
 
 BEAT = beat_interval(5.0)  # the jobs here have the default liveness timeout, 5 s
 OVERDUE = OVERDUE_BEATS * BEAT
@@ -263,23 +263,7 @@ def test_through_the_real_loop_a_killed_rank_is_named_ended_within_two_intervals
             client.heartbeat()
         clients[2].close()  # killed: no heartbeat, no contribution, no leave from now on
         tickets = [clients[r].start(np.ones(1000, np.float32)) for r in range(2)]
-        failed: dict[int, BaseException] = {}
-        beat_at = tend_at = 0.0
-        while len(failed) < 2 and net.now < 30.0:
-            if net.now >= beat_at:  # the lease threads' job, ten times per timeout
-                for r in range(2):
-                    clients[r].heartbeat()
-                beat_at = net.now + BEAT
-            if net.now >= tend_at:  # the loop's, between bursts
-                loop.tend(net.now)
-                tend_at = net.now + 0.1
-            for r in range(2):
-                for outcome in clients[r].progress(timeout=0):
-                    assert outcome.ticket == tickets[r] and outcome.error is not None
-                    failed[r] = outcome.error
-            while loop.receive_burst():
-                pass
-            net.advance(min(net.next_arrival(), beat_at, tend_at))
+        failed = until_ranks_0_and_1_fail(net, loop, clients, tickets, tend_s=0.1)
         assert set(failed) == {0, 1}
         for error in failed.values():
             assert type(error) is RankEnded, error

@@ -46,6 +46,34 @@ def core_loop(net: MemoryNetwork, mailbox: Connection) -> CoreLoop:
                     clock=net.clock)
 
 
+def until_ranks_0_and_1_fail(net: MemoryNetwork, loop: CoreLoop, clients: list[ApplianceClient],
+                             tickets: list[int], *, tend_s: float | None = None
+                             ) -> dict[int, BaseException]:
+    """Ranks 0 and 1 heartbeat every 0.5 s (their lease threads' job, ten times per 5 s
+    timeout) and drive their rounds `tickets`, and the core takes in what comes (and tends
+    every `tend_s`, where given), until both rounds failed or the simulated clock reached
+    30 s. Each rank's error."""
+    failed: dict[int, BaseException] = {}
+    beat_at = tend_at = 0.0
+    while len(failed) < 2 and net.now < 30.0:
+        if net.now >= beat_at:
+            for r in range(2):
+                clients[r].heartbeat()
+            beat_at = net.now + 0.5
+        if tend_s is not None and net.now >= tend_at:  # the loop's, between bursts
+            loop.tend(net.now)
+            tend_at = net.now + tend_s
+        for r in range(2):
+            for outcome in clients[r].progress(timeout=0):
+                assert outcome.ticket == tickets[r] and outcome.error is not None
+                failed[r] = outcome.error
+        while loop.receive_burst():
+            pass
+        net.advance(min(net.next_arrival(), beat_at,
+                        tend_at if tend_s is not None else float("inf")))
+    return failed
+
+
 class Unknown(Command[None]):
     """A command no core knows."""
 
@@ -145,20 +173,7 @@ def test_a_dead_rank_is_named_to_the_others_within_the_liveness_timeout() -> Non
     try:
         clients[2].close()  # rank 2 is gone: no heartbeat, no contribution from now on
         tickets = [clients[r].start(np.ones(1000, np.float32)) for r in range(2)]
-        failed: dict[int, BaseException] = {}
-        beat_at = 0.0
-        while len(failed) < 2 and net.now < 30.0:
-            if net.now >= beat_at:  # the lease threads' job, ten times per timeout
-                for r in range(2):
-                    clients[r].heartbeat()
-                beat_at = net.now + 0.5
-            for r in range(2):
-                for outcome in clients[r].progress(timeout=0):
-                    assert outcome.ticket == tickets[r] and outcome.error is not None
-                    failed[r] = outcome.error
-            while loop.receive_burst():
-                pass
-            net.advance(min(net.next_arrival(), beat_at))
+        failed = until_ranks_0_and_1_fail(net, loop, clients, tickets)
         assert set(failed) == {0, 1}
         for error in failed.values():
             assert isinstance(error, RankSilent)
