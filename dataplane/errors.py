@@ -19,6 +19,7 @@ from __future__ import annotations
 __all__ = [
     "AdmissionError",
     "AllreduceTimeout",
+    "ApplianceEnded",
     "ApplianceSilent",
     "BadRequest",
     "ConfigError",
@@ -147,6 +148,13 @@ class RankEnded(RankSilent):
 class ApplianceSilent(ReductionError):
     """An appliance (or the network to it) has not answered for longer than the liveness
     timeout: the message names it. Restart it, or register the job elsewhere."""
+
+
+class ApplianceEnded(ApplianceSilent):
+    """An appliance's daemon is no longer running (crashed, killed, or stopped) while this
+    rank's allreduce waits on it: its cores fell silent, and its API refuses connections
+    (plugin.silence). Its jobs went with it, for good. Reported about a second after its end,
+    not after the liveness timeout."""
 
 
 class PathTooNarrow(ReductionError):

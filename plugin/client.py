@@ -362,6 +362,8 @@ class ApplianceClient:
         self.transport.wait(None if wait == math.inf else max(0.0, wait), wake)
         self.transport.receive(self._on_datagram, self._on_run)
         self._send_due()  # results just stored released their slots' next segments
+        if pipeline.overdue:  # (empty but for an appliance silent for over a second)
+            self._ask_overdue()
         self._last_turn = self._clock()
         ended = pipeline.finished()
         if ended and any(type(o.error) in Diagnosis.EXPLAINS for o in ended):
@@ -375,6 +377,16 @@ class ApplianceClient:
                 if self._multicast_watch is not None and outcome.error is None:
                     self._watch_multicast(outcome, -(-len(view) // self.segment_bytes))
         return outcomes
+
+    def _ask_overdue(self) -> None:
+        """Ask whether the daemons of the appliances found overdue still run (a TCP connection
+        to each API: plugin.silence); where one does not, its jobs went with it: every round
+        fails, for good."""
+        for appliance, quiet in self.pipeline.take_overdue():
+            ended = self._diagnosis.ended(self.jobs[appliance], quiet, self.rank)
+            if ended is not None:
+                self._unclaimed.extend(self.pipeline.fail_all(ended, for_good=True))
+                return
 
     def _watch_multicast(self, outcome: Outcome, segments: int) -> None:
         """After a round of `segments`: where the job's multicast results do not reach this

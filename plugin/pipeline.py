@@ -54,6 +54,7 @@ from reduction_appliance.dataplane.wire import (
 )
 
 from .congestion import Congestion, CongestionWindow
+from .hearing import Hearing
 from .rtt import RttEstimator
 from .serials import ResultSerials
 from .session import (
@@ -141,15 +142,13 @@ class RoundPipeline:
         # lanes, and its number on the wire `wire_round` of it.
         self._next_round = 1
         self.liveness_timeout = liveness_timeout
-        appliances = max(ep.appliance for ep in endpoints) + 1
-        self._heard = [0.0] * appliances  # when each appliance last sent us anything
-        # When the lease thread last sent a HEARTBEAT (None: no lease), and since when without
-        # a gap of half the liveness timeout: an appliance is silent only while heartbeats went
-        # out (`beat`), not while this process was paused or starved.
-        self._last_beat: float | None = None
-        self._beating_since = 0.0
+        # when each appliance last sent us anything, and this rank's heartbeats
+        self.hearing = Hearing(max(ep.appliance for ep in endpoints) + 1, liveness_timeout)
+        self._heard = self.hearing.heard_at  # (written per datagram: `heard`)
         self._silent_ranks: dict[int, RankSilent] = {}  # appliance -> why a rank is dead
         self._silent_appliances: dict[int, str] = {}  # appliance -> why we think it is dead
+        #: appliances to ask about (`take_overdue`)
+        self.overdue: list[tuple[int, float]] = []
         self._broken: ReductionError | None = None  # fails every round from now on
         #: the first error a round of this job failed with (the job's failure: its peers meet
         #: it too, and the appliance's status keeps what explains it)
@@ -220,9 +219,7 @@ class RoundPipeline:
                 # deadline)
                 self._finished.append(Outcome(req.ticket, None))
                 continue
-            # An idle worker does not read its answers: give every appliance a fresh
-            # liveness timeout from the start of a round.
-            self._heard = [max(h, now) for h in self._heard]
+            self.hearing.round_starts(now)
             try:
                 rnd = AllreduceRound(self._lane_endpoints[lane], self.rank, self.world_size,
                                      wire_round(self._next_round), req.dtype, req.op, req.nbytes,
@@ -276,8 +273,7 @@ class RoundPipeline:
             return 0.0
         if not self._active:
             return float("inf")
-        # a silence, counted while heartbeats go out (once per turn: a loop)
-        soonest = max(min(self._heard), self._beating_since) + self.liveness_timeout
+        soonest = self.hearing.wakeup()  # a silence, counted while heartbeats go out
         for rnd in self._active.values():
             at = rnd.wakeup()
             if at < soonest:
@@ -297,31 +293,30 @@ class RoundPipeline:
             self._silent_appliances.pop(appliance, None)
 
     def beat(self, now: float) -> None:
-        """A HEARTBEAT went out (the lease thread). Where none went for half the liveness
-        timeout, this process was paused (SIGSTOP, a debugger, a VM migrated) or starved: the
-        appliances had nothing to answer, and silences count from now."""
-        last = self._last_beat
-        if last is None or now - last > self.liveness_timeout / 2:
-            self._beating_since = now
-        self._last_beat = now
+        """A HEARTBEAT went out (the lease thread): `Hearing.beat`."""
+        self.hearing.beat(now)
+
+    def take_overdue(self) -> list[tuple[int, float]]:
+        """The appliances found silent long enough, while a round was in flight, to ask
+        whether their daemons still run (`Hearing.overdue`), each with how long it had been
+        silent; each once per question (`due` finds them)."""
+        found, self.overdue = self.overdue, []
+        return found
 
     def _check_appliances(self, now: float) -> bool:
-        """Fail the rounds that need an appliance silent past the liveness timeout: silent
-        while this rank's heartbeats went out."""
+        """Note the appliances overdue; fail the rounds that need an appliance silent past the
+        liveness timeout: silent while this rank's heartbeats went out."""
+        hearing = self.hearing
+        if now >= hearing.look_at and self._active:
+            self.overdue += hearing.overdue(now)
         if now - min(self._heard) <= self.liveness_timeout:
             return False  # every appliance spoke lately: the common case, asked every turn
-        if now - self._beating_since <= self.liveness_timeout:
-            return False  # heartbeats go out again, after a pause, since less than that
-        last = self._last_beat
-        if last is not None and now - last > self.liveness_timeout / 2:
-            # No heartbeat lately: this process is back from a pause, its lease thread not yet
-            # (nor, then, an appliance's answer): count from now, as its next heartbeat will.
-            self._beating_since = now
+        if not hearing.silences(now, self.liveness_timeout):
             return False
         failed = False
         for rnd in list(self._active.values()):
             for a in {ep.appliance for ep in rnd.endpoints}:
-                quiet = now - max(self._heard[a], self._beating_since)
+                quiet = hearing.quiet(a, now)
                 if quiet > self.liveness_timeout:
                     names = sorted({ep.name for ep in rnd.endpoints if ep.appliance == a})
                     reason = (f"{names[0].rsplit(' core ', 1)[0]} has sent nothing for "

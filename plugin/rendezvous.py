@@ -29,6 +29,7 @@ import contextlib
 import http.client
 import json
 import logging
+import socket
 import time
 import urllib.error
 import urllib.parse
@@ -41,8 +42,8 @@ from reduction_appliance.dataplane.wire import VERSION
 
 from .session import Address, Endpoint
 
-__all__ = ["JobInfo", "RendezvousError", "api_address", "connect", "join", "leave",
-           "leave_quietly", "register", "resync", "unicast"]
+__all__ = ["JobInfo", "RendezvousError", "api_address", "api_refuses", "connect", "join",
+           "leave", "leave_quietly", "register", "resync", "unicast"]
 
 _log = logging.getLogger(__name__)
 
@@ -422,6 +423,28 @@ def appliance_status(info: JobInfo, timeout_s: float = 3.0) -> object:
     final at once."""
     return _call_raw(info.appliance, "GET", "/v1/status", None, info.token, timeout_s,
                      unreachable_is_final=True)
+
+
+def api_refuses(appliance: str, timeout_s: float = 0.05) -> bool:
+    """Whether a TCP connection to the appliance's API (`host:port`) is refused: its host
+    answered, and nothing listens there. False where it connects, or where nothing answers
+    within `timeout_s` (a host or a network that is down: no verdict). A connection only, not
+    a request: the daemon's API sees a client that went away. (The caller's loop waits for it:
+    a host's refusal comes within a round trip, a millisecond on a rack.)"""
+    parts = urllib.parse.urlsplit(f"http://{appliance}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return False
+    if host is None or port is None:
+        return False
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # (a timeout, no route, a name that does not resolve: nothing certain)
+        return False
 
 
 def abort(info: JobInfo, rank: int, reason: str, timeout_s: float = 2.0) -> None:

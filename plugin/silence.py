@@ -12,6 +12,13 @@ pure function of the answer, tested with plain dictionaries.
 A restarted appliance need not wait for the silence: its core answers a heartbeat of a job it
 lacks with UNKNOWN_JOB, and `job_gone` asks the API whether the job is really gone (a core
 being restarted lacks its jobs for a moment too) and says why.
+
+Nor need a dead one: an appliance silent for one and a half heartbeats while a round waits on
+it is overdue (plugin.hearing), and `ended` tries a TCP connection to its API. Refused, the
+appliance's host is up and no reductiond runs there (it crashed, was killed or stopped): its
+cores and jobs went with it, and the rounds fail for good with `ApplianceEnded` about a second
+after its end. Connected, or no answer (a host that is down, a network outage): the timeout
+decides as before.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Any
 
 from reduction_appliance.dataplane.errors import (
     AllreduceTimeout,
+    ApplianceEnded,
     ApplianceSilent,
     JobAborted,
     ReductionError,
@@ -38,6 +46,8 @@ from .rendezvous import JobInfo
 __all__ = ["Diagnosis", "verdict"]
 
 Ask = Callable[[JobInfo], object]
+#: refuses(api): whether a TCP connection to the API at `host:port` is refused
+Refuses = Callable[[str], bool]
 _log = logging.getLogger(__name__)
 
 
@@ -50,8 +60,10 @@ class Diagnosis:
     EXPLAINS = (ApplianceSilent, AllreduceTimeout)  # the errors `explained` may add to
 
     def __init__(self, ask: Ask = rendezvous.appliance_status,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 refuses: Refuses = rendezvous.api_refuses) -> None:
         self._ask = ask
+        self._refuses = refuses
         self._clock = clock
         # "silent <appliance>" or "missing <appliance>" -> (when asked, what it said)
         self._said: dict[str, tuple[float, str]] = {}
@@ -163,6 +175,21 @@ class Diagnosis:
                           "workers, such as torchrun --max-restarts, does). Its core answered "
                           "this rank's heartbeat that it has no such job, and its API lists "
                           "none")
+
+    def ended(self, info: JobInfo, quiet_s: float, rank: int) -> ApplianceEnded | None:
+        """What to fail the job's rounds with, now that `info`'s appliance has sent nothing for
+        `quiet_s` while a round of `rank` waited on it: `ApplianceEnded` where its API refuses
+        a connection (no daemon runs there), else None (it runs, or its host or the network
+        is down: the liveness timeout will tell)."""
+        if not self._refuses(info.appliance):
+            return None
+        return ApplianceEnded(
+            f"appliance {info.appliance} has sent nothing for {quiet_s:.1f} s while a round of "
+            f"rank {rank} waited on it, and its host refuses a connection to its API: no "
+            "reductiond runs there (it crashed, was killed, or was stopped), and job "
+            f"{info.job_id} ('{info.name}') went with it. Its log says why (journalctl -u "
+            "reductiond); once it runs again, register the job again (a launcher that "
+            "restarts its workers, such as torchrun --max-restarts, does)")
 
     def _verdict(self, info: JobInfo, rank: int) -> str:
         return self._cached(lambda i: self._asked(i, rank), info, "silent")

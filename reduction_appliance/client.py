@@ -10,6 +10,7 @@
 
 from reduction_appliance.dataplane.errors import (
     AllreduceTimeout,
+    ApplianceEnded,
     ApplianceSilent,
     JobAborted,
     PathTooNarrow,
@@ -24,6 +25,7 @@ from reduction_appliance.plugin.rendezvous import JobInfo, RendezvousError, leav
 __all__ = [
     "AllreduceTimeout",
     "ApplianceClient",
+    "ApplianceEnded",
     "ApplianceSilent",
     "JobAborted",
     "JobInfo",

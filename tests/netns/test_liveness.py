@@ -80,8 +80,11 @@ def test_a_slow_rank_is_never_declared_dead() -> None:
             job.close()
 
 
-def test_a_killed_appliance_is_named_to_the_workers_within_the_bound(
+def test_a_killed_appliance_is_named_ended_to_the_workers_from_its_refusing_api(
         capsys: pytest.CaptureFixture[str]) -> None:
+    """ApplianceEnded, which only an overdue appliance whose API refuses a connection gives
+    (plugin.silence): not ApplianceSilent after the liveness timeout. Every later call fails
+    the same way: the job went with the daemon."""
     with LabNetwork.rack(2) as net, start_appliance(net, liveness_s=LIVENESS_S) as appliance:
         job = Job(net, appliance, "orphans", 2)
         try:
@@ -90,11 +93,15 @@ def test_a_killed_appliance_is_named_to_the_workers_within_the_bound(
             killed_at = time.monotonic()
             os.killpg(appliance.process.pid, signal.SIGKILL)  # reductiond and its cores
             reports = [rank.next(timeout=60) for rank in job.ranks]
-            assert_named_within_the_bound(reports, "ApplianceSilent", "core 0", killed_at,
-                                          capsys, "reductiond killed, a worker")
-            # (its API asked why: nothing listens there either)
-            assert all("Its API at 198.18.0.1:7070 does not answer either" in r["failures"][0]
-                       for r in reports), reports
+            assert_named_within_the_bound(
+                reports, "ApplianceEnded", "its host refuses a connection to its API: no "
+                "reductiond runs there", killed_at, capsys, "reductiond killed, a worker")
+            assert all(r["failures"][0].startswith(
+                "ApplianceEnded: appliance 198.18.0.1:7070 has sent nothing for") for r in reports)
+            for rank in job.ranks:
+                rank.send(f"run 1 {MIB}")
+            assert all(r["failures"][0].startswith("ApplianceEnded: ")
+                       for r in (rank.next(timeout=60) for rank in job.ranks))
         finally:
             job.close()
 
