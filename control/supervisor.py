@@ -10,15 +10,8 @@ on the processes: a core that dies is restarted with exponential backoff, gets e
 job again, and the event is recorded for the jobs that had traffic on it (status shows it);
 `on_restart` then moves its jobs to a new epoch, since the new process starts with empty
 slots (their workers carry on, or a round that had results fails with a clear error).
-`Supervisor` is a context manager: leaving it stops every core and frees the memory.
-
-A core's states and what moves them (`_TRANSITIONS`; anything else raises)::
-
-    STARTING   --ready------>  RUNNING
-    RUNNING    --died------->  RESTARTING
-    RESTARTING --ready------>  RUNNING
-    RESTARTING --failed----->  RESTARTING   (the next attempt waits longer)
-    any        --stop------->  STOPPED
+`Supervisor` is a context manager: leaving it stops every core and frees the memory. A core's
+handle and its state machine are control.cores'.
 """
 
 from __future__ import annotations
@@ -30,10 +23,7 @@ import multiprocessing as mp
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
-from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
+from multiprocessing.connection import wait
 from multiprocessing.shared_memory import SharedMemory
 from types import TracebackType
 from typing import Any, TypeVar, cast
@@ -45,7 +35,6 @@ from reduction_appliance.dataplane.errors import (
     BadRequest,
     CoreFailure,
     ReductionError,
-    Unavailable,
 )
 from reduction_appliance.dataplane.loop import run_core
 from reduction_appliance.dataplane.reduce import KERNEL_MODULES
@@ -74,6 +63,7 @@ from reduction_appliance.dataplane.spec import (
 )
 
 from .config import ApplianceConfig
+from .cores import CoreEvent, CoreHandle, CoreUnavailable, Disruption
 from .fallbacks import Fallbacks
 
 __all__ = ["CoreHandle", "CoreUnavailable", "Disruption", "Supervisor"]
@@ -90,56 +80,6 @@ _CORE_MODULES = ["reduction_appliance.dataplane.loop"]
 _ROCE_MODULES = ["reduction_appliance.dataplane.dual", "reduction_appliance.dataplane.roce",
                  "pyverbs.device", "pyverbs.pd", "pyverbs.mr", "pyverbs.cq", "pyverbs.srq",
                  "pyverbs.qp", "pyverbs.wr", "pyverbs.enums"]
-
-
-class _Event(Enum):
-    READY = "ready"
-    DIED = "died"
-    FAILED = "failed"
-    STOP = "stop"
-
-
-_TRANSITIONS: dict[tuple[CoreState, _Event], CoreState] = {
-    (CoreState.STARTING, _Event.READY): CoreState.RUNNING,
-    (CoreState.RUNNING, _Event.DIED): CoreState.RESTARTING,
-    (CoreState.RESTARTING, _Event.READY): CoreState.RUNNING,
-    (CoreState.RESTARTING, _Event.FAILED): CoreState.RESTARTING,
-    **{(state, _Event.STOP): CoreState.STOPPED for state in CoreState},
-}
-
-
-class CoreUnavailable(Unavailable):
-    """A data-plane core is not running right now (restarting after a crash). Retry shortly."""
-
-
-@dataclass
-class CoreHandle:
-    config: CoreConfig
-    memory: SharedMemory
-    counters: Counters
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    process: BaseProcess | None = None
-    mailbox: Connection | None = None
-    state: CoreState = CoreState.STARTING
-    restarts: int = 0
-    started_at: float = 0.0
-    last_exit: str = ""
-    stalled: str = ""  # why the supervisor killed it, until the monitor has seen it die
-    kernels: str = ""  # the reduce-kernel backend the core chose
-
-    def move(self, event: _Event) -> None:
-        target = _TRANSITIONS.get((self.state, event))
-        if target is None:
-            raise AssertionError(f"core {self.config.index} is {self.state.value}: "
-                                 f"{event.value} is not a transition")
-        self.state = target
-
-
-@dataclass(frozen=True)
-class Disruption:
-    core: int
-    at: float  # time.time()
-    why: str
 
 
 class Supervisor:
@@ -244,7 +184,7 @@ class Supervisor:
         core.kernels = first.kernels
         for what in first.fallbacks:
             self.fallbacks.note(what, index)
-        core.move(_Event.READY)
+        core.move(CoreEvent.READY)
         core.started_at = time.monotonic()
 
     def _watch(self) -> None:
@@ -280,7 +220,7 @@ class Supervisor:
         if time.monotonic() - core.started_at > _STABLE_S:
             failures[i] = 0
         with core.lock:
-            core.move(_Event.DIED)
+            core.move(CoreEvent.DIED)
             core.restarts += 1
             with self._jobs_lock:
                 for job_id in self.jobs:
@@ -306,7 +246,7 @@ class Supervisor:
                         self._exchange(core, AddJob(spec))
                 except (ReductionError, OSError) as exc:
                     core.last_exit = f"restart failed: {exc}"
-                    core.move(_Event.DIED if started else _Event.FAILED)
+                    core.move(CoreEvent.DIED if started else CoreEvent.FAILED)
                     if core.process is not None:
                         core.process.kill()
                         core.process.join()
@@ -329,7 +269,7 @@ class Supervisor:
                     core.process.join()
             if core.mailbox is not None:
                 core.mailbox.close()
-            core.move(_Event.STOP)
+            core.move(CoreEvent.STOP)
         for core in self.cores:
             core.counters = Counters()  # drop the view before closing the shared memory
             core.memory.close()
