@@ -154,6 +154,8 @@ class ApplianceClient:
         self._closed = False
         self._close_asked_by = ""  # a thread that called close() while another drove
         self._diagnosis = Diagnosis(clock=clock)  # why an appliance went silent (its API)
+        # each appliance's API, resolved while the network is up (plugin.silence asks it then)
+        self._apis = [rendezvous.api_endpoint(j.appliance) for j in self.jobs]
         self._joined_at = clock()
         # Held by the thread inside `start` or `wait`: a second thread calling either at the
         # same time is refused, saying so (two threads' rounds once hung each other).
@@ -383,7 +385,8 @@ class ApplianceClient:
         to each API: plugin.silence); where one does not, its jobs went with it: every round
         fails, for good."""
         for appliance, quiet in self.pipeline.take_overdue():
-            ended = self._diagnosis.ended(self.jobs[appliance], quiet, self.rank)
+            ended = self._diagnosis.ended(self.jobs[appliance], self._apis[appliance], quiet,
+                                          self.rank)
             if ended is not None:
                 self._unclaimed.extend(self.pipeline.fail_all(ended, for_good=True))
                 return

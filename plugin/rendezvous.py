@@ -42,7 +42,8 @@ from reduction_appliance.dataplane.wire import VERSION
 
 from .session import Address, Endpoint
 
-__all__ = ["JobInfo", "RendezvousError", "api_address", "api_refuses", "connect", "join",
+__all__ = ["JobInfo", "RendezvousError", "api_address", "api_endpoint", "api_refuses", "connect",
+           "join",
            "leave", "leave_quietly", "register", "resync", "unicast"]
 
 _log = logging.getLogger(__name__)
@@ -425,25 +426,34 @@ def appliance_status(info: JobInfo, timeout_s: float = 3.0) -> object:
                      unreachable_is_final=True)
 
 
-def api_refuses(appliance: str, timeout_s: float = 0.05) -> bool:
-    """Whether a TCP connection to the appliance's API (`host:port`) is refused: its host
-    answered, and nothing listens there. False where it connects, or where nothing answers
-    within `timeout_s` (a host or a network that is down: no verdict). A connection only, not
-    a request: the daemon's API sees a client that went away. (The caller's loop waits for it:
-    a host's refusal comes within a round trip, a millisecond on a rack.)"""
+def api_endpoint(appliance: str) -> tuple[str, int] | None:
+    """The appliance's API (`host:port`) as a numeric address and port, its name resolved now
+    (None where it does not parse or resolve): `api_refuses` must not wait on a name server in
+    the outage it asks about."""
     parts = urllib.parse.urlsplit(f"http://{appliance}")
     try:
         host, port = parts.hostname, parts.port
-    except ValueError:
-        return False
-    if host is None or port is None:
-        return False
+        if host is None or port is None:
+            return None
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (ValueError, OSError):  # (socket.gaierror too)
+        return None
+    return (str(found[0][4][0]), port) if found else None
+
+
+def api_refuses(endpoint: tuple[str, int], timeout_s: float = 0.05) -> bool:
+    """Whether a TCP connection to an appliance's API at `endpoint` (`api_endpoint`'s) is
+    refused: its host answered, and nothing listens there. False where it connects, or where
+    nothing answers within `timeout_s` (a host or a network that is down: no verdict). A
+    connection only, not a request: the daemon's API sees a client that went away. (The
+    caller's loop waits for it: a host's refusal comes within a round trip, a millisecond on a
+    rack.)"""
     try:
-        with socket.create_connection((host, port), timeout=timeout_s):
+        with socket.create_connection(endpoint, timeout=timeout_s):
             return False
     except ConnectionRefusedError:
         return True
-    except OSError:  # (a timeout, no route, a name that does not resolve: nothing certain)
+    except OSError:  # (a timeout, no route: nothing certain)
         return False
 
 

@@ -46,8 +46,8 @@ from .rendezvous import JobInfo
 __all__ = ["Diagnosis", "verdict"]
 
 Ask = Callable[[JobInfo], object]
-#: refuses(api): whether a TCP connection to the API at `host:port` is refused
-Refuses = Callable[[str], bool]
+#: refuses((address, port)): whether a TCP connection to an API there is refused
+Refuses = Callable[[tuple[str, int]], bool]
 _log = logging.getLogger(__name__)
 
 
@@ -176,12 +176,14 @@ class Diagnosis:
                           "this rank's heartbeat that it has no such job, and its API lists "
                           "none")
 
-    def ended(self, info: JobInfo, quiet_s: float, rank: int) -> ApplianceEnded | None:
-        """What to fail the job's rounds with, now that `info`'s appliance has sent nothing for
-        `quiet_s` while a round of `rank` waited on it: `ApplianceEnded` where its API refuses
-        a connection (no daemon runs there), else None (it runs, or its host or the network
-        is down: the liveness timeout will tell)."""
-        if not self._refuses(info.appliance):
+    def ended(self, info: JobInfo, api: tuple[str, int] | None, quiet_s: float,
+              rank: int) -> ApplianceEnded | None:
+        """What to fail the job's rounds with, now that `info`'s appliance, its API at `api`
+        (resolved: `rendezvous.api_endpoint`; None where it did not resolve) has sent nothing
+        for `quiet_s` while a round of `rank` waited on it: `ApplianceEnded` where its API
+        refuses a connection (no daemon runs there), else None (it runs, or its host or the
+        network is down: the liveness timeout will tell)."""
+        if api is None or not self._refuses(api):
             return None
         return ApplianceEnded(
             f"appliance {info.appliance} has sent nothing for {quiet_s:.1f} s while a round of "

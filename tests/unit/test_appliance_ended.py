@@ -21,7 +21,7 @@ from reduction_appliance.dataplane.wire import DType, Op, beat_interval
 from reduction_appliance.plugin.client import ApplianceClient
 from reduction_appliance.plugin.hearing import ASK_EVERY_BEATS, OVERDUE_BEATS, Hearing
 from reduction_appliance.plugin.pipeline import RoundPipeline
-from reduction_appliance.plugin.rendezvous import JobInfo, api_refuses
+from reduction_appliance.plugin.rendezvous import JobInfo, api_endpoint, api_refuses
 from reduction_appliance.plugin.rtt import RttEstimator, Timing
 from reduction_appliance.plugin.session import Endpoint
 from reduction_appliance.plugin.silence import Diagnosis
@@ -35,7 +35,7 @@ OVERDUE = OVERDUE_BEATS * BEAT
 EVERY = ASK_EVERY_BEATS * BEAT
 
 
-def refusing(answer: bool, asked: list[str], api: str) -> bool:
+def refusing(answer: bool, asked: list[tuple[str, int]], api: tuple[str, int]) -> bool:
     asked.append(api)
     return answer
 
@@ -108,25 +108,34 @@ def test_the_pipeline_finds_overdue_appliances_only_while_a_round_is_in_flight()
 
 def test_a_refused_connection_ends_the_appliance_and_anything_else_does_not() -> None:
     info = JobInfo("198.18.0.1:7070", 5, "gone", 2, 1024, None, False, 60.0, (), cookie=77)
-    asked: list[str] = []
+    api = ("198.18.0.1", 7070)
+    asked: list[tuple[str, int]] = []
     refused = Diagnosis(lambda i: None, refuses=lambda api: refusing(True, asked, api))
-    error = refused.ended(info, 0.8, 1)
+    error = refused.ended(info, api, 0.8, 1)
     assert type(error) is ApplianceEnded and isinstance(error, ApplianceSilent)
     assert str(error).startswith(
         "appliance 198.18.0.1:7070 has sent nothing for 0.8 s while a round of rank 1 waited "
         "on it, and its host refuses a connection to its API: no reductiond runs there")
-    assert "job 5 ('gone') went with it" in str(error) and asked == ["198.18.0.1:7070"]
-    assert Diagnosis(lambda i: None, refuses=lambda api: False).ended(info, 0.8, 1) is None
+    assert "job 5 ('gone') went with it" in str(error) and asked == [api]
+    assert refused.ended(info, None, 0.8, 1) is None  # (its name did not resolve: not asked)
+    assert asked == [api]
+    assert Diagnosis(lambda i: None, refuses=lambda api: False).ended(info, api, 0.8, 1) is None
 
 
-def test_a_closed_port_is_refused_and_a_listening_one_or_a_bad_address_is_not() -> None:
+def test_a_closed_port_is_refused_and_a_listening_one_is_not() -> None:
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
         port = listening.getsockname()[1]
-        assert api_refuses(f"127.0.0.1:{port}") is False
-    assert api_refuses(f"127.0.0.1:{port}") is True  # (closed: the kernel answers RST)
-    assert api_refuses("127.0.0.1") is False and api_refuses("127.0.0.1:notaport") is False
+        assert api_refuses(("127.0.0.1", port)) is False
+    assert api_refuses(("127.0.0.1", port)) is True  # (closed: the kernel answers RST)
+
+
+def test_an_api_is_resolved_to_a_numeric_address_or_to_none() -> None:
+    assert api_endpoint("198.18.0.1:7070") == ("198.18.0.1", 7070)
+    assert api_endpoint("localhost:7070") in (("127.0.0.1", 7070), ("::1", 7070))
+    for bad in ("198.18.0.1", "198.18.0.1:notaport", "memory"):  # (no name server asked)
+        assert api_endpoint(bad) is None, bad
 
 
 @pytest.mark.parametrize("refused", [True, False])
@@ -148,7 +157,8 @@ def test_through_the_client_a_dead_daemon_is_named_ended_within_two_beats(refuse
                    (EndpointInfo(0, *CORE, 4),), cookie=cookie, liveness_s=LIVENESS_S)
     asked: list[float] = []
 
-    def refuses(api: str) -> bool:
+    def refuses(api: tuple[str, int]) -> bool:
+        assert api == ("198.18.0.1", 7070)
         asked.append(net.now)
         return refused
     clients = [ApplianceClient([info], r, clock=net.clock, lease=False,
