@@ -40,10 +40,12 @@ from reduction_appliance.deploy.testnet.harness import HarnessError
 
 from .gauge import framing, interpreter_ms
 from .plan import (
-    DTYPE_CHOICES,
+    OPS,
     SHAPED_TIMED_BYTES,
     SweepPlan,
-    parse_sizes,
+    choice_list,
+    dtype_list,
+    size_list,
     tc_rate,
     unwritable_output,
 )
@@ -247,9 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--appliance-rate", type=tc_rate, default=None, metavar="RATE",
                    help="the appliance's link in the rack (tc syntax; default: unshaped): "
                         "below workers x --rate, an incast")
-    p.add_argument("--sizes", type=parse_sizes, default=[64 << 20])
-    p.add_argument("--dtypes", type=lambda s: s.split(","), default=["fp32"])
-    p.add_argument("--ops", type=lambda s: s.split(","), default=["sum"])
+    p.add_argument("--sizes", type=size_list, default=[64 << 20])
+    p.add_argument("--dtypes", type=dtype_list, default=["fp32"],
+                   metavar="fp32,fp16,bf16")
+    p.add_argument("--ops", type=choice_list(OPS), default=["sum"], metavar="sum,avg,min,max")
     p.add_argument("--iters", type=int, default=5,
                    help="timed calls per case, at least (on the rack, small sizes get enough to "
                         "move 16 MiB)")
@@ -275,9 +278,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--slots and --cores must be at least 1")
     if not 0 <= args.queue_target <= 10:
         p.error("--queue-target must be 0..10 seconds")
-    bad = [d for d in args.dtypes if d not in DTYPE_CHOICES]
-    if bad:
-        p.error(f"unknown dtypes {bad}; choose from {', '.join(DTYPE_CHOICES)}")
     plan = SweepPlan(network=args.network, workers=(args.workers,),
                      rate=args.rate if args.network == "rack" else None, sizes=tuple(args.sizes),
                      dtypes=tuple(args.dtypes), ops=tuple(args.ops),

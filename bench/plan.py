@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from reduction_appliance.dataplane.dtypes import DTYPES, by_short
+from reduction_appliance.dataplane.dtypes import DTYPES, by_short, short_names
 from reduction_appliance.dataplane.units import parse_size
 from reduction_appliance.deploy.testnet.topology import RACK_WORKERS_MAX, parse_rate
 
@@ -29,9 +29,12 @@ __all__ = [
     "SHAPED_TIMED_BYTES",
     "SweepPlan",
     "add_sweep_arguments",
+    "choice_list",
+    "dtype_list",
     "dtype_name",
     "parse_sizes",
     "plan_from_args",
+    "size_list",
     "tc_rate",
 ]
 
@@ -104,7 +107,8 @@ def _arg(parse: Callable[[str], T]) -> Callable[[str], T]:
     return wrapped
 
 
-def _choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
+def choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated list of `choices` (a usage error names them)."""
     def parse(text: str) -> list[str]:
         items = [x.strip() for x in text.split(",") if x.strip()]
         bad = [x for x in items if x not in choices]
@@ -112,6 +116,17 @@ def _choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
             raise ValueError(f"{text!r}: choose from {', '.join(choices)}")
         return list(dict.fromkeys(items))  # keep order, drop repeats
     return _arg(parse)
+
+
+def dtype_list(text: str) -> list[str]:
+    """An argparse type: `dtypes.short_names` (fp32 or float32, ...), a usage error naming the
+    choices."""
+    return _arg(short_names)(text)
+
+
+def size_list(text: str) -> list[int]:
+    """An argparse type: `parse_sizes`, its ValueError a usage error naming the problem."""
+    return _arg(parse_sizes)(text)
 
 
 def _counts(text: str) -> list[int]:
@@ -202,10 +217,10 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
                         "its fat uplink); below workers x --rate it is an incast")
     p.add_argument("--sizes", type=_arg(parse_sizes), default=parse_sizes(DEFAULT_SIZES),
                    metavar="RANGE|LIST", help=f"bytes per allreduce (default: {DEFAULT_SIZES})")
-    p.add_argument("--dtypes", type=_choice_list(DTYPE_CHOICES), default=["fp32"],
+    p.add_argument("--dtypes", type=dtype_list, default=["fp32"],
                    metavar="fp32,fp16,bf16")
-    p.add_argument("--ops", type=_choice_list(OPS), default=["sum"], metavar="sum,avg,min,max")
-    p.add_argument("--modes", type=_choice_list(MODES), default=["multicast"],
+    p.add_argument("--ops", type=choice_list(OPS), default=["sum"], metavar="sum,avg,min,max")
+    p.add_argument("--modes", type=choice_list(MODES), default=["multicast"],
                    metavar="multicast,unicast",
                    help="appliance result fan-out (default: multicast)")
     p.add_argument("--iters", type=int, default=5, help="timed iterations per case")

@@ -14,7 +14,7 @@ import numpy as np
 
 from .wire import DType
 
-__all__ = ["DTYPES", "DTypeInfo", "by_numpy", "by_short", "info"]
+__all__ = ["DTYPES", "DTypeInfo", "by_numpy", "by_short", "info", "short_names"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,18 @@ def by_short(short: str) -> DTypeInfo:
         return _BY_SHORT[short]
     except KeyError:
         raise KeyError(f"unknown dtype {short!r}; choose from {', '.join(_BY_SHORT)}") from None
+
+
+def short_names(text: str) -> list[str]:
+    """A command line's comma-separated dtypes, each short (fp32) or numpy's name (float32),
+    as short names in the order given, repeats dropped; ValueError names the choices."""
+    by_name = {**{d.name: d.short for d in DTYPES}, **{d.short: d.short for d in DTYPES}}
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if x not in by_name]
+    if bad or not items:
+        raise ValueError(f"unknown dtype {', '.join(map(repr, bad or [text]))}; choose from "
+                         f"{', '.join(_BY_SHORT)} (or {', '.join(d.name for d in DTYPES)})")
+    return list(dict.fromkeys(by_name[x] for x in items))
 
 
 def by_numpy(dtype: np.dtype[Any]) -> DTypeInfo | None:

@@ -16,10 +16,11 @@ import argparse
 import os
 import statistics
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
+from reduction_appliance.dataplane.dtypes import short_names
 from reduction_appliance.dataplane.units import format_size, parse_size
 
 from .harness import (
@@ -34,6 +35,8 @@ from .harness import (
 from .worker import DTYPE_NAMES
 
 __all__ = ["main"]
+
+T = TypeVar("T")
 
 DEFAULT_SIZES = [1 << s for s in range(10, 27, 2)]  # 1 KiB, 4 KiB, ..., 64 MiB
 
@@ -87,15 +90,27 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _usage(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """`parse`, its ValueError a usage error naming the problem (argparse's own says only
+    "invalid value")."""
+    def wrapped(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+    return wrapped
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="reduction_appliance.deploy.testnet.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--cores", type=int, default=2, help="appliance data-plane cores")
     p.add_argument("--rate", default=None, help="worker link rate, e.g. 1gbit (default: none)")
-    p.add_argument("--sizes", type=lambda s: [parse_size(x) for x in s.split(",")],
-                   default=DEFAULT_SIZES)
-    p.add_argument("--dtypes", type=lambda s: s.split(","), default=list(DTYPE_NAMES))
+    p.add_argument("--sizes", type=_usage(lambda s: [parse_size(x) for x in s.split(",")]),
+                   default=DEFAULT_SIZES, metavar="1KiB,..,64MiB")
+    p.add_argument("--dtypes", type=_usage(short_names), default=list(DTYPE_NAMES),
+                   metavar="fp32,fp16,bf16")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--unicast", action="store_true", help="unicast fan-out instead of multicast")
     p.add_argument("--loopback", action="store_true", help="no rack: everything on loopback")
