@@ -21,6 +21,10 @@ one NIC): the backend and the hook reduce on the host first and one rank per hos
 the appliance (`plugin.torch_hosts`), while Gloo's ring passes between a host's ranks over
 loopback.
 
+With ``--compress bf16`` (or ``fp16``) every run sends its buckets in that dtype, half the
+bytes: Gloo and the backend through torch's ``bf16_compress_hook``, the hook through its own
+``compress=`` (`plugin.torch_hook`).
+
 Prints a table; with --out writes ddp_steps.json (plan, environment, one row per run).
 Exits 1 if a run failed or its ranks disagree.
 """
@@ -79,13 +83,15 @@ class Plan:
     lanes: int | None  # appliance rounds in flight; None = the plugin's default
     device: str = "cpu"  # where each rank's model lives (cuda: every rank on a GPU)
     ranks_per_host: int = 1  # ranks behind one host's link (a server with several GPUs)
+    compress: str = "none"  # the dtype every run's buckets travel in (the example's --compress)
 
     def options(self) -> list[str]:
         """The example's flags that every rank of every run shares."""
         return ["--steps", str(self.steps), "--warmup", str(self.warmup), "--batch",
                 str(self.batch), "--hidden", str(self.hidden), "--layers", str(self.layers),
                 "--bucket-mb", str(self.bucket_mb), "--seed", str(self.seed), "--json",
-                "--device", self.device, *(["--lanes", str(self.lanes)] if self.lanes else [])]
+                *(["--compress", self.compress] if self.compress != "none" else []),
+                *(["--lanes", str(self.lanes)] if self.lanes else []), "--device", self.device]
 
 
 @dataclass(frozen=True)
@@ -223,6 +229,9 @@ def format_table(plan: Plan, runs: list[CommRun]) -> str:
     if plan.ranks_per_host > 1:
         where += (f" on {plan.workers // plan.ranks_per_host} hosts of {plan.ranks_per_host} "
                   "(the appliance's runs reduce on each host first)")
+    if plan.compress != "none":
+        where += (f", buckets sent as {plan.compress} (gloo and reduction: "
+                  "compressed_allreduce_hook; hook: compress=)")
     lines = [
         f"DDP on {plan.workers} workers{where}, worker links {plan.rate or 'unshaped'}: MLP "
         f"{first['params']:,} params, gradient {first['grad_bytes'] / 2**20:.2f} MiB in buckets "
@@ -289,6 +298,9 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, Path | None]:
     p.add_argument("--ranks-per-host", type=int, default=1,
                    help="ranks sharing each host's link (default 1; --workers must be a "
                         "multiple): the appliance's runs reduce on each host first")
+    p.add_argument("--compress", choices=("none", "bf16", "fp16"), default="none",
+                   help="send every run's buckets in this dtype (half the bytes), Gloo's "
+                        "included (torch's compress hooks)")
     p.add_argument("--out", type=Path, default=None, help="directory for ddp_steps.json")
     args = p.parse_args(argv)
     if (unwritable := unwritable_output(args.out, directory=True)) is not None:
@@ -315,7 +327,8 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, Path | None]:
     plan = Plan(workers=args.workers, rate=rate, steps=args.steps, warmup=args.warmup,
                 batch=args.batch, hidden=args.hidden, layers=args.layers,
                 bucket_mb=args.bucket_mb, seed=args.seed, cores=args.cores,
-                lanes=args.lanes, device=args.device, ranks_per_host=args.ranks_per_host)
+                lanes=args.lanes, device=args.device, ranks_per_host=args.ranks_per_host,
+                compress=args.compress)
     return plan, args.out
 
 

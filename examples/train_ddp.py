@@ -15,6 +15,11 @@
     Gloo stays the default backend; ``DDP.register_comm_hook`` sends only the gradient buckets
     through the appliance (`plugin.torch_hook`).
 
+``--compress bf16`` (or ``fp16``) sends the buckets in that dtype, half the bytes: through
+``compressed_allreduce_hook`` on ``gloo`` and ``reduction`` (torch's ``fp16_compress_hook`` for
+any 16-bit dtype: its ``bf16_compress_hook`` refuses all but NCCL; on ``reduction`` the appliance
+averages in fp32), and the appliance hook's ``compress=`` on ``hook``.
+
 The task is deterministic: a fixed random "teacher" MLP labels Gaussian inputs, each rank trains
 on its own shard (seeded by --seed and its rank), and a held-out set, the same on every rank,
 measures the result. Parameters are identical on every rank after each step, so the held-out
@@ -54,11 +59,17 @@ if __package__ in (None, ""):  # `python examples/train_ddp.py` from a checkout,
 
 import reduction_appliance.torch  # noqa: F401 - registers the "reduction" backend
 from reduction_appliance.plugin.torch_exit import exit_without_finalizing
-from reduction_appliance.plugin.torch_hook import ApplianceHookState, appliance_allreduce_hook
+from reduction_appliance.plugin.torch_hook import (
+    ApplianceHookState,
+    appliance_allreduce_hook,
+    compressed_allreduce_hook,
+)
 
 __all__ = ["build_model", "main"]
 
 COMMS = ("gloo", "reduction", "hook")
+COMPRESSED: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16,
+                                             "fp16": torch.float16}
 CLASSES = 10
 _TEACHER_HIDDEN = 64
 _EVAL_SAMPLES = 2048
@@ -152,6 +163,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="train_ddp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--comm", choices=COMMS, default="gloo")
+    p.add_argument("--compress", choices=tuple(COMPRESSED), default="none",
+                   help="the dtype buckets travel in (none: fp32)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the step times")
     p.add_argument("--batch", type=int, default=64, help="per rank")
@@ -251,9 +264,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         model, device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=args.bucket_mb)
     state = None
+    compress = COMPRESSED[args.compress]
     if args.comm == "hook":
-        state = ApplianceHookState()
+        state = ApplianceHookState(compress=compress)
         ddp.register_comm_hook(state, appliance_allreduce_hook)
+    elif compress is not None:  # on whichever backend the default group runs
+        ddp.register_comm_hook(compress, compressed_allreduce_hook)
     try:
         return _loop(args, model, ddp, task, device)
     finally:
@@ -295,7 +311,8 @@ def _loop(args: argparse.Namespace, model: nn.Module, ddp: DistributedDataParall
         eval_acc = float((logits.argmax(dim=1) == eval_y).float().mean())
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return {
-        "comm": args.comm, "device": str(device), "rank": args.rank, "world": args.world,
+        "comm": args.comm, "compress": args.compress, "device": str(device), "rank": args.rank,
+        "world": args.world,
         "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "params": sum(
             p.numel() for p in model.parameters()), "grad_bytes": grad_bytes,
         "bucket_bytes": _bucket_bytes(ddp), "first_loss": curve[0][1], "final_loss": curve[-1][1],

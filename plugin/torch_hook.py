@@ -23,6 +23,15 @@ cuda` is the check on a machine with a GPU).
 
 On the default group, ranks that share a host reduce there first, as on the backend
 (`plugin.torch_hosts`; ``REDUCTION_HIERARCHY``): a state on another group stays flat.
+
+``ApplianceHookState(compress=torch.bfloat16)`` (or ``torch.float16``) sends each bucket in that
+dtype, half the bytes each way, as torch's ``bf16_compress_hook`` does over a ring; but the
+appliance adds the ranks' gradients in fp32 and divides before it rounds, once, to the wire's
+dtype, where the ring rounds every partial sum on its way and the hook divides each gradient,
+rounded, before any is added. On the "reduction" backend, ``compressed_allreduce_hook`` does the
+same through the default group (torch's ``bf16_compress_hook`` refuses any backend but NCCL)::
+
+    model.register_comm_hook(torch.bfloat16, compressed_allreduce_hook)
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at run time.
@@ -48,7 +57,10 @@ from .torch_backend import (
 from .torch_hosts import HostLayout, HostStage, host_key
 from .torch_pump import RoundPump
 
-__all__ = ["ApplianceHookState", "appliance_allreduce_hook"]
+__all__ = ["ApplianceHookState", "appliance_allreduce_hook", "compressed_allreduce_hook"]
+
+# What a bucket may be sent as (`ApplianceHookState.compress`).
+_COMPRESSED = (None, torch.bfloat16, torch.float16)
 
 # Hook states this process made as rank 0 of their group, on the default group and on others.
 _STATES_MADE: Counter[str] = Counter()
@@ -75,7 +87,13 @@ class ApplianceHookState:
     """An `ApplianceClient` joined to the job as this rank, and the thread that drives it."""
 
     def __init__(self, config: ApplianceConfig | None = None, *,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None,
+                 compress: torch.dtype | None = None) -> None:
+        if compress not in _COMPRESSED:
+            raise ValueError(f"compress={compress}: choose torch.bfloat16, torch.float16 or "
+                             "None (buckets as they are)")
+        #: the dtype buckets travel in (None: their own)
+        self.compress = compress
         config = config or config_from_env()
         group = group if group is not None else dist.group.WORLD
         if group is None:
@@ -165,6 +183,33 @@ def appliance_allreduce_hook(
     state: ApplianceHookState,
     bucket: dist.GradBucket,  # type: ignore[name-defined]
 ) -> torch.futures.Future[torch.Tensor]:
-    """Average `bucket.buffer()` over all ranks through the appliance, off the caller's thread."""
-    reduced = state.pump.submit([bucket.buffer()], "avg")
-    return reduced.then(lambda fut: fut.value()[0])
+    """Average `bucket.buffer()` over all ranks through the appliance, off the caller's thread
+    (sent as `state.compress`, where it names a dtype)."""
+    buffer = bucket.buffer()
+    if state.compress is None or buffer.dtype == state.compress:
+        return state.pump.submit([buffer], "avg").then(lambda fut: fut.value()[0])
+    reduced = state.pump.submit([buffer.to(state.compress)], "avg")
+    return reduced.then(lambda fut: buffer.copy_(fut.value()[0]))
+
+
+def compressed_allreduce_hook(
+    dtype: torch.dtype,
+    bucket: dist.GradBucket,  # type: ignore[name-defined]
+) -> torch.futures.Future[torch.Tensor]:
+    """Average `bucket.buffer()` through the default group, sent as `dtype` (16 bits: half the
+    bytes). On the "reduction" backend the appliance averages in fp32 and rounds once; on any
+    other, as torch's compress hooks do, each rank divides before the sum (a ring's partial
+    sums are rounded to `dtype` at every step)."""
+    if dtype not in _COMPRESSED[1:]:
+        raise ValueError(f"compressed_allreduce_hook's state is the dtype to send: "
+                         f"torch.bfloat16 or torch.float16, not {dtype}")
+    buffer = bucket.buffer()
+    compressed = buffer.to(dtype)
+    if dist.get_backend() == BACKEND_NAME:
+        work = dist.all_reduce(compressed, op=dist.ReduceOp.AVG, async_op=True)
+    else:  # (Gloo has no AVG)
+        work = dist.all_reduce(compressed.div_(dist.get_world_size()), async_op=True)
+    assert work is not None
+    reduced: torch.futures.Future[torch.Tensor] = work.get_future().then(
+        lambda fut: buffer.copy_(fut.value()[0]))
+    return reduced

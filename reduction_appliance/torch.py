@@ -8,6 +8,10 @@ For jobs that keep another default backend, the DDP communication hook is here t
     from reduction_appliance.torch import ApplianceHookState, appliance_allreduce_hook
     model.register_comm_hook(ApplianceHookState(), appliance_allreduce_hook)
 
+and, on the "reduction" backend, buckets sent in 16 bits (averaged in fp32 on the appliance)::
+
+    model.register_comm_hook(torch.bfloat16, compressed_allreduce_hook)
+
 Configuration comes from the REDUCTION_* environment variables (see
 ``reduction_appliance.plugin.torch_backend``).
 """
@@ -18,13 +22,18 @@ from reduction_appliance.plugin.torch_backend import (
     config_from_env,
 )
 from reduction_appliance.plugin.torch_exit import exit_without_finalizing
-from reduction_appliance.plugin.torch_hook import ApplianceHookState, appliance_allreduce_hook
+from reduction_appliance.plugin.torch_hook import (
+    ApplianceHookState,
+    appliance_allreduce_hook,
+    compressed_allreduce_hook,
+)
 
 __all__ = [
     "BACKEND_NAME",
     "ApplianceHookState",
     "ApplianceProcessGroup",
     "appliance_allreduce_hook",
+    "compressed_allreduce_hook",
     "config_from_env",
     "exit_without_finalizing",
 ]

@@ -18,6 +18,11 @@ MODE "crashed": the last rank's script raises after two DDP steps, its group nev
 the others' next step must fail at once, naming it as left.
 MODE "killed": the last rank is SIGKILLed after two DDP steps; the others' next step must fail
 within about a second, naming it as ended.
+MODE "compressed" (REDUCTION_DETERMINISTIC set): a gradient bucket sent as bf16, through
+`compressed_allreduce_hook` on the backend and through a hook state's `compress=`: both the
+fixed-order fp32 average of the ranks' bf16 buckets, rounded once, bit for bit; and nearer the
+exact average than Gloo's ring given the same bf16 buckets, divided first, as torch's compress
+hooks do.
 Prints one JSON line per check.
 """
 
@@ -44,7 +49,11 @@ from reduction_appliance.plugin.torch_backend import (  # importing registers th
     config_from_env,
 )
 from reduction_appliance.plugin.torch_exit import exit_without_finalizing
-from reduction_appliance.plugin.torch_hook import ApplianceHookState, appliance_allreduce_hook
+from reduction_appliance.plugin.torch_hook import (
+    ApplianceHookState,
+    appliance_allreduce_hook,
+    compressed_allreduce_hook,
+)
 from reduction_appliance.plugin.torch_hosts import HostStage
 from reduction_appliance.plugin.torch_pump import numpy_view
 
@@ -455,12 +464,49 @@ def killed(rank: int, world: int, store: str) -> None:
     exit_without_finalizing(0)  # the groups are broken: destroying them would wait on Gloo
 
 
+class _Bucket:
+    """What the hooks read of DDP's GradBucket: its flat buffer."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+
+def compressed(rank: int, world: int, store: str) -> None:
+    init("reduction", rank, world, store)
+    gloo = dist.new_group(backend="gloo")
+    rng = np.random.default_rng(3000 + rank)
+    grads = torch.from_numpy(rng.standard_normal(20_000).astype(np.float32))
+    everyone = [torch.empty_like(grads) for _ in range(world)]
+    dist.all_gather(everyone, grads, group=gloo)
+    exact = torch.stack(everyone).double().mean(dim=0)
+    want = reference([numpy_view(g.to(torch.bfloat16)) for g in everyone], Op.AVG)
+
+    def error(t: torch.Tensor) -> float:
+        return float((t.double() - exact).abs().mean())
+
+    on_backend = grads.clone()
+    compressed_allreduce_hook(torch.bfloat16, _Bucket(on_backend)).wait()
+    state = ApplianceHookState(compress=torch.bfloat16)
+    hooked = grads.clone()
+    appliance_allreduce_hook(state, _Bucket(hooked)).wait()  # type: ignore[arg-type]
+    state.close()
+    ring = grads.to(torch.bfloat16).div_(world)  # torch's compress hooks over Gloo's ring
+    dist.all_reduce(ring, group=gloo)
+    for check, t in (("compressed-backend", on_backend), ("compressed-hook", hooked)):
+        emit(check=check, ok=bool(same_bits(numpy_view(t.to(torch.bfloat16)), want))
+             and error(t) < error(ring.float()), error=error(t), ring_error=error(ring.float()))
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     mode, rank, world, store, local, ifname = sys.argv[1:7]
     os.environ["REDUCTION_LOCAL_ADDRESS"] = local
     os.environ["GLOO_SOCKET_IFNAME"] = ifname
     modes = {"backend": backend, "overlap": overlap, "stall": stall, "ddp": ddp, "named": named,
              "patience": patience, "stranded": stranded, "loop": loop, "crashed": crashed,
-             "killed": killed}
+             "killed": killed, "compressed": compressed}
     modes[mode](int(rank), int(world), store)
     exit_without_finalizing(0)  # all printed; see plugin.torch_exit for why
