@@ -39,12 +39,13 @@ class Hearing:
         #: when each appliance last sent us anything (written per datagram by the pipeline)
         self.heard_at = [0.0] * appliances
         self.liveness_timeout = liveness_timeout
-        beat = beat_interval(liveness_timeout) if math.isfinite(liveness_timeout) else math.inf
+        finite = math.isfinite(liveness_timeout)
+        beat = beat_interval(liveness_timeout) if finite else math.inf
         self.overdue_after = OVERDUE_BEATS * beat
         self.ask_every = ASK_EVERY_BEATS * beat
         # No question in the last heartbeat before the timeout: the question takes a moment
         # (plugin.silence), and the timeout's verdict is due then anyway.
-        self.ask_until = liveness_timeout - beat
+        self.ask_until = liveness_timeout - beat if finite else math.inf
         # When the lease thread last sent a HEARTBEAT (None: no lease), and since when without
         # a gap of half the liveness timeout.
         self.last_beat: float | None = None

@@ -88,7 +88,7 @@ def test_a_rank_back_from_a_pause_asks_about_no_one_until_its_heartbeats_go_out_
 
 def test_without_a_liveness_timeout_nothing_is_ever_overdue() -> None:
     h = Hearing(1, math.inf)
-    assert h.overdue(1e9) == [] and h.wakeup() == math.inf
+    assert h.overdue(1e9) == [] and h.wakeup() == math.inf and h.ask_until == math.inf
 
 
 def test_the_pipeline_finds_overdue_appliances_only_while_a_round_is_in_flight() -> None:
