@@ -16,13 +16,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from reduction_appliance.dataplane.dtypes import DTYPES, by_short, short_names
+from reduction_appliance.dataplane.dtypes import by_short, short_names
 from reduction_appliance.dataplane.units import parse_size
 from reduction_appliance.deploy.testnet.topology import RACK_WORKERS_MAX, parse_rate
 
 __all__ = [
     "DEFAULT_SIZES",
-    "DTYPE_CHOICES",
     "MAX_TIMED_CALLS",
     "MODES",
     "OPS",
@@ -52,9 +51,6 @@ MAX_TIMED_CALLS = 64
 SHAPED_TIMED_BYTES = 16 << 20
 
 T = TypeVar("T")
-
-
-DTYPE_CHOICES = tuple(d.short for d in DTYPES)
 
 
 def dtype_name(short: str) -> str:
