@@ -6,11 +6,12 @@ Under systemd (Type=notify) it says READY=1 once it serves, STOPPING=1 when it s
 down, and WATCHDOG=1 from its periodic loop while the API's event loop still answers: a
 daemon whose loop or API is wedged is restarted by systemd instead of lingering.
 
-SIGTERM, in order: stop accepting API connections and close idle ones; wait up to api.drain_s
-for requests in flight; let every job finish the rounds it has begun and begin no later one,
-then tell its workers (control.drain: about a second for a busy job, at most 5 s); stop the
-cores; remove the steering rules. Whatever clients hold open, the daemon is gone within about
-api.drain_s + 5 s + the cores' own stop.
+SIGTERM, in order: stop accepting API connections and close idle ones (the TCP ports stay
+bound until the jobs' workers are told, so that none takes a refused connection for a dead
+daemon); wait up to api.drain_s for requests in flight; let every job finish the rounds it has
+begun and begin no later one, then tell its workers (control.drain: about a second for a busy
+job, at most 5 s); stop the cores; remove the steering rules. Whatever clients hold open, the
+daemon is gone within about api.drain_s + 5 s + the cores' own stop.
 """
 
 from __future__ import annotations
@@ -198,8 +199,9 @@ def serve(cfg: ApplianceConfig, stop: threading.Event) -> None:
         started = time.monotonic()
         _log.info("stopping: %d API connection(s) open, draining up to %g s",
                   server.connections, cfg.api.drain_s)
-        server.stop()
-        appliance.shutdown(DRAIN_GRACE_S)
+        with server.tcp_ports_held():  # (until the jobs' workers are told: see its docstring)
+            server.stop()
+            appliance.shutdown(DRAIN_GRACE_S)
         _log.info("API and data plane drained in %.1f s; stopping the cores",
                   time.monotonic() - started)
 

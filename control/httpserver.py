@@ -29,7 +29,7 @@ import os
 import queue
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from http import HTTPStatus
 from pathlib import Path
@@ -177,6 +177,19 @@ class HttpServer:
                 server = await asyncio.start_server(accepted, sock=sock,
                                                     backlog=self.limits.backlog)
             self._servers.append(server)
+
+    @contextlib.contextmanager
+    def tcp_ports_held(self) -> Iterator[None]:
+        """Keep the TCP listeners' ports bound and listening (unanswered: the kernel queues
+        connections, up to the backlog) until the block ends, `stop` or not: a worker that
+        tries a connection while the daemon still drains its jobs must not be refused, since
+        a refusal tells it that no reductiond runs here (plugin.silence)."""
+        held = [sock.dup() for sock, _, unix in self._sockets if not unix]
+        try:
+            yield
+        finally:
+            for sock in held:
+                sock.close()
 
     def stop(self) -> None:
         """Stop accepting, close idle connections, give requests in flight up to

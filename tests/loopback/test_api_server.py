@@ -365,6 +365,28 @@ def test_stop_answers_in_flight_closes_idle_and_keeps_its_bound(appliance: _Appl
             sock.close()
 
 
+def test_a_stopped_server_holding_its_ports_is_never_refused_until_it_lets_go(
+        appliance: _Appliance) -> None:
+    """The daemon holds the API's TCP ports while it tells the jobs' workers it stops: a worker
+    that tries a connection meanwhile (plugin.silence) must not take a refusal for a dead
+    reductiond. Connections wait unanswered; once it lets go, they are refused."""
+    server, port = serving(appliance)
+    server.start()
+    with server.tcp_ports_held():
+        server.stop()
+        waiting = connect(port)  # (the kernel's handshake: nothing accepts it)
+        waiting.sendall(post("/v1/jobs", b'{"name": "late", "world_size": 2}'))
+        waiting.settimeout(0.3)
+        with pytest.raises(TimeoutError):  # unanswered while held
+            waiting.recv(1)
+    waiting.settimeout(5)
+    with pytest.raises(ConnectionResetError):  # let go: the queued connection is reset
+        waiting.recv(1)
+    waiting.close()
+    with pytest.raises(ConnectionRefusedError):
+        connect(port)
+
+
 def test_no_daemon_behind_the_socket_is_said_with_what_to_check(tmp_path: Path) -> None:
     """`reductionctl status` with no reductiond (or one on another socket) said only
     "FileNotFoundError: [Errno 2] No such file or directory"."""
