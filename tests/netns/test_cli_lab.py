@@ -74,8 +74,8 @@ def test_lab_roce_runs_a_command_where_soft_roce_devices_are_active(tmp_path: Pa
         pytest.skip(f"no soft-RoCE lab on this machine: {lab}")
     done = subprocess.run(
         [sys.executable, "-m", "reduction_appliance.control.cli", "lab", "roce", "--rxe", "2",
-         "--timeout", "300", "--", "rdma", "link"],
-        cwd=_ROOT, capture_output=True, text=True, timeout=400, check=False)
+         "--timeout", "600", "--", "rdma", "link"],
+        cwd=_ROOT, capture_output=True, text=True, timeout=700, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("state ACTIVE") == 2, done.stdout
     assert "rxe1/1" in done.stdout and "rxe2/1" in done.stdout
