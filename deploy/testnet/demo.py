@@ -74,11 +74,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             "size": cases[0]["size"], "dtype": cases[0]["dtype"], "time_s": t,
             "algbw_gbps": cases[0]["size"] / t / 1e9, "ok": all(c["ok"] for c in cases),
             "retransmissions": sum(c["retransmissions"] for c in cases),
+            "segments": sum(c["segments"] for c in cases),
         })
-    print(f"\n{'size':>10} {'dtype':>9} {'time':>10} {'algbw':>11} {'retx':>6}  check")
+    # retx: segments the ranks sent again (warm-up calls included), and their share of all
+    print(f"\n{'size':>10} {'dtype':>9} {'time':>10} {'algbw':>11} {'retx':>13}  check")
     for r in rows:
+        share = r["retransmissions"] / max(1, r["segments"])
         print(f"{format_size(r['size']):>10} {r['dtype']:>9} {r['time_s'] * 1e3:8.2f}ms "
-              f"{r['algbw_gbps']:7.3f}GB/s {r['retransmissions']:>6}  "
+              f"{r['algbw_gbps']:7.3f}GB/s {r['retransmissions']:>6} ({share:5.1%})  "
               f"{'exact' if r['ok'] else 'WRONG'}")
     reduced = counters.get("bytes_reduced", 0)
     out = counters.get("bytes_out", 0)

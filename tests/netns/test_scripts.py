@@ -3,6 +3,7 @@ and reduce real tensors exactly (it once named a module that had moved, and noth
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -23,3 +24,6 @@ def test_scripts_main_reduces_real_tensors_exactly() -> None:
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "all 4 cases exact against the numpy reference" in run.stdout, run.stdout[-2000:]
+    # each case's row: its retransmissions and their share of the segments sent
+    rows = re.findall(r"GB/s +\d+ \( *\d+\.\d%\)  exact$", run.stdout, re.MULTILINE)
+    assert len(rows) == 4, run.stdout[-2000:]
