@@ -28,6 +28,7 @@ from reduction_appliance.deploy.testnet import (
 )
 from reduction_appliance.deploy.testnet.harness import remove_orphaned_loopback_namespaces
 from reduction_appliance.deploy.testnet.shaping import egress_ruleset
+from tests.signals import as_from_a_terminal
 from tests.waiting import wait_until
 
 MakeLab = Callable[[Topology], Lab]
@@ -520,8 +521,9 @@ with LabNetwork.rack(1) as net, start_appliance(net, cores=1) as appliance:
 def test_a_run_stopped_by_sigterm_or_sighup_tears_its_rack_and_daemon_down(signum: int) -> None:
     """`reductionctl bench` stopped with SIGTERM (`timeout`, a cancelled CI job) or SIGHUP (a
     closed terminal) left its rack's namespaces, and a reductiond running inside them."""
-    run = subprocess.Popen([PY, "-c", TERMINATED_RUN], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with as_from_a_terminal():  # the run's dispositions: not those this suite inherited
+        run = subprocess.Popen([PY, "-c", TERMINATED_RUN], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert run.stdout is not None
     line = run.stdout.readline().split()
     assert len(line) == 2, run.communicate(timeout=60)[1]

@@ -19,6 +19,7 @@ from reduction_appliance.bench.targets import GROUPS, Step, judge, plan_steps, r
 from reduction_appliance.bench.verdicts import Rule, Unit, Verdict, markdown_table
 from reduction_appliance.deploy.testnet.unwind import unwinding_on_termination
 from tests.refusals import refusal
+from tests.signals import as_from_a_terminal
 from tests.waiting import wait_until
 
 MIB = 1 << 20
@@ -293,7 +294,7 @@ def test_every_group_is_planned() -> None:
 
 # A step that takes its time to tear down when stopped (the sleep is that teardown's work).
 TEARS_DOWN = """
-import pathlib, signal, sys, time
+import os, pathlib, signal, sys, time
 done = pathlib.Path(sys.argv[1])
 def stop(signum, frame):
     time.sleep(0.5)  # the workload: a teardown longer than subprocess.run's 0.25 s grace
@@ -301,7 +302,7 @@ def stop(signum, frame):
     sys.exit(1)
 signal.signal(signal.SIGTERM, stop)
 signal.signal(signal.SIGINT, stop)
-(done.parent / "ready").touch()
+(done.parent / "ready").write_text(str(os.getpid()))
 while True:
     signal.pause()
 """
@@ -320,14 +321,22 @@ def test_a_stopped_run_gives_its_step_the_signal_and_time_to_tear_down(
         signum: int, tmp_path: Path) -> None:
     """subprocess.run killed the step 0.25 s after Ctrl-C, with its rack still up; a SIGTERM
     left it running alone. (A SIGINT that reached only this process is passed on.)"""
-    done = tmp_path / "done"
+    done, ready = tmp_path / "done", tmp_path / "ready"
     step = ScriptStep("s", "g", "m", (str(done),), script=TEARS_DOWN)
 
     def stop_when_ready() -> None:
-        wait_until((tmp_path / "ready").exists, 30, what="the step to start")
+        step_pid = int(wait_until(lambda: ready.exists() and ready.read_text(), 30,
+                                  what="the step to start"))
         os.kill(os.getpid(), signum)
+        try:
+            wait_until(done.exists, 60, what="the step's teardown")
+        except TimeoutError:
+            # Never a hang: a signal this process dropped leaves the step paused (not yet
+            # reaped: its pid is its own) and `_run_process` waiting; killed, the step ends
+            # that wait and the test fails.
+            os.kill(step_pid, signal.SIGKILL)
 
     threading.Thread(target=stop_when_ready, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt), unwinding_on_termination():
+    with as_from_a_terminal(), pytest.raises(KeyboardInterrupt), unwinding_on_termination():
         targets._run_process(step)
     assert done.read_text() == signal.Signals(signum).name

@@ -10,24 +10,37 @@ from types import FrameType
 import pytest
 
 from reduction_appliance.deploy.testnet.unwind import Terminated, unwinding_on_termination
+from tests.signals import as_from_a_terminal
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_a_termination_inside_the_block_raises_and_a_second_one_cannot_cut_the_unwinding_short(
         signum: int) -> None:
     unwound = []
-    with pytest.raises(Terminated) as stopped, unwinding_on_termination():
-        try:
-            os.kill(os.getpid(), signum)  # (delivered at the next bytecode, in this thread)
-            pytest.fail("the signal did not stop the block")
-        finally:
-            os.kill(os.getpid(), signal.SIGTERM)  # while tearing down: ignored
-            os.kill(os.getpid(), signal.SIGHUP)
-            unwound.append(True)
-    assert unwound == [True] and stopped.value.signum == signum
-    assert isinstance(stopped.value, KeyboardInterrupt)  # the commands' "interrupted" path
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    with as_from_a_terminal():
+        with pytest.raises(Terminated) as stopped, unwinding_on_termination():
+            try:
+                os.kill(os.getpid(), signum)  # (delivered at the next bytecode, in this thread)
+                pytest.fail("the signal did not stop the block")
+            finally:
+                os.kill(os.getpid(), signal.SIGTERM)  # while tearing down: ignored
+                os.kill(os.getpid(), signal.SIGHUP)
+                unwound.append(True)
+        assert unwound == [True] and stopped.value.signum == signum
+        assert isinstance(stopped.value, KeyboardInterrupt)  # the commands' "interrupted" path
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+
+
+def test_a_signal_the_process_was_started_ignoring_stays_ignored() -> None:
+    """Under `nohup` SIGHUP is ignored from the start: a run must outlive its terminal then."""
+    with as_from_a_terminal():
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        with unwinding_on_termination():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGHUP)  # nothing happens
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
 
 
 def test_a_programs_own_handler_is_left_alone_and_nesting_restores_once() -> None:
