@@ -42,6 +42,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from reduction_appliance.control.counter_metrics import CORE_COUNTERS, CORE_GAUGES
 from reduction_appliance.control.snapshot import ApplianceSnapshot, CoreSnapshot, JobSnapshot
+from reduction_appliance.dataplane.counters import Counter
 
 __all__ = ["CONTENT_TYPE", "CORE_COUNTERS", "CORE_GAUGES", "SnapshotCollector", "render"]
 
@@ -51,6 +52,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 PREFIX = "reduction_"
 DROP_PREFIX = "drop_"
 """Every core counter named `drop_<reason>` becomes a sample of `reduction_core_drops_total`."""
+DROP_REASONS = tuple(c.name.lower().removeprefix(DROP_PREFIX) for c in Counter
+                     if c.name.lower().startswith(DROP_PREFIX))
 
 CORE_LABELS = ["core"]
 JOB_LABELS = ["job_id", "name"]
@@ -163,9 +166,8 @@ def _core_families(cores: tuple[CoreSnapshot, ...]) -> Iterator[Metric]:
     }
     drops = CounterMetricFamily(
         PREFIX + "core_drops",
-        "Datagrams dropped and counted instead of processed, by reason (malformed, unknown_job, "
-        "bad_cookie, bad_rank, bad_slot, bad_length, mismatch, stale, slot_busy, no_buffer, "
-        "truncated); moves each time the core discards a datagram.",
+        "Datagrams dropped and counted instead of processed, by reason "
+        f"({', '.join(DROP_REASONS)}); moves each time the core discards a datagram.",
         labels=[*CORE_LABELS, "reason"],
     )
     for core in cores:

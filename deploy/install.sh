@@ -103,6 +103,7 @@ else
     run "$opt/.venv/bin/pip" install --upgrade --quiet "$repo[torch]"
 fi
 run install -D -m 0644 "$repo/deploy/host-tuning.md" "$opt/host-tuning.md"
+run install -D -m 0644 "$repo/deploy/prometheus/alerts.yml" "$opt/prometheus/alerts.yml"
 
 # 3. Configuration: the annotated reference, only when the operator has none yet.
 run install -d -m 0750 $(owner_args) "$etc"
@@ -180,6 +181,8 @@ Next steps:
   3. Tune the host (isolated CPUs, NIC IRQs, MTU 9000, switch IGMP): $opt/host-tuning.md
   4. Start it:  systemctl enable --now reductiond   and watch:  journalctl -u reductiond -f
   5. Workers need the token in $etc/token to register jobs (api.token_file).
+  6. Prometheus: scrape http://<api.listen>/metrics as job "reductiond" (bearer token above)
+     and load the alerting rules $opt/prometheus/alerts.yml (README, "Alerts").
 EOF
 $dry_run && say "dry run: nothing was changed"
 exit 0

@@ -105,6 +105,8 @@ def test_install_into_a_prefix_is_idempotent(tmp_path: Path) -> None:
     assert unit_file.read_text() == UNIT.read_text()
     sysctl = (root / "etc" / "sysctl.d" / "60-reduction-appliance.conf").read_text()
     assert "net.core.wmem_max = 67108864" in sysctl and "igmp_max_memberships" in sysctl
+    alerts = root / "opt" / "reduction-appliance" / "prometheus" / "alerts.yml"
+    assert alerts.read_text() == (DEPLOY / "prometheus" / "alerts.yml").read_text()
 
     (etc / "appliance.toml").write_text("# the operator's own\n")
     again = install("--prefix", str(root), "--skip-venv").stdout
