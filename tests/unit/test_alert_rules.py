@@ -11,7 +11,7 @@ import pytest
 
 from reduction_appliance.dataplane.counters import Counter
 from reduction_appliance.dataplane.spec import CoreState
-from tests.promtool import promtool
+from tests.prometheus_tools import prometheus_tool
 from tests.unit.test_metrics import samples
 
 RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yml"
@@ -38,7 +38,7 @@ def test_the_label_values_the_rules_compare_with_exist() -> None:
 
 @pytest.fixture(scope="module")
 def promtool_binary() -> Path:
-    binary, why = promtool()
+    binary, why = prometheus_tool("promtool")
     if binary is None:
         pytest.skip(f"this machine lacks promtool: {why}")
     return binary
