@@ -71,23 +71,24 @@ class Prometheus:
 
 @contextlib.contextmanager
 def _prometheus(binary: Path, tmp: Path, api: str) -> Iterator[Prometheus]:
-    (tmp / "token").write_text(TOKEN)
+    (tmp / "scrape-token").write_text(TOKEN)  # as an operator hands Prometheus the API's token
     config = {  # JSON is YAML
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(RULES)],
         "scrape_configs": [{
             "job_name": "reductiond",
-            "authorization": {"credentials_file": str(tmp / "token")},
+            "authorization": {"credentials_file": str(tmp / "scrape-token")},
             "static_configs": [{"targets": [api]}],
         }],
     }
     (tmp / "prometheus.yml").write_text(json.dumps(config))
     port = _free_tcp_port()
-    with subprocess.Popen(
+    # its log to a file: a pipe nobody reads could fill and stall it
+    with open(tmp / "prometheus.log", "w") as log, subprocess.Popen(
             [str(binary), f"--config.file={tmp / 'prometheus.yml'}",
              f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
              "--log.level=warn"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as server:
+            stdout=subprocess.DEVNULL, stderr=log) as server:
         try:
             yield Prometheus(f"http://127.0.0.1:{port}")
         finally:
