@@ -11,14 +11,12 @@ import contextlib
 import json
 import socket
 import subprocess
-import threading
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from reduction_appliance.client import ApplianceClient, register
@@ -26,6 +24,7 @@ from reduction_appliance.deploy.testnet.harness import local_daemon
 from tests.prometheus_tools import prometheus_tool
 from tests.waiting import wait_until
 
+from .ranks import allreduce_once_on_every_rank
 from .test_eviction import _free_udp_ports
 
 pytestmark = pytest.mark.slow  # a daemon and a Prometheus server: seconds
@@ -124,14 +123,7 @@ def test_prometheus_scrapes_the_appliance_and_evaluates_every_rule(
         clients = [ApplianceClient([info], rank, local_address="127.0.0.1")
                    for rank in (0, 1)]
         try:
-            arrays = [np.full(300_000, rank + 1.0, np.float32) for rank in (0, 1)]
-            threads = [threading.Thread(target=clients[r].allreduce, args=(arrays[r],))
-                       for r in (0, 1)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(60)
-            assert all(np.array_equal(x, np.full(300_000, 3.0, np.float32)) for x in arrays)
+            allreduce_once_on_every_rank(clients, 300_000, 60)
             with _prometheus(prometheus_binary, tmp_path, daemon.api) as prom:
                 wait_until(lambda: _answers(prom), 60, what="Prometheus to answer")
                 wait_until(lambda: prom.targets_up() == ["up"], 30,

@@ -22,6 +22,7 @@ from reduction_appliance.dataplane.errors import ApplianceEnded, JobAborted, Red
 from reduction_appliance.deploy.testnet.harness import local_daemon
 from tests.waiting import wait_until
 
+from .ranks import allreduce_once_on_every_rank
 from .test_eviction import _free_udp_ports
 
 pytestmark = pytest.mark.slow  # two daemons, one after the other: seconds
@@ -100,14 +101,7 @@ def test_workers_of_a_job_lost_in_an_appliance_restart_are_told_at_their_next_ca
     with local_daemon(cfg) as first:
         info = register(first.api, "restarted", world_size=2, secret="secret-of-the-test")
         clients = [ApplianceClient([info], rank, local_address="127.0.0.1") for rank in (0, 1)]
-        arrays = [np.full(20000, rank + 1.0, np.float32) for rank in (0, 1)]
-        threads = [threading.Thread(target=clients[r].allreduce, args=(arrays[r],))
-                   for r in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(LIVENESS_S / 2)
-        assert all(np.array_equal(x, np.full(20000, 3.0, np.float32)) for x in arrays)
+        allreduce_once_on_every_rank(clients, 20000, LIVENESS_S / 2)
         os.killpg(first.process.pid, signal.SIGKILL)
         first.process.wait()
     try:
