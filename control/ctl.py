@@ -11,7 +11,6 @@ import argparse
 import json
 import socket
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,9 @@ from reduction_appliance.dataplane.units import format_size
 
 from .apiclient import ApiError, UnixApi
 from .config import ApiConfig, load
+from .jobtext import job_lines, render_job
 
-__all__ = ["LOSSY_SHARE", "add_commands", "held_windows", "losses"]
+__all__ = ["add_commands", "render_status"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -33,75 +33,7 @@ def _api(args: argparse.Namespace) -> UnixApi:
     return UnixApi(path)
 
 
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "never"
-    if seconds < 120:  # (a moment ago can round to -0.0 on the daemon's side)
-        return f"{max(seconds, 0.0):.1f}s ago"
-    return f"{seconds / 60:.0f}m ago"
-
-
 _NAME_MAX = 40  # the widest name column; longer names keep their start and end
-_ENDED = ("ended: its host says nothing listens there any more (killed, crashed or exited "
-          "without leaving)")
-
-
-def _fit(name: str, width: int) -> str:
-    if len(name) <= width:
-        return name
-    head = (width - 1) // 2
-    return f"{name[:head]}~{name[len(name) - (width - 1 - head):]}"
-
-
-# A rank losing at least this share of its contributions or results is named in the status.
-# A clean cable loses next to none (on the emulated rack, the clean ranks beside a bad cable
-# counted none: the workers' other repairs are queries after late or unread results, which
-# neither counts); a bad one stands far above it.
-LOSSY_SHARE = 0.01
-
-
-def losses(job: dict[str, Any]) -> list[tuple[int, int, int, float | None]]:
-    """Per rank with any loss, most first: (rank, its contributions that never came, results
-    it lost on their way, the larger of the two as a share of the job's segments; None before
-    any segment completed). Each rank sends one contribution to every segment and gets its
-    result, so the segments are both counts' denominator."""
-    missed = {int(r): n for r, n in job.get("contributions_missed", {}).items()}
-    lost = {int(r): n for r, n in job.get("results_lost", {}).items()}
-    segments = job.get("segments_reduced", 0)
-    rows = [(r, missed.get(r, 0), lost.get(r, 0),
-             max(missed.get(r, 0), lost.get(r, 0)) / segments if segments else None)
-            for r in missed.keys() | lost.keys()]
-    return sorted(rows, key=lambda row: (-max(row[1], row[2]), row[0]))
-
-
-def shared_hosts(job: dict[str, Any]) -> list[tuple[str, list[int]]]:
-    """The addresses that several of a job's ranks joined from, with those ranks, where the
-    job spans two addresses or more: each such rank sends its whole tensor through its host's
-    one link (a torch group reduces on the host first unless told not to; numpy clients do
-    not). A job whose ranks are all at one address has no link between them to spare."""
-    by_host: dict[str, list[int]] = {}
-    for rank, endpoint in job.get("endpoints", {}).items():
-        by_host.setdefault(str(endpoint).rsplit(":", 1)[0], []).append(int(rank))
-    if len(by_host) < 2:
-        return []
-    return sorted(((host, sorted(ranks)) for host, ranks in by_host.items() if len(ranks) > 1),
-                  key=lambda shared: shared[1][0])
-
-
-def held_windows(job: dict[str, Any]) -> list[tuple[int, list[int]]]:
-    """The windows that joined ranks' hosts hold them to (their receive buffers are capped:
-    plugin/hostchecks.py), each with the ranks held there, the smallest first."""
-    by_window: dict[int, list[int]] = {}
-    for rank, window in job.get("windows_held", {}).items():
-        by_window.setdefault(int(window), []).append(int(rank))
-    return sorted((w, sorted(ranks)) for w, ranks in by_window.items())
-
-
-def _loss_words(missed: int, lost: int, share_of: int) -> str:
-    def share(n: int) -> str:
-        return f" ({n / share_of:.1%})" if share_of else ""
-    return (f"{missed} contribution{'s' * (missed != 1)} never came{share(missed)}, "
-            f"{lost} result{'s' * (lost != 1)} lost on the way to it{share(lost)}")
 
 
 def render_status(s: dict[str, Any]) -> str:
@@ -137,48 +69,7 @@ def render_status(s: dict[str, Any]) -> str:
                      f"{'epoch':>5} {'rounds':>7} {'reduced':>10} {'last activity':>14}  "
                      "lagging ranks")
         for j in s["jobs"]:
-            lagging = ", ".join(f"{r} ({w:.1f}s)" for r, w in j["lagging"].items()) or "-"
-            lines.append(
-                f"{j['job_id']:>4} {_fit(j['name'], wide):<{wide}} {j['state']:<8} "
-                f"{j['world_size']:>5} "
-                f"{len(j['joined']):>6} {j.get('epoch', 1):>5} {j['rounds']:>7} "
-                f"{format_size(j['bytes_reduced']):>10} "
-                f"{_age(j['last_activity_s']):>14}  {lagging}"
-                + ("  [roce]" if j.get("transport") == "roce" else ""))
-            lines.extend(f"     ! {d}" for d in j.get("disruptions", []))
-            if j.get("diverged"):
-                lines.append(f"     ! {j['diverged']}")
-            for rank, source in j.get("seen_elsewhere", {}).items():
-                lines.append(f"     ! rank {rank} ({_joined_from(j, rank)}): its datagrams came "
-                             f"from {source} (a NAT between it and the appliance?), dropped")
-            for rank, missed, lost, share in losses(j):
-                if share is not None and share >= LOSSY_SHARE:
-                    lines.append(f"     ! rank {rank} ({_joined_from(j, rank)}) loses datagrams: "
-                                 + _loss_words(missed, lost, j["segments_reduced"]))
-            for host, ranks in shared_hosts(j):
-                lines.append(f"     ! ranks {','.join(map(str, ranks))} share {host}: each sends "
-                             "its whole tensor through that host's link (torch groups reduce "
-                             "on the host first unless REDUCTION_HIERARCHY=flat or "
-                             "deterministic)")
-            for window, ranks in held_windows(j):
-                who = (f"rank {ranks[0]} holds its windows" if len(ranks) == 1 else
-                       f"ranks {','.join(map(str, ranks))} hold their windows")
-                lines.append(f"     ! {who} to {window} of {j['slots_per_core']} slots a core: "
-                             f"{'its host caps' if len(ranks) == 1 else 'their hosts cap'} UDP "
-                             "receive buffers (net.core.rmem_max, workers not root). There: "
-                             "sysctl -w net.core.rmem_max=67108864 net.core.wmem_max=67108864")
-            ended = set(j.get("ended", ()))
-            for rank, silent_s in j.get("silent", {}).items():
-                where = _joined_from(j, rank)
-                if int(rank) in ended:
-                    lines.append(f"     ! rank {rank} ({where}) silent for {silent_s:.1f} s, "
-                                 f"{_ENDED}")
-                elif int(rank) in j["joined"]:
-                    lines.append(f"     ! rank {rank} ({where}) silent for {silent_s:.1f} s")
-                else:  # it left; a round the others are in waits for it
-                    lines.append(f"     ! rank {rank} ({where}) left {silent_s:.1f} s ago")
-            for rank in sorted(ended - {int(r) for r in j.get("silent", {})}):
-                lines.append(f"     ! rank {rank} ({_joined_from(j, rank)}) {_ENDED}")
+            lines.extend(job_lines(j, wide))
     evicted = {cause: n for cause, n in s.get("jobs_evicted", {}).items() if n}
     if evicted:
         lines.append("jobs evicted since start: " + ", ".join(
@@ -243,46 +134,6 @@ def jobs(args: argparse.Namespace) -> int:
         text = render_status(snapshot).split("\n\n")
         print(text[2] if len(text) > 2 else "jobs: none")
     return EXIT_OK
-
-
-def _joined_from(job: dict[str, Any], rank: Any) -> Any:
-    """Where `rank` of a status entry joined from (its keys are strings in JSON)."""
-    endpoints = job.get("endpoints", {})
-    return endpoints.get(str(rank)) or endpoints.get(rank)
-
-
-def render_job(job: dict[str, Any], live: dict[str, Any]) -> str:
-    """One job for `reductionctl jobs ID`: its registration (`job`, GET /v1/jobs/ID) and what
-    the cores saw of it (`live`, its entry in /v1/status; empty if none)."""
-    def ranks(table: dict[str, Any], fmt: Callable[[Any], str]) -> str:
-        return ", ".join(f"{r}: {fmt(v)}" for r, v in sorted(
-            table.items(), key=lambda kv: int(kv[0]))) or "-"
-
-    mc = job.get("multicast")
-    rows = [
-        ("job", f"{job.get('job_id')} {job.get('name')} ({job.get('state')}, epoch "
-                f"{live.get('epoch', job.get('epoch', 1))})"),
-        ("ranks", f"{len(job.get('joined', []))} of {job.get('world_size')} joined "
-                  f"{job.get('joined', [])}" + (", deterministic" if job.get("deterministic")
-                                                else "")),
-        ("cores", ", ".join(f"{c['host']}:{c['port']} ({c['slots']} slots)"
-                            for c in job.get("endpoints", [])) or "-"),
-        ("segments", f"{job.get('segment_bytes')} bytes, results "
-                     + (f"multicast to {mc['group']}:{mc['port']}" if mc else "by unicast")),
-        ("reduced", f"{live.get('rounds', 0)} rounds, "
-                    f"{format_size(live.get('bytes_reduced', 0))}, last "
-                    f"{_age(live.get('last_activity_s'))}"),
-        ("joined from", ranks(live.get("endpoints", {}), str)),
-        ("last heard", ranks(live.get("heard_s", {}), lambda s: f"{s:.1f}s ago")),
-        ("waited for", ranks(live.get("lagging", {}), lambda s: f"{s:.1f}s")),
-        ("lost", "; ".join(f"rank {rank}: " + _loss_words(missed, lost,
-                                                          live.get("segments_reduced", 0))
-                           for rank, missed, lost, _ in losses(live)) or "-"),
-    ]
-    rows += [("! elsewhere", ranks(live["seen_elsewhere"], str))] \
-        if live.get("seen_elsewhere") else []
-    rows += [("! diverged", str(live["diverged"]))] if live.get("diverged") else []
-    return "\n".join(f"{key:>12}: {value}" for key, value in rows)
 
 
 def abort(args: argparse.Namespace) -> int:

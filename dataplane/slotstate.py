@@ -20,10 +20,10 @@ from numpy.typing import NDArray
 from .reduce import SegmentKernel
 from .slots import RxPool
 from .spec import Address, JobSpec, JobStats
-from .wire import HEADER_SIZE, DType, Header, Op, SilentRank, beat_interval
+from .wire import HEADER_SIZE, SILENT_RECORDS, DType, Header, Op, SilentRank, beat_interval
 
 __all__ = ["COPY_TRANSITIONS", "OVERDUE_BEATS", "CopyState", "Event", "JobState", "Slot",
-           "SlotCopy", "move"]
+           "SlotCopy", "TimedOutRanks", "move"]
 
 # A rank's heartbeats are overdue this many intervals after its last (dataplane.reach): a lease
 # thread late by half an interval (a busy host, the GIL) is common, and costs one REACH.
@@ -150,7 +150,8 @@ class JobState:
     __slots__ = ("all_ranks", "arena_first", "arena_slots", "beats", "bytes_reduced", "closed",
                  "diverged", "elsewhere", "fence", "fence_heard", "held", "last_activity",
                  "last_beat", "last_data", "last_seen", "lost_to", "missed_from", "next_sequence",
-                 "reached", "rounds", "segments_reduced", "serial", "slots", "spec")
+                 "reached", "rounds", "segments_reduced", "serial", "slots", "spec", "timed_out",
+                 "told")
 
     def __init__(self, spec: JobSpec, arena_slots: list[int], slots: list[Slot],
                  now: float) -> None:
@@ -193,6 +194,10 @@ class JobState:
         # and rank -> when this core last sent it a REACH
         self.closed: dict[int, tuple[Address, float]] = {}
         self.reached: dict[int, float] = {}
+        self.timed_out = TimedOutRanks()
+        # the latest LIVENESS that named ranks: (spec, last words, ranks ended, when, how many
+        # silent, the records), answered again for a moment (`liveness`)
+        self.told: tuple[JobSpec, list[float], int, float, int, list[SilentRank]] | None = None
 
     def release_held(self, copy: SlotCopy, pool: RxPool) -> None:
         """Give the receive buffers `copy` holds (deterministic mode) back to `pool`."""
@@ -240,9 +245,11 @@ class JobState:
             if copy.state is not CopyState.FILLING:
                 continue
             missing = self.all_ranks & ~copy.arrived
-            for rank in range(self.spec.world_size):
-                if missing >> rank & 1:
-                    waiting[rank] = min(waiting.get(rank, copy.started), copy.started)
+            while missing:  # its set bits alone: a slot of a big job waits for few ranks
+                low = missing & -missing
+                rank = low.bit_length() - 1
+                missing ^= low
+                waiting[rank] = min(waiting.get(rank, copy.started), copy.started)
         return waiting
 
     def silent(self, now: float, awaited: dict[int, float] | None = None) -> list[SilentRank]:
@@ -254,16 +261,35 @@ class JobState:
         joined yet is not one of them (workers start at different times): its peers wait for
         it until their deadline, and the timeout then names it as missing. `awaited`:
         `awaited()`, where the caller has it."""
-        limit = self.spec.liveness_timeout
-        endpoints = self.spec.endpoints
-        departed = self.spec.departed
+        spec = self.spec
+        endpoints, departed, last_seen = spec.endpoints, spec.departed, self.last_seen
+        timed_out = self.timed_out.ranks(spec, last_seen, now)
         closed = self.closed_ranks(now) if self.closed else frozenset()
         gone = (departed | closed) & (self.awaited() if awaited is None else awaited).keys() \
             if departed or closed else frozenset()
-        return [SilentRank(rank, endpoints[rank], now - seen, rank in departed,
+        return [SilentRank(rank, endpoints[rank], now - last_seen[rank], rank in departed,
                            rank in closed and rank not in departed)
-                for rank, seen in enumerate(self.last_seen)
-                if endpoints[rank] is not None and (now - seen > limit or rank in gone)]
+                for rank in sorted(gone.union(timed_out) if gone else timed_out)
+                if endpoints[rank] is not None]
+
+    def liveness(self, now: float) -> tuple[int, list[SilentRank]]:
+        """A HEARTBEAT's answer: how many ranks are silent, and the most telling
+        `SILENT_RECORDS` of them (wire.py): ended, then silent, the longest first, then left.
+        With hundreds silent (a rack lost power) each answer cost a walk over them, and the
+        ranks still alive heartbeat twice a second each: an answer naming ranks is given
+        again for a tenth of a heartbeat interval, unless a rank joined, left or ended or an
+        outage rewrote the last words meanwhile (a rank heard since stays named that long)."""
+        told = self.told
+        if (told is not None and told[0] is self.spec and told[1] is self.last_seen
+                and told[2] == len(self.closed)
+                and now - told[3] < beat_interval(self.spec.liveness_timeout) / 10):
+            return told[4], told[5]
+        silent = self.silent(now)
+        named = sorted(silent, key=lambda s: (not s.closed, s.left, -s.silent_s, s.rank))
+        named = named[:SILENT_RECORDS]
+        self.told = (self.spec, self.last_seen, len(self.closed), now, len(silent), named) \
+            if silent else None
+        return len(silent), named
 
     def overdue(self, now: float) -> float:
         """Ranks last heard here before this are overdue (`now` - the job's `OVERDUE_BEATS`
@@ -281,3 +307,43 @@ class JobState:
             rank for rank, (address, when) in self.closed.items()
             if when >= self.last_seen[rank] and self.last_seen[rank] < overdue
             and address in (endpoints[rank], self.elsewhere.get(rank)))
+
+
+class TimedOutRanks:
+    """The bound ranks not heard for the liveness timeout, without a scan of every rank per
+    question. Every HEARTBEAT is answered with them (dataplane.upkeep), and a job of 4096
+    ranks heartbeats 8192 times a second: a scan of its ranks per answer took a core's whole
+    time (benchmarks-journal.md, "A job of a thousand ranks").
+
+    A scan notes the ranks timed out then, and the earliest moment another could time out:
+    the oldest of the others' last words plus the timeout (a rank's last word only moves
+    forward). Until then an answer looks again at the noted ranks alone (one heard since
+    drops out); past it, after a rank joined or left (a new spec), or after an outage
+    rewrote the list of last words, it scans again."""
+
+    __slots__ = ("_last_seen", "_ranks", "_spec", "_until", "scans")
+
+    def __init__(self) -> None:
+        self._spec: JobSpec | None = None
+        self._last_seen: list[float] | None = None
+        self._ranks: list[int] = []
+        self._until = float("-inf")
+        self.scans = 0  # (for tests: how often it looked at every rank)
+
+    def ranks(self, spec: JobSpec, last_seen: list[float], now: float) -> list[int]:
+        limit = spec.liveness_timeout
+        if spec is self._spec and last_seen is self._last_seen and now <= self._until:
+            return [rank for rank in self._ranks if now - last_seen[rank] > limit]
+        self.scans += 1
+        endpoints = spec.endpoints
+        ranks, oldest = [], float("inf")
+        for rank, seen in enumerate(last_seen):
+            if endpoints[rank] is None:
+                continue
+            if now - seen > limit:
+                ranks.append(rank)
+            elif seen < oldest:
+                oldest = seen
+        self._spec, self._last_seen, self._ranks, self._until = spec, last_seen, ranks, \
+            oldest + limit
+        return list(ranks)

@@ -79,7 +79,8 @@ def heartbeat(job: JobState, h: Header, source: Address, now: float,
     if h.epoch != epoch:
         cells[Counter.JOB_NOTICES] += 1
         return answer(Kind.RESYNC, h, source, epoch)
-    return answer(Kind.LIVENESS, h, source, epoch, pack_silent(job.silent(now)))
+    silent, named = job.liveness(now)
+    return answer(Kind.LIVENESS, h._replace(slot=silent), source, epoch, pack_silent(named))
 
 
 def path_echo(job: JobState, h: Header, received: int, source: Address, now: float,

@@ -44,7 +44,9 @@ host answered a REACH with ICMP port unreachable: nothing listens at its endpoin
 its process ended without leaving (killed, crashed, or exited).
 
 Its `round` echoes the HEARTBEAT's, so a worker can tell a fresh answer from one that waited in
-its socket.
+its socket. It names at most `SILENT_RECORDS` ranks, the most telling first (ended, then
+silent, longest first, then left); its `slot` counts the silent ranks in all (0 in a LIVENESS
+flagged UNASKED, which names one: `silent_in_all`).
 
 A RESULT's `serial` numbers the results one appliance core sends for a job (mod 256), in the
 order it sends them; a QUERY flagged SERIAL carries the newest serial its sender has from that
@@ -98,6 +100,7 @@ __all__ = [
     "SILENT",
     "SILENT_CLOSED",
     "SILENT_LEFT",
+    "SILENT_RECORDS",
     "VERSION",
     "WRAP",
     "DType",
@@ -116,6 +119,7 @@ __all__ = [
     "peek_round",
     "peek_slot",
     "serial_newer",
+    "silent_in_all",
     "unpack",
     "unpack_silent",
 ]
@@ -140,6 +144,13 @@ assert HEADER_SIZE == 48
 SILENT = struct.Struct("!HH4sI")
 SILENT_LEFT = 0x8000  # in a SILENT record's rank field (ranks are below 4096)
 SILENT_CLOSED = 0x4000  # ... its endpoint's port is closed (dataplane.reach)
+# A LIVENESS names at most this many ranks (its `slot` says how many are silent in all): 1276
+# bytes on the wire, whole on any IPv4 path of MTU 1280 or more and in a RoCE SEND
+# (verbs.SEND_BYTES). A rack that lost power silences hundreds of ranks at once; every
+# record of them made an answer that a RoCE SEND could not carry and a 1500-byte path
+# fragmented, and a worker needs only the first to fail with the right error.
+SILENT_RECORDS = 100
+assert HEADER_SIZE + SILENT_RECORDS * SILENT.size + IP_UDP_HEADERS <= 1280
 
 
 class Kind(IntEnum):
@@ -359,6 +370,11 @@ def pack_silent(ranks: list[SilentRank]) -> bytes:
         out += SILENT.pack(r.rank | flags, port, socket.inet_aton(host),
                            min(int(r.silent_s * 1000), 2**32 - 1))
     return bytes(out)
+
+
+def silent_in_all(h: Header, named: list[SilentRank]) -> int:
+    """How many ranks a LIVENESS with header `h` says are silent, `named` being its records."""
+    return max(h.slot, len(named))
 
 
 def unpack_silent(payload: bytes | memoryview) -> list[SilentRank]:

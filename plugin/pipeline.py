@@ -51,6 +51,7 @@ from reduction_appliance.dataplane.wire import (
     Op,
     SilentRank,
     peek_round,
+    silent_in_all,
 )
 
 from .congestion import Congestion, CongestionWindow
@@ -344,7 +345,8 @@ class RoundPipeline:
             if not unasked:  # (an unasked word names ranks, and lifts nothing)
                 self._silent_ranks.pop(appliance, None)
             return
-        verdict = rank_verdict(dead, h.job_id, self.liveness_timeout)
+        verdict = rank_verdict(dead, h.job_id, self.liveness_timeout,
+                               unnamed=silent_in_all(h, silent) - len(silent))
         self._silent_ranks[appliance] = verdict
         for rnd in list(self._active.values()):
             self._finish(rnd, verdict)

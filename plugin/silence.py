@@ -37,6 +37,7 @@ from reduction_appliance.dataplane.errors import (
     JobAborted,
     ReductionError,
 )
+from reduction_appliance.dataplane.units import format_ranks
 from reduction_appliance.dataplane.wire import Header
 
 from . import rendezvous
@@ -129,12 +130,13 @@ class Diagnosis:
         joined = job.get("joined") if job is not None else None
         if not isinstance(joined, list):
             return ""
-        missing = [r for r in range(info.world_size) if r not in joined]
+        seen = set(joined)
+        missing = [r for r in range(info.world_size) if r not in seen]
         if not missing:
             return ""
         created = job.get("created_s") if job is not None else None
         ago = f", registered {created:.0f} s ago" if isinstance(created, (int, float)) else ""
-        listed = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
+        listed = format_ranks(missing, 16)
         ranks = f"rank {listed} has" if len(missing) == 1 else f"ranks {listed} have"
         return (f"The appliance at {info.appliance} says {ranks} not joined job "
                 f"{info.job_id} ('{info.name}'){ago}: the worker never started there, or "

@@ -11,11 +11,13 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from reduction_appliance.dataplane.errors import RankEnded, RankLeft, RankSilent
+from reduction_appliance.dataplane.units import format_ranks
 from reduction_appliance.dataplane.wire import SilentRank
 
 __all__ = ["CoreStall", "rank_verdict", "stall_report", "stalled_cores"]
 
 _RANKS_SHOWN = 16  # a rack's worth; beyond it the list would bury the rest of the message
+_NAMED = 8  # silent ranks named with their endpoints; the rest by number
 
 
 class CoreStall(NamedTuple):
@@ -62,16 +64,26 @@ def stall_report(what: str, deadline_s: float, elapsed_s: float, remaining: int,
 
 
 def _ranks(ranks: Sequence[int]) -> str:
-    shown = ", ".join(str(r) for r in ranks[:_RANKS_SHOWN])
-    return f"[{shown}{', ...' if len(ranks) > _RANKS_SHOWN else ''}]"
+    return f"[{format_ranks(ranks, _RANKS_SHOWN)}]"
 
 
-def rank_verdict(dead: list[SilentRank], job_id: int, liveness_timeout: float) -> RankSilent:
+def rank_verdict(dead: list[SilentRank], job_id: int, liveness_timeout: float,
+                 unnamed: int = 0) -> RankSilent:
     """What a LIVENESS answer naming `dead` means for this rank's rounds. A rank that left (its
-    worker said so) is not a crash: its peers made more all_reduce calls than it did."""
+    worker said so) is not a crash: its peers made more all_reduce calls than it did.
+    `unnamed`: how many more ranks the appliance counts silent than the answer names
+    (wire.SILENT_RECORDS): it names the most telling first, so the ranks it cut off are like
+    the last it named, or less telling."""
     def named(ranks: list[SilentRank]) -> str:
-        return "; ".join(f"rank {s.rank} ({s.address[0]}:{s.address[1]})" if s.address
-                         else f"rank {s.rank}" for s in ranks)
+        shown = "; ".join(f"rank {s.rank} ({s.address[0]}:{s.address[1]})" if s.address
+                          else f"rank {s.rank}" for s in ranks[:_NAMED])
+        rest = ranks[_NAMED:]
+        cut = unnamed if ranks[-1] is dead[-1] else 0  # (the list the answer was cut in)
+        if not rest and not cut:
+            return shown
+        listed = format_ranks(s.rank for s in rest) + (", ..." if cut else "") \
+            if rest else "not named"
+        return f"{shown}; and {len(rest) + cut} more ({listed})"
 
     ended = [s for s in dead if s.closed]
     if ended:

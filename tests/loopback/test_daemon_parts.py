@@ -17,14 +17,9 @@ from typing import Any
 import pytest
 
 from reduction_appliance.control import daemon
-from reduction_appliance.control.ctl import (
-    held_windows,
-    losses,
-    render_job,
-    render_status,
-    shared_hosts,
-)
+from reduction_appliance.control.ctl import render_status
 from reduction_appliance.control.daemon import Janitor, raise_open_files_limit, sd_notify
+from reduction_appliance.control.jobtext import held_windows, losses, render_job, shared_hosts
 from reduction_appliance.dataplane.errors import Unavailable
 from reduction_appliance.deploy.testnet.harness import OutputTail
 
@@ -237,7 +232,7 @@ def test_status_names_ranks_that_share_a_hosts_link() -> None:
                   "2": "198.18.0.102:4000", "3": "198.18.0.101:4002"})
     named = [line for line in render_status(snapshot | {"jobs": [packed]}).splitlines()
              if " share " in line]
-    assert named == ["     ! ranks 0,1,3 share 198.18.0.101: each sends its whole tensor "
+    assert named == ["     ! ranks 0, 1, 3 share 198.18.0.101: each sends its whole tensor "
                      "through that host's link (torch groups reduce on the host first unless "
                      "REDUCTION_HIERARCHY=flat or deterministic)"]
     assert shared_hosts(packed) == [("198.18.0.101", [0, 1, 3])]
@@ -263,7 +258,7 @@ def test_status_names_ranks_whose_hosts_hold_their_windows() -> None:
         "     ! rank 2 holds its windows to 9 of 32 slots a core: its host caps UDP receive "
         "buffers (net.core.rmem_max, workers not root). There: sysctl -w net.core.rmem_max="
         "67108864 net.core.wmem_max=67108864",
-        "     ! ranks 0,3 hold their windows to 21 of 32 slots a core: their hosts cap UDP "
+        "     ! ranks 0, 3 hold their windows to 21 of 32 slots a core: their hosts cap UDP "
         "receive buffers (net.core.rmem_max, workers not root). There: sysctl -w net.core."
         "rmem_max=67108864 net.core.wmem_max=67108864"]
     assert held_windows(job) == [(9, [2]), (21, [0, 3])]

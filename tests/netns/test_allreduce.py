@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from reduction_appliance.control.ctl import losses, render_status
+from reduction_appliance.control.ctl import render_status
+from reduction_appliance.control.jobtext import losses
 from reduction_appliance.deploy.testnet.harness import (
     ApplianceProcess,
     HarnessError,

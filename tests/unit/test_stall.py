@@ -25,7 +25,13 @@ def test_cores_of_the_same_name_are_each_shown() -> None:
 
 
 def test_a_long_rank_list_is_cut_short() -> None:
-    text = stall_report("round", 1.0, 1.0, 1, 1, [CoreStall("core", 1, list(range(40)))])
-    assert "ranks [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, ...]" in text
-    exactly = stall_report("round", 1.0, 1.0, 1, 1, [CoreStall("core", 1, list(range(16)))])
-    assert exactly.endswith("15])")
+    """Runs of ranks as ranges; past 16 runs, how many ranks the rest hold."""
+    text = stall_report("round", 1.0, 1.0, 1, 1, [CoreStall("core", 1, list(range(4000)))])
+    assert text.endswith("ranks [0-3999])")
+    scattered = stall_report("round", 1.0, 1.0, 1, 1,
+                             [CoreStall("core", 1, list(range(0, 80, 2)))])
+    assert scattered.endswith("ranks [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, "
+                              "30, and 24 more])")
+    exactly = stall_report("round", 1.0, 1.0, 1, 1,
+                           [CoreStall("core", 1, list(range(0, 32, 2)))])
+    assert exactly.endswith("28, 30])")

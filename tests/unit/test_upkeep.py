@@ -151,5 +151,6 @@ def test_an_outage_gives_a_fresh_timeout_only_to_the_ranks_it_silenced(
     assert agg.counters[Counter.JOB_OUTAGES] == 1
     named = {k / 2: silent_named(agg, 0, k / 2) for k in range(21, 32)}  # rank 1 never back
     assert named[15.0] == [SilentRank(2, where(2), 15.0)]
-    assert named[15.5] == [SilentRank(1, where(1), 5.5), SilentRank(2, where(2), 15.5)]
+    # the longest silent first (wire.py: a LIVENESS names the most telling first)
+    assert named[15.5] == [SilentRank(2, where(2), 15.5), SilentRank(1, where(1), 5.5)]
     assert agg.counters[Counter.JOB_OUTAGES] == 1
