@@ -15,6 +15,7 @@ import threading
 import numpy as np
 import pytest
 
+from reduction_appliance.bench import heartbeats
 from reduction_appliance.client import ApplianceClient, register
 from reduction_appliance.control.apiclient import UnixApi
 from reduction_appliance.control.ctl import render_status
@@ -75,3 +76,19 @@ def test_a_job_that_lost_most_of_its_ranks_reads_in_a_few_lines() -> None:
         assert len(silent) == 1 and re.fullmatch(
             r" +! 298 ranks silent for [\d.-]+ s: ranks 2-299", silent[0]), lines
         assert len(lines.splitlines()) < 30, lines
+
+
+def test_the_heartbeat_bench_measures_a_core(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench.heartbeats: a row per job size, with the core's CPU per heartbeat; bad sizes are
+    refused before anything starts."""
+    assert heartbeats.main(["--ranks", "8", "--rate", "400", "--seconds", "0.5"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split() == ["ranks", "heartbeats/s", "us", "each", "core", "busy", "at",
+                              "the", "ranks", "own", "rate"]
+    rows = [line.split() for line in out[2:]]
+    assert [row[0] for row in rows] == ["8"]
+    assert all(150 < float(row[1]) <= 420 and float(row[2]) > 0 for row in rows), out
+    for bad in (["--ranks", "0"], ["--ranks", "5000"], ["--ranks", "a,b"], ["--rate", "0"]):
+        with pytest.raises(SystemExit) as stopped:
+            heartbeats.main(bad)
+        assert stopped.value.code == 2

@@ -1,7 +1,8 @@
 """A job of thousands of ranks (world sizes up to 4096 are admitted): what its heartbeats cost a
-core, what a LIVENESS answer naming hundreds of silent ranks carries, and how the worker's
-error and the operator's status read then. benchmarks-journal.md, "A job of a thousand
-ranks", has the measurements behind each."""
+core, what a LIVENESS answer naming hundreds of silent ranks carries (a RoCE core could not
+SEND one naming more than 337: counted unsendable, and its heartbeats went unanswered), and the
+way the worker's error and the operator's status read then. benchmarks-journal.md, "A job of
+a thousand ranks", has the measurements behind each."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from reduction_appliance.dataplane.slots import SlotArena
 from reduction_appliance.dataplane.slotstate import TimedOutRanks
 from reduction_appliance.dataplane.spec import JobSpec
 from reduction_appliance.dataplane.units import format_ranks
+from reduction_appliance.dataplane.verbs import SEND_BYTES
 from reduction_appliance.dataplane.wire import (
     IP_UDP_HEADERS,
     SILENT_RECORDS,
@@ -73,6 +75,7 @@ def test_a_liveness_names_the_most_telling_hundred_and_counts_them_all(
     h = unpack(bytes(answer.header))
     assert h.kind is Kind.LIVENESS
     assert len(answer.header) + len(answer.payload) + IP_UDP_HEADERS <= 1280
+    assert len(answer.header) + len(answer.payload) <= SEND_BYTES  # a RoCE core SENDs it
     named = unpack_silent(bytes(answer.payload))
     assert len(named) == SILENT_RECORDS and silent_in_all(h, named) == 999
     assert named[0] == SilentRank(500, where(500), 10.0, closed=True)
