@@ -15,7 +15,9 @@ Families (all prefixed `reduction_`):
 - per job, labelled `job_id, name`: `job_info{multicast_group, deterministic, transport}`,
   `job_state{state}`, rounds/bytes/segments counters, world size, joined ranks, age, seconds since
   the last accepted contribution (absent until the first one), and the lagging ranks:
-  `job_lagging_rank_seconds{rank}` (one sample per rank a started segment still waits for) and
+  `job_lagging_rank_seconds{rank}` (one sample per rank a started segment still waits for, the
+  `LAGGING_SAMPLES` waited for longest: a job of thousands of ranks waits for hundreds at any
+  moment of a round, and a series each would churn the server's index) and
   `job_lagging_ranks` (how many), so a stuck job is diagnosable at a glance;
   `job_rank_contributions_missed{rank}` and `job_rank_results_lost{rank}` (where its datagrams
   are lost: one rank far above the others is its cable, its port or its host);
@@ -44,13 +46,15 @@ from reduction_appliance.control.counter_metrics import CORE_COUNTERS, CORE_GAUG
 from reduction_appliance.control.snapshot import ApplianceSnapshot, CoreSnapshot, JobSnapshot
 from reduction_appliance.dataplane.counters import Counter
 
-__all__ = ["CONTENT_TYPE", "CORE_COUNTERS", "CORE_GAUGES", "SnapshotCollector", "render"]
+__all__ = ["CONTENT_TYPE", "CORE_COUNTERS", "CORE_GAUGES", "LAGGING_SAMPLES", "SnapshotCollector",
+           "render"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 """The `Content-Type` to serve `render()`'s bytes with."""
 
 PREFIX = "reduction_"
 DROP_PREFIX = "drop_"
+LAGGING_SAMPLES = 16  # lagging ranks with a sample of their own per job, the longest waited
 """Every core counter named `drop_<reason>` becomes a sample of `reduction_core_drops_total`."""
 DROP_REASONS = tuple(c.name.lower().removeprefix(DROP_PREFIX) for c in Counter
                      if c.name.lower().startswith(DROP_PREFIX))
@@ -260,7 +264,8 @@ def _job_families(jobs: tuple[JobSnapshot, ...]) -> Iterator[Metric]:
     lagging = GaugeMetricFamily(
         PREFIX + "job_lagging_rank_seconds",
         "Seconds the appliance has waited for this rank: the age of the oldest segment other "
-        "ranks have started that still misses its contribution; one sample per lagging rank.",
+        "ranks have started that still misses its contribution; one sample per lagging rank, "
+        f"for the {LAGGING_SAMPLES} waited for longest (job_lagging_ranks counts them all).",
         labels=[*JOB_LABELS, "rank"],
     )
     n_lagging = GaugeMetricFamily(
@@ -304,7 +309,8 @@ def _job_families(jobs: tuple[JobSnapshot, ...]) -> Iterator[Metric]:
         age.add_metric(labels, job.created_s)
         if job.last_activity_s is not None:
             idle.add_metric(labels, job.last_activity_s)
-        for rank, waited in sorted(job.lagging.items()):
+        longest = sorted(job.lagging.items(), key=lambda rw: (-rw[1], rw[0]))[:LAGGING_SAMPLES]
+        for rank, waited in sorted(longest):
             lagging.add_metric([*labels, str(rank)], waited)
         n_lagging.add_metric(labels, len(job.lagging))
     yield from (info, state, rounds, nbytes, segments, world, joined, age, idle)

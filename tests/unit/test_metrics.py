@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -12,6 +13,7 @@ from reduction_appliance.control.metrics import (
     CONTENT_TYPE,
     CORE_COUNTERS,
     CORE_GAUGES,
+    LAGGING_SAMPLES,
     SnapshotCollector,
     render,
 )
@@ -280,3 +282,14 @@ def test_collector_takes_one_snapshot_per_scrape() -> None:
 
 def test_content_type() -> None:
     assert CONTENT_TYPE.startswith("text/plain")
+
+
+def test_a_big_job_gives_samples_to_its_sixteen_longest_lagging_ranks() -> None:
+    """A job of thousands of ranks waits for hundreds at any moment of a round: a series per
+    rank would churn the server's index. The longest waited for keep theirs (the alert's
+    `max` is theirs), the count covers them all."""
+    big = replace(TRAINING, lagging={r: 0.001 * r for r in range(3000)})
+    got = samples(replace(SNAPSHOT, jobs=(big,)))
+    ranks = [s.labels["rank"] for s in got if s.name == "reduction_job_lagging_rank_seconds"]
+    assert ranks == [str(r) for r in range(3000 - LAGGING_SAMPLES, 3000)]
+    assert [s.value for s in got if s.name == "reduction_job_lagging_ranks"] == [3000]
