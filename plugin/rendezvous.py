@@ -18,9 +18,9 @@ mismatch with 409, a wrong secret with 403.
 The answers follow `dataplane.registration`, the schema the appliance writes them with.
 
 Every call retries what may pass on a second try (no connection, a timeout, a lost answer,
-503 or another 5xx) with exponential backoff until its deadline; a refusal (4xx) is final at
-once. Calls are safe to repeat: registering again finds the job, joining again from the same
-endpoint changes nothing, a resync names the epoch it saw.
+503 or another 5xx, 408 or 429) with exponential backoff until its deadline; any other refusal
+(4xx) is final at once. Calls are safe to repeat: registering again finds the job, joining
+again from the same endpoint changes nothing, a resync names the epoch it saw.
 """
 
 from __future__ import annotations
@@ -211,7 +211,10 @@ def _attempt(appliance: str, method: str, path: str, body: dict[str, object] | N
                         "api.token_file does not hold)" if token else
                         " (this worker sent none: give it the appliance's API token, "
                         "REDUCTION_TOKEN for the torch plugin or register(token=...))")
-        if exc.code >= 500:
+        # The appliance busy (5xx), or too busy to read all of our request in time (408: a
+        # host that stalled between head and body, or 4096 ranks joining at once) or to take
+        # it (429): a second attempt may pass, and every call is safe to repeat.
+        if exc.code >= 500 or exc.code in (408, 429):
             raise _Retryable(message) from exc
         if exc.code == 404:
             raise _Gone(message) from exc
