@@ -102,7 +102,7 @@ def job_lines(j: dict[str, Any], wide: int) -> list[str]:
         [(int(rank), f"rank {rank} ({joined_from(j, rank)}): its datagrams came from {source} "
                      "(a NAT between it and the appliance?), dropped")
          for rank, source in j.get("seen_elsewhere", {}).items()],
-        lambda ranks, _: f"{len(ranks)} ranks' datagrams came from other addresses than they "
+        lambda ranks: f"{len(ranks)} ranks' datagrams came from other addresses than they "
                          f"joined from (a NAT between them and the appliance?), dropped: "
                          f"ranks {format_ranks(ranks)}")
     lossy = [(rank, f"rank {rank} ({joined_from(j, rank)}) loses datagrams: "
@@ -144,7 +144,7 @@ def _silent_notes(j: dict[str, Any]) -> list[str]:
     def each_or_all(rows: list[tuple[int, float]], one: str, all_: str) -> list[str]:
         return _each_or_all(
             [(r, one.format(rank=r, where=joined_from(j, r), s=s)) for r, s in rows],
-            lambda ranks, _: all_.format(n=len(ranks), s=spread(ranks, silent),
+            lambda ranks: all_.format(n=len(ranks), s=spread(ranks, silent),
                                          ranks=format_ranks(ranks)))
 
     return (each_or_all(gone, "rank {rank} ({where}) silent for {s:.1f} s, " + _ENDED,
@@ -155,7 +155,7 @@ def _silent_notes(j: dict[str, Any]) -> list[str]:
                           "{n} ranks left {s} ago: ranks {ranks}")
             + _each_or_all([(r, f"rank {r} ({joined_from(j, r)}) {_ENDED}")
                             for r in sorted(ended - silent.keys())],
-                           lambda ranks, _: f"{len(ranks)} ranks {_ENDED_ALL}: ranks "
+                           lambda ranks: f"{len(ranks)} ranks {_ENDED_ALL}: ranks "
                                             f"{format_ranks(ranks)}"))
 
 
@@ -193,12 +193,12 @@ def render_job(job: dict[str, Any], live: dict[str, Any]) -> str:
     return "\n".join(f"{key:>12}: {value}" for key, value in rows)
 
 
-def _each_or_all(rows: list[tuple[int, str]],
-                 summary: Callable[[list[int], list[str]], str]) -> list[str]:
-    """A line per rank (`rows`: rank, its line), or past `LISTED` of them one `summary`."""
+def _each_or_all(rows: list[tuple[int, str]], summary: Callable[[list[int]], str]) -> list[str]:
+    """A line per rank (`rows`: rank, its line), or past `LISTED` of them one `summary` of
+    their ranks."""
     if len(rows) <= LISTED:
         return [text for _, text in rows]
-    return [summary(sorted(rank for rank, _ in rows), [text for _, text in rows])]
+    return [summary(sorted(rank for rank, _ in rows))]
 
 
 def age(seconds: float | None) -> str:

@@ -293,6 +293,10 @@ class Supervisor:
     def _exchange(self, core: CoreHandle, command: Command[R]) -> R:
         """Send one request and wait for its reply (the caller holds core.lock). Replies to
         requests that gave up earlier are recognised by their id and dropped."""
+        return self._reply(core, self._post(core, command), command)
+
+    def _post(self, core: CoreHandle, command: Command[R]) -> Request:
+        """Send one request (the caller holds core.lock); `_reply` waits for its answer."""
         mailbox = core.mailbox
         index = core.config.index
         if mailbox is None:
@@ -302,6 +306,14 @@ class Supervisor:
             mailbox.send(request)
         except OSError as exc:
             raise CoreUnavailable(f"data-plane core {index} died") from exc
+        return request
+
+    def _reply(self, core: CoreHandle, request: Request, command: Command[R]) -> R:
+        """The answer to `request`, sent to `core` by `_post` (the caller still holds
+        core.lock)."""
+        mailbox = core.mailbox
+        index = core.config.index
+        assert mailbox is not None  # (_post found one, and core.lock was held since)
         # A running core answers between bursts: milliseconds normally.
         reply_s = self.cfg.dataplane.core_reply_timeout_s
         deadline = time.monotonic() + reply_s
@@ -359,17 +371,33 @@ class Supervisor:
 
     def update_job(self, spec: JobSpec) -> None:
         """New endpoints or a new epoch for a job every core has; a core that is restarting
-        gets the latest spec when it is back. Raises the first core's refusal."""
+        gets the latest spec when it is back. Raises the first core's refusal.
+
+        Every core is asked at once, then each answer awaited: a join waits for one round trip
+        instead of one per core, and joins are taken one at a time (a job of 4096 ranks
+        starting together waited seconds for its last join: benchmarks-journal.md, "A job of
+        a thousand ranks")."""
         with self._jobs_lock:
             self.jobs[spec.job_id] = spec
         failures: list[ReductionError] = []
-        for core in self.cores:
-            try:
-                self.ask(core, UpdateJob(spec))
-            except CoreUnavailable:
-                continue  # it gets self.jobs[...] (this spec) when it restarts
-            except ReductionError as exc:
-                failures.append(exc)
+        command = UpdateJob(spec)
+        with contextlib.ExitStack() as held:
+            asked: list[tuple[CoreHandle, Request]] = []
+            for core in self.cores:  # (their locks in index order, as no other path holds two)
+                held.enter_context(core.lock)
+                try:
+                    if core.state is not CoreState.RUNNING:
+                        continue  # it gets self.jobs[...] (this spec) when it restarts
+                    asked.append((core, self._post(core, command)))
+                except CoreUnavailable:
+                    continue
+            for core, request in asked:
+                try:
+                    self._reply(core, request, command)
+                except CoreUnavailable:
+                    continue
+                except ReductionError as exc:
+                    failures.append(exc)
         if failures:
             raise failures[0]
 
