@@ -10,7 +10,8 @@ ranks from as many sockets, sends `--rate` heartbeats a second among them for `-
 reads the core's CPU time from /proc: per heartbeat, as a share of the core, and what the
 ranks' own rate would cost. Before the ranks' silence was kept between answers
 (dataplane.slotstate.TimedOutRanks), an answer walked every rank: 154 us per heartbeat at 1024
-ranks, a saturated core at 4096 (benchmarks-journal.md, "A job of a thousand ranks").
+ranks, a saturated core at 4096, which its supervisor killed as stalled (the row then says so;
+benchmarks-journal.md, "A job of a thousand ranks").
 
 Joining is sequential through the API: several seconds per thousand ranks. Needs as many open
 files as ranks (it raises its soft limit to the hard one).
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import resource
 import socket
 import sys
@@ -33,6 +33,7 @@ from reduction_appliance.deploy.testnet.harness import local_daemon
 from reduction_appliance.plugin.lease import heartbeat
 from reduction_appliance.plugin.rendezvous import join, register
 
+from .cputime import tree_cpu_s
 from .gauge import framing, interpreter_ms
 from .progress import ProgressBar
 
@@ -45,7 +46,8 @@ class Cost(NamedTuple):
     ranks: int
     heartbeats: int
     seconds: float
-    core_cpu_s: float
+    core_cpu_s: float  # NaN where the core did not last the run
+    restarted: str = ""  # why the supervisor restarted it meanwhile, if it did
 
     @property
     def per_heartbeat_us(self) -> float:
@@ -68,11 +70,10 @@ def _free_port(kind: socket.SocketKind) -> int:
         return int(s.getsockname()[1])
 
 
-def _cpu_s(pid: int) -> float:
-    """User and system time of process `pid` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _core(api: UnixApi) -> tuple[int, int, str]:
+    """The one core's pid, its restarts, and why it last exited."""
+    core = api.request("GET", "/v1/status")["cores"][0]
+    return int(core["pid"] or 0), int(core["restarts"]), str(core.get("last_exit") or "")
 
 
 def measure(ranks: int, rate: float, seconds: float, progress: ProgressBar) -> Cost:
@@ -95,10 +96,11 @@ def measure(ranks: int, rate: float, seconds: float, progress: ProgressBar) -> C
             beats.append((sock, heartbeat(joined, rank, 1, joined.epoch)))
             if rank % 256 == 255:
                 progress.update(label=f"{ranks} ranks: {rank + 1} joined")
-        pid = int(UnixApi(daemon.unix_socket).request("GET", "/v1/status")["cores"][0]["pid"])
+        api = UnixApi(daemon.unix_socket)
+        pid, restarts, _ = _core(api)
         dest = (info.cores[0].host, info.cores[0].port)
         progress.update(label=f"{ranks} ranks: heartbeating for {seconds:g} s")
-        cpu0, start, sent = _cpu_s(pid), time.monotonic(), 0
+        cpu0, start, sent = tree_cpu_s(pid), time.monotonic(), 0
         while time.monotonic() - start < seconds:
             for sock, datagram in beats:
                 sock.sendto(datagram, dest)
@@ -110,7 +112,11 @@ def measure(ranks: int, rate: float, seconds: float, progress: ProgressBar) -> C
                 if ahead > 0.005:  # paced in steps of 5 ms, not per datagram
                     time.sleep(ahead)
         elapsed = time.monotonic() - start
-        return Cost(ranks, sent, elapsed, _cpu_s(pid) - cpu0)
+        cpu = tree_cpu_s(pid) - cpu0
+        now_pid, now_restarts, last_exit = _core(api)
+        if (now_pid, now_restarts) != (pid, restarts):  # its time went with it
+            return Cost(ranks, sent, elapsed, float("nan"), f"restarted: {last_exit}")
+        return Cost(ranks, sent, elapsed, cpu)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -145,6 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{'at the ranks own rate':>22}")
     for c in costs:
         own = c.ranks * 10 / _DEFAULT_TIMEOUT_S
+        if c.restarted:
+            print(f"{c.ranks:>6} {c.heartbeats / c.seconds:>13.0f}  the core was {c.restarted}")
+            continue
         print(f"{c.ranks:>6} {c.heartbeats / c.seconds:>13.0f} {c.per_heartbeat_us:>8.0f} "
               f"{c.share:>10.0%} {c.own_rate_share:>11.0%} at {own:>5.0f}/s")
     return 0

@@ -137,14 +137,14 @@ def _silent_notes(j: dict[str, Any]) -> list[str]:
     quiet = [(r, s) for r, s in silent.items() if r not in ended and r in joined]
     left = [(r, s) for r, s in silent.items() if r not in ended and r not in joined]
 
-    def spread(ranks: list[int], table: dict[int, float]) -> str:
-        lo, hi = min(table[r] for r in ranks), max(table[r] for r in ranks)
+    def spread(ranks: list[int]) -> str:
+        lo, hi = min(silent[r] for r in ranks), max(silent[r] for r in ranks)
         return f"{lo:.1f} s" if f"{lo:.1f}" == f"{hi:.1f}" else f"{lo:.1f}-{hi:.1f} s"
 
     def each_or_all(rows: list[tuple[int, float]], one: str, all_: str) -> list[str]:
         return _each_or_all(
             [(r, one.format(rank=r, where=joined_from(j, r), s=s)) for r, s in rows],
-            lambda ranks: all_.format(n=len(ranks), s=spread(ranks, silent),
+            lambda ranks: all_.format(n=len(ranks), s=spread(ranks),
                                          ranks=format_ranks(ranks)))
 
     return (each_or_all(gone, "rank {rank} ({where}) silent for {s:.1f} s, " + _ENDED,

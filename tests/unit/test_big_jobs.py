@@ -175,9 +175,9 @@ def test_timed_out_ranks_are_what_a_scan_of_every_rank_finds(
         assert timed_out.ranks(job, last_seen, now) == scan
 
 
-def _status_job(world: int, silent: dict[int, float], ended: set[int] = frozenset(),
+def _status_job(world: int, silent: dict[int, float], ended: frozenset[int] = frozenset(),
                 lagging: int = 0, lossy: int = 0) -> dict[str, object]:
-    joined = [r for r in range(world) if r not in {world - 1}]  # the last rank left
+    joined = list(range(world - 1))  # the last rank left
     return {
         "job_id": 1, "name": "big", "state": "active", "world_size": world,
         "joined": joined, "epoch": 1, "rounds": 3, "bytes_reduced": 1 << 20,
@@ -195,7 +195,7 @@ def test_a_thousand_silent_ranks_are_a_few_lines_of_status() -> None:
     lossy ranks past eight are one line."""
     silent = {r: 5.3 if r < 300 else 5.2 for r in range(512, 1023)}
     silent[1023] = 2.0  # left
-    ended = set(range(600, 700))
+    ended = frozenset(range(600, 700))
     job = _status_job(1024, silent, ended, lagging=600, lossy=20)
     lines = job_lines(job, 16)
     assert len(lines) == 1 + LISTED + 1 + 3, "\n".join(lines)
