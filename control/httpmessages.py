@@ -17,7 +17,7 @@ __all__ = ["App", "Limits", "Request", "Response"]
 class Limits:
     """Every bound of the server (the defaults are ApiConfig's)."""
 
-    max_connections: int = 4096  # open connections over all listeners; beyond: 503, close
+    max_connections: int = 16384  # open connections over all listeners; beyond: 503, close
     handler_threads: int = 8  # requests handled at once; the rest queue, no thread each
     max_body_bytes: int = 65536  # a larger announced body gets 413 before it is read
     header_timeout_s: float = 10.0  # a request's head (and then its body) must arrive in this

@@ -52,7 +52,8 @@ class _HandlerPool:
     bound."""
 
     def __init__(self, size: int, name: str) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Response], asyncio.Future[Response],
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Response], Callable[[], bool],
+                                            asyncio.Future[Response],
                                             asyncio.AbstractEventLoop] | None] = \
             queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._work, name=f"{name}-handler-{i}",
@@ -60,17 +61,24 @@ class _HandlerPool:
         for thread in self._threads:
             thread.start()
 
-    def run(self, fn: Callable[[], Response]) -> asyncio.Future[Response]:
+    def run(self, fn: Callable[[], Response], left: Callable[[], bool]
+            ) -> asyncio.Future[Response]:
+        """`fn` in a handler thread, unless `left()` says, when its turn comes, that the
+        client has closed its end: it gave up waiting (an attempt's timeout) and will ask
+        again, so serving it would only delay the rest (nginx's 499). Four thousand ranks
+        joining at once queued for longer than their attempts waited, and every retry
+        queued behind its own abandoned request: most of them never joined
+        (benchmarks-journal.md, "Joins in batches")."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Response] = loop.create_future()
-        self._jobs.put((fn, future, loop))
+        self._jobs.put((fn, left, future, loop))
         return future
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
-            fn, future, loop = job
+            fn, left, future, loop = job
             try:
-                outcome: Response | BaseException = fn()
+                outcome: Response | BaseException = _Abandoned() if left() else fn()
             except Exception as exc:
                 outcome = exc
             with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
@@ -88,6 +96,10 @@ def _settle(future: asyncio.Future[Response], outcome: Response | BaseException)
         future.set_exception(outcome)
     else:
         future.set_result(outcome)
+
+
+class _Abandoned(Exception):
+    """The client closed its end before its request's turn came: not served, not answered."""
 
 
 class _Closing(Exception):
@@ -122,6 +134,7 @@ class HttpServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._pool: _HandlerPool | None = None
+        self.abandoned = 0  # requests whose client closed before a handler took them
 
     @property
     def connections(self) -> int:
@@ -310,7 +323,13 @@ class HttpServer:
             assert self._pool is not None
             try:
                 response = await self._pool.run(
-                    functools.partial(app.respond, replace(request, body=body)))
+                    functools.partial(app.respond, replace(request, body=body)),
+                    functools.partial(_client_left, reader, writer))
+            except _Abandoned:
+                self.abandoned += 1
+                _log.debug("%s: %s left before %s %s was served", self.name, peer,
+                           request.method, request.path)
+                return
             except Exception as exc:  # the app should have mapped it: ours, one line
                 response = self._failed(request, exc)
             await self._send(h, writer, response)
@@ -386,6 +405,24 @@ class HttpServer:
         if h.our_state is h11.MUST_CLOSE:
             raise _Closing(None)
         h.start_next_cycle()
+
+
+_TCP_CLOSE, _TCP_CLOSE_WAIT = 7, 8  # tcp_info's state: reset; the client's FIN came
+
+
+def _client_left(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Whether the client closed its end (called from a handler thread). TCP asks the kernel,
+    which knows of a FIN or reset before the loop reads it; a Unix socket has the reader's end
+    of stream. A socket already closed (the server stopping) counts as left."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+        except OSError:
+            return True
+        if state in (_TCP_CLOSE, _TCP_CLOSE_WAIT):
+            return True
+    return reader.at_eof()  # (a plain flag)
 
 
 def _send(h: h11.Connection, event: Any) -> bytes:

@@ -29,11 +29,13 @@ from reduction_appliance.dataplane.wire import HEADER_SIZE, number_before
 
 from . import bodies
 from .drain import Drain, overdue
+from .joinbatch import JoinBatches
 from .registry import (
     EVICTION_CAUSES,
     ConflictError,
     Eviction,
     Heard,
+    JobPlan,
     JobState,
     Registry,
 )
@@ -68,6 +70,7 @@ class Appliance:
         self.janitor_errors = 0  # the daemon's periodic chores that failed (each logged)
         self.evicted = dict.fromkeys(EVICTION_CAUSES, 0)  # jobs evicted since start, by cause
         self._lock = threading.Lock()
+        self._joins: JoinBatches[JobPlan] = JoinBatches(self._lock)
         # core index -> (monotonic time, packets in, bytes in) at the last sample, and rates
         self._samples: dict[int, tuple[float, int, int]] = {}
         self._rates: dict[int, tuple[float, float]] = {}
@@ -120,11 +123,20 @@ class Appliance:
         window_cap = (bodies.integer(body, "window_cap", 1, 1 << 16)
                       if body.get("window_cap") is not None else None)
         with self._lock:
-            plan = self.registry.join(job_id, rank, secret, endpoint, rejoin,
-                                      silent_s=self._silent_elsewhere(job_id, rank, endpoint),
-                                      lanes=lanes, window_cap=window_cap)
-            self.supervisor.update_job(plan.spec)
+            self.registry.join(job_id, rank, secret, endpoint, rejoin,
+                               silent_s=self._silent_elsewhere(job_id, rank, endpoint),
+                               lanes=lanes, window_cap=window_cap)
+            ticket = self._joins.decided(job_id)
+        # The cores learn it with the joins decided meanwhile (control/joinbatch.py); the
+        # answer is the job as they have it.
+        plan = self._joins.await_sent(
+            job_id, ticket, lambda: self._update_cores(self.registry.get(job_id)))
         return plan.describe(self.cfg, member=True)
+
+    def _update_cores(self, plan: JobPlan) -> None:
+        """Every core gets the job's spec (the lock held)."""
+        self.supervisor.update_job(plan.spec)
+        self._joins.sent(plan.spec.job_id, plan)
 
     def _free_name_of_abandoned(self, name: str, refused: RequestError) -> bool:
         """Whether the job called `name` was abandoned and is now evicted: ranks joined, and
@@ -226,7 +238,7 @@ class Appliance:
         seen = bodies.integer(body, "epoch", 0, 65535)
         with self._lock:
             plan = self.registry.resync(job_id, secret, seen)
-            self.supervisor.update_job(plan.spec)
+            self._update_cores(plan)
         return plan.describe(self.cfg, member=True)
 
     def unicast(self, job_id: int, body: dict[str, Any]) -> JobDescription:
@@ -238,7 +250,7 @@ class Appliance:
             before = self.registry.get(job_id).spec
             plan = self.registry.unicast_results(job_id, rank, secret)
             if plan.spec != before:
-                self.supervisor.update_job(plan.spec)
+                self._update_cores(plan)
                 assert before.multicast is not None
                 group, port = before.multicast
                 _log.warning("job %d (%s): rank %d hears none of the results multicast to "
@@ -259,7 +271,7 @@ class Appliance:
                 self.supervisor.remove_job(job_id)
                 self._release_roce(job_id)
             elif plan.spec != before:  # the cores tell its peers it left, not went quiet
-                self.supervisor.update_job(plan.spec)
+                self._update_cores(plan)
         return plan.describe(self.cfg)
 
     def core_restarted(self, core: int) -> None:
@@ -269,7 +281,7 @@ class Appliance:
             for plan in self.registry.jobs:
                 moved = self.registry.new_epoch(plan.spec.job_id)
                 with contextlib.suppress(ReductionError):  # a core that died again catches up
-                    self.supervisor.update_job(moved.spec)
+                    self._update_cores(moved)
 
     def abort(self, job_id: int, body: dict[str, Any] | None = None) -> JobDescription:
         """Remove the job; its workers are told (ABORTED) and fail at once, saying why. With a

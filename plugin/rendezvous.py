@@ -29,6 +29,7 @@ import contextlib
 import http.client
 import json
 import logging
+import random
 import socket
 import time
 import urllib.error
@@ -161,7 +162,9 @@ def _call_raw(appliance: str, method: str, path: str, body: dict[str, object] | 
             if time.monotonic() + pause >= deadline:
                 raise RendezvousError(f"{exc} (gave up after {attempts} attempts in "
                                       f"{timeout_s:g} s)") from exc.__cause__
-            time.sleep(pause)  # backoff between attempts at an API that did not answer
+            # Backoff between attempts at an API that did not answer, jittered: thousands of
+            # ranks refused together (a full connection table) must not return together.
+            time.sleep(pause * random.uniform(0.5, 1.0))
             pause = min(pause * 2, _MOST_BETWEEN_S)
     return reply
 

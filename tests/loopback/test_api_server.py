@@ -38,6 +38,7 @@ class _Appliance:
         self.gates: dict[str, threading.Event] = {}  # by job name, before `gate`
         self.inside = 0
         self.most_inside = 0
+        self.served: list[str] = []  # names of the jobs create_job was called for
         self._lock = threading.Lock()
 
     def snapshot(self) -> _Described:
@@ -50,6 +51,7 @@ class _Appliance:
         with self._lock:
             self.inside += 1
             self.most_inside = max(self.most_inside, self.inside)
+            self.served.append(body.get("name", ""))
         try:
             gate = self.gates.get(body.get("name", ""), self.gate)
             if gate is not None:
@@ -249,6 +251,35 @@ def test_handlers_are_bounded_by_the_pool(appliance: _Appliance) -> None:
             assert appliance.most_inside == _LIMITS.handler_threads
         finally:
             for sock in socks:
+                sock.close()
+
+
+def test_a_request_whose_client_left_before_its_turn_is_not_served(appliance: _Appliance) -> None:
+    """Thousands of ranks joining at once queue longer than an attempt waits; each attempt
+    that gave up closes its connection and asks again. Serving those queued requests anyway
+    only delays the ones still wanted."""
+    appliance.gates["busy"] = threading.Event()
+    server, port = serving(appliance)
+    with server:
+        busy = [connect(port) for _ in range(_LIMITS.handler_threads)]
+        try:
+            for sock in busy:
+                sock.sendall(post("/v1/jobs", b'{"name": "busy", "world_size": 2}'))
+            wait_until(lambda: appliance.inside == _LIMITS.handler_threads, 10,
+                       what="every handler busy")
+            with connect(port) as gone:
+                gone.sendall(post("/v1/jobs", b'{"name": "gone", "world_size": 2}'))
+            # (the loop reads the closed end before it answers a later connection)
+            assert exchange(port, b"GET /nowhere HTTP/1.1\r\nHost: t\r\n\r\n")[0] == 404
+            with connect(port) as kept:
+                kept.sendall(post("/v1/jobs", b'{"name": "kept", "world_size": 2}'))
+                appliance.gates["busy"].set()
+                assert [answer(s)[0] for s in busy] == [200, 200]
+                assert answer(kept)[0] == 200
+            assert sorted(appliance.served) == ["busy", "busy", "kept"]
+            assert server.abandoned == 1
+        finally:
+            for sock in busy:
                 sock.close()
 
 

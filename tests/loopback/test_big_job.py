@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import pytest
 
-from reduction_appliance.bench import heartbeats
+from reduction_appliance.bench import heartbeats, joins
 from reduction_appliance.client import ApplianceClient, register
 from reduction_appliance.control.apiclient import UnixApi
 from reduction_appliance.control.ctl import render_status
@@ -91,4 +91,18 @@ def test_the_heartbeat_bench_measures_a_core(capsys: pytest.CaptureFixture[str])
     for bad in (["--ranks", "0"], ["--ranks", "5000"], ["--ranks", "a,b"], ["--rate", "0"]):
         with pytest.raises(SystemExit) as stopped:
             heartbeats.main(bad)
+        assert stopped.value.code == 2
+
+
+def test_the_join_bench_joins_every_rank_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench.joins: ranks of two client processes join a real reductiond at the same moment;
+    each is answered and listed as joined (else it fails, naming them)."""
+    assert joins.main(["--ranks", "96", "--clients", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split()[:4] == ["ranks", "all", "joined", "in"]
+    row = out[2].split()
+    assert row[0] == "96" and float(row[1]) > 0 and float(row[-2]) > 0, out
+    for bad in (["--ranks", "0"], ["--ranks", "5000"], ["--ranks", "x"], ["--clients", "0"]):
+        with pytest.raises(SystemExit) as stopped:
+            joins.main(bad)
         assert stopped.value.code == 2

@@ -1,0 +1,206 @@
+"""How long a big job's ranks take to join when they start together.
+
+    python -m reduction_appliance.bench.joins [--ranks 256,1024,4096] [--cores 2]
+                                              [--clients 4]
+
+A launcher starts every rank of a job at once, and each joins the appliance (POST
+/v1/jobs/ID/join) before its first round: the last join decides when the job can start. For
+each job size this starts a real reductiond on loopback with `--cores` data-plane cores,
+registers the job, and lets `--clients` processes join all its ranks at the same moment (a
+thread per rank; a process holds a share of the ranks, as a host holds its GPUs). It reports
+the time until the last join was answered, joins a second, each join's wait (median and
+longest), and the daemon's CPU per join (its API and its cores, from /proc), then checks the
+job lists every rank as joined.
+
+The ranks' endpoints are addresses on loopback nobody listens on: a join needs none, and the
+job never reduces. Clients on the same few cores as the appliance take CPU from it: the daemon's
+CPU per join is the figure that carries to a rack, the wall time an upper bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import queue
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Barrier, Event
+from typing import NamedTuple
+
+from reduction_appliance.control.apiclient import ApiError, UnixApi
+from reduction_appliance.deploy.testnet.harness import local_daemon
+from reduction_appliance.plugin.rendezvous import JobInfo, join, register
+
+from .cputime import tree_cpu_s
+from .gauge import framing, interpreter_ms
+from .progress import ProgressBar
+
+__all__ = ["Joins", "main", "measure"]
+
+_FIRST_PORT = 10000  # rank r joins from 127.0.0.1:(10000 + r)
+_ANSWER_S = 90.0
+
+
+class Joins(NamedTuple):
+    ranks: int
+    seconds: float  # from the moment every client starts until the last join is answered
+    waits: list[float]  # each join's, seconds
+    daemon_cpu_s: float
+    clients_cpu_s: float  # the joining processes', all of them (here, on the same cores)
+    failed: list[str]  # what went wrong, one line per rank that did not join
+
+    @property
+    def per_join_ms(self) -> float:
+        return self.daemon_cpu_s / self.ranks * 1e3
+
+    @property
+    def client_per_join_ms(self) -> float:
+        return self.clients_cpu_s / self.ranks * 1e3
+
+
+def _client(info: JobInfo, ranks: list[int], ready: Barrier, go: Event,
+            answers: Queue[tuple[int, float, str]]) -> None:
+    """One client process: a thread per rank, all joining once `go` is set (after every
+    client's threads are up: `ready`)."""
+    def one(rank: int) -> None:
+        go.wait()
+        began = time.monotonic()
+        try:
+            join(info, rank, ("127.0.0.1", _FIRST_PORT + rank))
+            failure = ""
+        except Exception as exc:  # reported, rank by rank, by the bench
+            failure = f"{type(exc).__name__}: {exc}"
+        answers.put((rank, time.monotonic() - began, failure))
+
+    threads = [threading.Thread(target=one, args=(rank,), daemon=True) for rank in ranks]
+    for thread in threads:
+        thread.start()
+    ready.wait()
+    for thread in threads:
+        thread.join()
+
+
+def measure(ranks: int, cores: int, clients: int, progress: ProgressBar) -> Joins:
+    """One job of `ranks` ranks joined by `clients` processes at once."""
+    cfg = {
+        "dataplane": {"address": "127.0.0.1", "base_port": _free_port(socket.SOCK_DGRAM),
+                      "cores": cores, "cpus": [], "kernels": "numpy", "slot_memory_mb": 16},
+        "multicast": {"enabled": False},
+        # These ranks never heartbeat: at the default 5 s, a job whose joins take 10 s is
+        # evicted as abandoned before its last rank joined.
+        "jobs": {"liveness_timeout_s": 60.0},
+        "api": {"listen": f"127.0.0.1:{_free_port(socket.SOCK_STREAM)}"},
+    }
+    # Not fork: the parent has threads (the daemon's output readers), and a lock one of them
+    # holds at the fork would stay held in the child for good.
+    spawn = multiprocessing.get_context("spawn")
+    with local_daemon(cfg) as daemon:
+        info = register(daemon.api, "joins", world_size=ranks, secret="bench")
+        ready, go, answers = spawn.Barrier(clients + 1), spawn.Event(), spawn.Queue()
+        procs = [spawn.Process(target=_client, args=(info, list(range(i, ranks, clients)),
+                                                    ready, go, answers), daemon=True)
+                 for i in range(clients)]
+        for proc in procs:
+            proc.start()
+        progress.update(label=f"{ranks} ranks: starting {clients} clients")
+        try:
+            ready.wait(timeout=120)
+        except threading.BrokenBarrierError:
+            raise SystemExit("a client process did not start: exit codes "
+                             f"{[proc.exitcode for proc in procs]}") from None
+        progress.update(label=f"{ranks} ranks: joining")
+        cpu0 = tree_cpu_s(daemon.process.pid)
+        clients0 = _clients_cpu_s(procs)
+        began = time.monotonic()
+        go.set()
+        waits, failed = [], []
+        for done in range(ranks):
+            try:  # (a join gives up after its own 30 s: none is still trying after this)
+                rank, wait, failure = answers.get(timeout=_ANSWER_S)
+            except queue.Empty:
+                failed.append(f"{ranks - done} join(s) never answered, not even with an "
+                              f"error, in {_ANSWER_S:g} s (a client process died?)")
+                break
+            waits.append(wait)
+            if failure:
+                failed.append(f"rank {rank}: {failure}")
+            if done % 256 == 255:
+                progress.update(label=f"{ranks} ranks: {done + 1} answered")
+        seconds = time.monotonic() - began
+        cpu = tree_cpu_s(daemon.process.pid) - cpu0
+        clients_cpu = _clients_cpu_s(procs) - clients0
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():  # (its joins gave up long ago: see the failures)
+                proc.terminate()
+        api = UnixApi(daemon.unix_socket)
+        try:
+            listed = api.request("GET", f"/v1/jobs/{info.job_id}")
+        except ApiError as exc:  # evicted, say: the daemon's log says why
+            failed.append(f"the job is gone ({exc}); the daemon's log ends: "
+                          f"{daemon.stderr.text()[-600:]}")
+        else:
+            # (more listed than answered: ranks whose client gave up, joined all the same)
+            missing = ranks - len(failed) - len(listed["joined"])
+            if missing > 0:
+                failed.append(f"{missing} rank(s) answered as joined are not in the job's list")
+        return Joins(ranks, seconds, waits, cpu, clients_cpu, failed)
+
+
+def _clients_cpu_s(procs: Sequence[multiprocessing.process.BaseProcess]) -> float:
+    return sum(tree_cpu_s(proc.pid) for proc in procs if proc.pid is not None)
+
+
+def _free_port(kind: socket.SocketKind) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m reduction_appliance.bench.joins",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", default="256,1024,4096",
+                        help="job sizes, comma-separated (default 256,1024,4096)")
+    parser.add_argument("--cores", type=int, default=2, help="data-plane cores (default 2)")
+    parser.add_argument("--clients", type=int, default=4,
+                        help="processes joining the ranks between them (default 4)")
+    args = parser.parse_args(argv)
+    try:
+        sizes = [int(x) for x in args.ranks.split(",")]
+    except ValueError:
+        parser.error(f"--ranks takes whole numbers, e.g. 256,1024: {args.ranks!r}")
+    if not all(1 <= n <= 4096 for n in sizes):
+        parser.error("--ranks are 1..4096 (what the appliance admits)")
+    if not 1 <= args.cores <= 64 or not 1 <= args.clients <= 64:
+        parser.error("--cores and --clients are 1..64")
+    before = interpreter_ms()
+    progress = ProgressBar(len(sizes))
+    results = []
+    for n in sizes:
+        results.append(measure(n, args.cores, args.clients, progress))
+        progress.advance()
+    progress.close()
+    print(framing(before, interpreter_ms()))
+    print(f"{'ranks':>6} {'all joined in':>14} {'joins/s':>8} {'wait median':>12} "
+          f"{'longest':>8} {'daemon CPU/join':>16} {'clients CPU/join':>17}")
+    for r in results:
+        waits = r.waits or [float("nan")]
+        print(f"{r.ranks:>6} {r.seconds:>12.2f} s {r.ranks / r.seconds:>8.0f} "
+              f"{statistics.median(waits):>10.2f} s {max(waits):>6.2f} s "
+              f"{r.per_join_ms:>13.2f} ms {r.client_per_join_ms:>14.2f} ms")
+    failed = [line for r in results for line in r.failed]
+    for line in failed[:8]:
+        print(f"FAILED {line}")
+    if len(failed) > 8:
+        print(f"... and {len(failed) - 8} more")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

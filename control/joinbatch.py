@@ -1,0 +1,77 @@
+"""Joins decided one at a time, carried to the cores in batches (a group commit).
+
+A join changes one endpoint of a job's spec, and the cores learn it from the whole spec (every
+rank's endpoint: `Supervisor.update_job`), pickled, sent to each core and compared there rank
+by rank. Sent once per join, a job of n ranks starting together cost the appliance O(n) per
+join, O(n^2) in all: at 4096 ranks 4 ms of CPU per join, and most of the ranks gave up
+(benchmarks-journal.md, "Joins in batches"). Deciding a join takes microseconds; so each join
+is decided under the appliance's lock as before, and then waits until the cores have a spec
+that includes it. The first waiter to get its turn sends the job's spec as it is then, with
+every join decided meanwhile, and the others find theirs sent.
+
+Bookkeeping only: the caller holds its own lock around `decided` and `sent`, and `await_sent`
+takes that lock itself, after the turn (never the other way round, so no deadlock).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+__all__ = ["JoinBatches"]
+
+P = TypeVar("P")
+
+
+@dataclass
+class _Job(Generic[P]):
+    waiting: int = 0  # joins decided and not yet answered
+    decided: int = 0  # joins decided, counted (a join's ticket is the count after it)
+    sent: int = 0  # the count the cores' spec includes
+    plan: P | None = None  # the plan the cores got last
+
+
+class JoinBatches(Generic[P]):
+    """Tickets per job: `decided` (under the owner's lock) issues one, `sent` (under the lock,
+    after the cores took a plan) records the plan that covers every ticket so far, and
+    `await_sent` returns the plan that covers a ticket, sending the latest itself when none
+    does yet."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self._turn = threading.Lock()  # one sender at a time; the rest queue up behind it
+        self._jobs: dict[int, _Job[P]] = {}
+
+    def decided(self, job_id: int) -> int:
+        """A join of `job_id` was decided (the lock held): its ticket."""
+        job = self._jobs.setdefault(job_id, _Job())
+        job.waiting += 1
+        job.decided += 1
+        return job.decided
+
+    def sent(self, job_id: int, plan: P) -> None:
+        """The cores took `plan`, the job as it is now (the lock held): every join decided so
+        far is in it. Any update counts, not only a join's: a resync or a leave sends the
+        whole spec too."""
+        job = self._jobs.get(job_id)
+        if job is not None:
+            job.sent, job.plan = job.decided, plan
+
+    def await_sent(self, job_id: int, ticket: int, send_latest: Callable[[], object]) -> P:
+        """The plan the cores got that includes join `ticket`. Where none does yet, this
+        thread sends the job as it is now: `send_latest` (called with the lock held) updates
+        the cores and calls `sent`. Its errors (the job is gone; a core refused) are this
+        join's, and the next waiter tries in its turn."""
+        with self._turn, self._lock:
+            job = self._jobs[job_id]
+            try:
+                if job.sent < ticket:
+                    send_latest()
+                assert job.plan is not None and job.sent >= ticket  # (send_latest's duty)
+                return job.plan
+            finally:
+                job.waiting -= 1
+                if not job.waiting:
+                    del self._jobs[job_id]

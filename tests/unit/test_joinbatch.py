@@ -1,0 +1,151 @@
+"""Joins decided one at a time and sent to the cores in batches (control/joinbatch.py), and the
+appliance that uses them with a core that takes its time (control/service.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, cast
+
+import pytest
+
+from reduction_appliance.control.config import parse
+from reduction_appliance.control.joinbatch import JoinBatches
+from reduction_appliance.control.registry import Registry
+from reduction_appliance.control.service import Appliance
+from reduction_appliance.control.supervisor import Supervisor
+from reduction_appliance.dataplane.errors import NotFound
+from reduction_appliance.dataplane.spec import JobSpec
+
+
+class _Cores:
+    """Sends the job as decided so far (a list of ranks standing for its spec)."""
+
+    def __init__(self, lock: threading.Lock, batches: JoinBatches[list[int]]) -> None:
+        self.lock, self.batches = lock, batches
+        self.decided: list[int] = []
+        self.sends: list[list[int]] = []
+        self.refuse = 0  # the next sends to refuse
+
+    def join(self, rank: int) -> int:
+        with self.lock:
+            self.decided.append(rank)
+            return self.batches.decided(1)
+
+    def send_latest(self) -> None:
+        if self.refuse:
+            self.refuse -= 1
+            raise NotFound("no job 1")
+        plan = list(self.decided)
+        self.sends.append(plan)
+        self.batches.sent(1, plan)
+
+
+def _all_at_once(n: int, fn: Any) -> tuple[list[Any], list[BaseException]]:
+    """`fn(i)` for i in range(n), each in its own thread, started together."""
+    results: list[Any] = [None] * n
+    errors: list[BaseException] = []
+    go = threading.Barrier(n)
+
+    def run(i: int) -> None:
+        go.wait()
+        try:
+            results[i] = fn(i)
+        except BaseException as exc:  # (collected for the test's asserts)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    return results, errors
+
+
+def test_joins_decided_meanwhile_go_to_the_cores_in_one_send() -> None:
+    lock = threading.Lock()
+    batches: JoinBatches[list[int]] = JoinBatches(lock)
+    cores = _Cores(lock, batches)
+    tickets = [cores.join(rank) for rank in range(32)]
+    plans, errors = _all_at_once(32, lambda i: batches.await_sent(1, tickets[i],
+                                                                   cores.send_latest))
+    assert not errors
+    assert cores.sends == [list(range(32))]  # one send, every join in it
+    assert all(rank in plan for rank, plan in enumerate(plans))
+
+
+def test_each_join_returns_only_once_the_cores_have_it() -> None:
+    lock = threading.Lock()
+    batches: JoinBatches[list[int]] = JoinBatches(lock)
+    cores = _Cores(lock, batches)
+
+    def join_and_wait(rank: int) -> list[int]:
+        plan = batches.await_sent(1, cores.join(rank), cores.send_latest)
+        assert rank in cores.sends[-1] and rank in plan
+        return plan
+
+    _, errors = _all_at_once(24, join_and_wait)
+    assert not errors
+    assert sorted(cores.sends[-1]) == list(range(24))
+    assert 1 <= len(cores.sends) <= 24
+
+
+def test_another_update_of_the_job_counts_as_its_send() -> None:
+    """A resync or a leave sends the whole spec too: joins decided before it are in it."""
+    lock = threading.Lock()
+    batches: JoinBatches[list[int]] = JoinBatches(lock)
+    cores = _Cores(lock, batches)
+    ticket = cores.join(5)
+    with lock:
+        batches.sent(1, [5, 7])  # e.g. the resync of another rank
+    assert batches.await_sent(1, ticket, cores.send_latest) == [5, 7]
+    assert cores.sends == []
+
+
+def test_a_refused_send_fails_its_own_join_and_the_next_waiter_sends_again() -> None:
+    lock = threading.Lock()
+    batches: JoinBatches[list[int]] = JoinBatches(lock)
+    cores = _Cores(lock, batches)
+    first, second = cores.join(0), cores.join(1)
+    cores.refuse = 1
+    with pytest.raises(NotFound):
+        batches.await_sent(1, first, cores.send_latest)
+    assert batches.await_sent(1, second, cores.send_latest) == [0, 1]
+    assert cores.sends == [[0, 1]]
+    # nothing is kept for a job no join waits on: a later send of it is not recorded...
+    with lock:
+        batches.sent(1, [9])
+    # ...and the next join of it sends afresh
+    assert batches.await_sent(1, cores.join(2), cores.send_latest) == [0, 1, 2]
+
+
+class _SlowCores:
+    """A supervisor whose update takes as long as a big job's does on a busy appliance."""
+
+    def __init__(self) -> None:
+        self.specs: list[JobSpec] = []
+
+    def add_job(self, spec: JobSpec) -> None:
+        self.specs.append(spec)
+
+    def update_job(self, spec: JobSpec) -> None:
+        time.sleep(0.02)  # the workload: pickling, piping, comparing 4096 endpoints
+        self.specs.append(spec)
+
+
+def test_the_appliance_sends_concurrent_joins_in_batches_and_answers_each_with_its_rank() -> None:
+    supervisor = _SlowCores()
+    appliance = Appliance(Registry(parse({"dataplane": {"slot_memory_mb": 64}})),
+                          cast(Supervisor, supervisor))
+    job = appliance.create_job({"name": "big", "world_size": 48, "secret": "s"})
+    answers, errors = _all_at_once(48, lambda rank: appliance.join(job.job_id, {
+        "rank": rank, "secret": "s", "address": "198.18.0.2", "port": 20000 + rank}))
+    assert not errors
+    updates = supervisor.specs[1:]
+    # One per join before; the batches vary with the threads' turns (3 to 13 in runs here):
+    # the bound leaves room for a busy machine and still fails one update per join.
+    assert len(updates) <= 36, f"{len(updates)} core updates for 48 joins"
+    assert all(e == ("198.18.0.2", 20000 + r) for r, e in enumerate(updates[-1].endpoints))
+    for rank, answer in enumerate(answers):
+        assert answer.cookie == updates[-1].cookie and rank in answer.joined
