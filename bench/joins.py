@@ -20,6 +20,7 @@ CPU per join is the figure that carries to a rack, the wall time an upper bound.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import queue
 import socket
@@ -27,66 +28,81 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Barrier, Event
 from typing import NamedTuple
 
 from reduction_appliance.control.apiclient import ApiError, UnixApi
 from reduction_appliance.deploy.testnet.harness import local_daemon
-from reduction_appliance.plugin.rendezvous import JobInfo, join, register
+from reduction_appliance.plugin.rendezvous import JobInfo, join, leave, register
 
 from .cputime import tree_cpu_s
 from .gauge import framing, interpreter_ms
 from .progress import ProgressBar
 
-__all__ = ["Joins", "main", "measure"]
+__all__ = ["JobLife", "Phase", "main", "measure"]
 
 _FIRST_PORT = 10000  # rank r joins from 127.0.0.1:(10000 + r)
 _ANSWER_S = 90.0
 
 
-class Joins(NamedTuple):
-    ranks: int
-    seconds: float  # from the moment every client starts until the last join is answered
-    waits: list[float]  # each join's, seconds
+class Phase(NamedTuple):
+    """Every rank joining, or every rank leaving."""
+    seconds: float  # from the moment every client starts until the last answer
+    waits: list[float]  # each call's, seconds
     daemon_cpu_s: float
-    clients_cpu_s: float  # the joining processes', all of them (here, on the same cores)
-    failed: list[str]  # what went wrong, one line per rank that did not join
+    clients_cpu_s: float  # the calling processes', all of them (here, on the same cores)
+    failed: list[str]  # what went wrong, one line per rank whose call failed
 
-    @property
-    def per_join_ms(self) -> float:
-        return self.daemon_cpu_s / self.ranks * 1e3
-
-    @property
-    def client_per_join_ms(self) -> float:
-        return self.clients_cpu_s / self.ranks * 1e3
+    def per_call_ms(self, ranks: int) -> tuple[float, float]:
+        """CPU per call: the daemon's, the clients'."""
+        return self.daemon_cpu_s / ranks * 1e3, self.clients_cpu_s / ranks * 1e3
 
 
-def _client(info: JobInfo, ranks: list[int], ready: Barrier, go: Event,
+class JobLife(NamedTuple):
+    ranks: int
+    joins: Phase
+    leaves: Phase
+    failed: list[str]  # the job's state after each phase, where it was not as it should be
+
+def _client(info: JobInfo, ranks: list[int], ready: Barrier, go: Event, done: Event,
             answers: Queue[tuple[int, float, str]]) -> None:
     """One client process: a thread per rank, all joining once `go` is set (after every
-    client's threads are up: `ready`)."""
-    def one(rank: int) -> None:
-        go.wait()
+    client's threads are up: `ready`), and leaving once `done` is set; each answers twice."""
+    def timed(rank: int, call: Callable[[], object]) -> None:
         began = time.monotonic()
         try:
-            join(info, rank, ("127.0.0.1", _FIRST_PORT + rank))
+            call()
             failure = ""
         except Exception as exc:  # reported, rank by rank, by the bench
             failure = f"{type(exc).__name__}: {exc}"
         answers.put((rank, time.monotonic() - began, failure))
 
+    # The rank threads wait on events of this process: a thousand threads waiting on one
+    # event shared between processes wake one after another, over seconds.
+    go_here, done_here = threading.Event(), threading.Event()
+
+    def one(rank: int) -> None:
+        go_here.wait()
+        timed(rank, lambda: join(info, rank, ("127.0.0.1", _FIRST_PORT + rank)))
+        done_here.wait()
+        timed(rank, lambda: leave(info, rank))
+
     threads = [threading.Thread(target=one, args=(rank,), daemon=True) for rank in ranks]
     for thread in threads:
         thread.start()
     ready.wait()
+    go.wait()
+    go_here.set()
+    done.wait()
+    done_here.set()
     for thread in threads:
         thread.join()
 
 
-def measure(ranks: int, cores: int, clients: int, progress: ProgressBar) -> Joins:
-    """One job of `ranks` ranks joined by `clients` processes at once."""
+def measure(ranks: int, cores: int, clients: int, progress: ProgressBar) -> JobLife:
+    """One job of `ranks` ranks joined by `clients` processes at once, then left at once."""
     cfg = {
         "dataplane": {"address": "127.0.0.1", "base_port": _free_port(socket.SOCK_DGRAM),
                       "cores": cores, "cpus": [], "kernels": "numpy", "slot_memory_mb": 16},
@@ -101,9 +117,10 @@ def measure(ranks: int, cores: int, clients: int, progress: ProgressBar) -> Join
     spawn = multiprocessing.get_context("spawn")
     with local_daemon(cfg) as daemon:
         info = register(daemon.api, "joins", world_size=ranks, secret="bench")
-        ready, go, answers = spawn.Barrier(clients + 1), spawn.Event(), spawn.Queue()
+        ready, go, done = spawn.Barrier(clients + 1), spawn.Event(), spawn.Event()
+        answers: Queue[tuple[int, float, str]] = spawn.Queue()
         procs = [spawn.Process(target=_client, args=(info, list(range(i, ranks, clients)),
-                                                    ready, go, answers), daemon=True)
+                                                    ready, go, done, answers), daemon=True)
                  for i in range(clients)]
         for proc in procs:
             proc.start()
@@ -113,43 +130,60 @@ def measure(ranks: int, cores: int, clients: int, progress: ProgressBar) -> Join
         except threading.BrokenBarrierError:
             raise SystemExit("a client process did not start: exit codes "
                              f"{[proc.exitcode for proc in procs]}") from None
-        progress.update(label=f"{ranks} ranks: joining")
-        cpu0 = tree_cpu_s(daemon.process.pid)
-        clients0 = _clients_cpu_s(procs)
+        watched = _Watched(daemon.process.pid, procs, answers, ranks, progress)
+        joins = watched.phase("joining", go)
+        api, job = UnixApi(daemon.unix_socket), f"/v1/jobs/{info.job_id}"
+        failed = []
+        try:
+            listed = api.request("GET", job)
+        except ApiError as exc:  # evicted, say: the daemon's log says why
+            failed.append(f"the job is gone after the joins ({exc}); the daemon's log ends: "
+                          f"{daemon.stderr.text()[-600:]}")
+        else:
+            # (more listed than answered: ranks whose client gave up, joined all the same)
+            missing = ranks - len(joins.failed) - len(listed["joined"])
+            if missing > 0:
+                failed.append(f"{missing} rank(s) answered as joined are not in the job's list")
+        leaves = watched.phase("leaving", done)
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():  # (its calls gave up long ago: see the failures)
+                proc.terminate()
+        with contextlib.suppress(ApiError):  # (gone: as it should be)
+            left = api.request("GET", job)
+            failed.append(f"the job is still there after every rank left: {left['state']}, "
+                          f"{len(left['joined'])} rank(s) joined")
+        return JobLife(ranks, joins, leaves, failed)
+
+
+class _Watched(NamedTuple):
+    daemon_pid: int
+    procs: Sequence[multiprocessing.process.BaseProcess]
+    answers: Queue[tuple[int, float, str]]
+    ranks: int
+    progress: ProgressBar
+
+    def phase(self, what: str, start: Event) -> Phase:
+        """Every rank's call, from `start` until the last answer."""
+        self.progress.update(label=f"{self.ranks} ranks: {what}")
+        cpu0, clients0 = tree_cpu_s(self.daemon_pid), _clients_cpu_s(self.procs)
         began = time.monotonic()
-        go.set()
+        start.set()
         waits, failed = [], []
-        for done in range(ranks):
-            try:  # (a join gives up after its own 30 s: none is still trying after this)
-                rank, wait, failure = answers.get(timeout=_ANSWER_S)
+        for done in range(self.ranks):
+            try:  # (a call gives up after its own 30 s: none is still trying after this)
+                rank, wait, failure = self.answers.get(timeout=_ANSWER_S)
             except queue.Empty:
-                failed.append(f"{ranks - done} join(s) never answered, not even with an "
+                failed.append(f"{self.ranks - done} rank(s) never answered, not even with an "
                               f"error, in {_ANSWER_S:g} s (a client process died?)")
                 break
             waits.append(wait)
             if failure:
                 failed.append(f"rank {rank}: {failure}")
             if done % 256 == 255:
-                progress.update(label=f"{ranks} ranks: {done + 1} answered")
-        seconds = time.monotonic() - began
-        cpu = tree_cpu_s(daemon.process.pid) - cpu0
-        clients_cpu = _clients_cpu_s(procs) - clients0
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():  # (its joins gave up long ago: see the failures)
-                proc.terminate()
-        api = UnixApi(daemon.unix_socket)
-        try:
-            listed = api.request("GET", f"/v1/jobs/{info.job_id}")
-        except ApiError as exc:  # evicted, say: the daemon's log says why
-            failed.append(f"the job is gone ({exc}); the daemon's log ends: "
-                          f"{daemon.stderr.text()[-600:]}")
-        else:
-            # (more listed than answered: ranks whose client gave up, joined all the same)
-            missing = ranks - len(failed) - len(listed["joined"])
-            if missing > 0:
-                failed.append(f"{missing} rank(s) answered as joined are not in the job's list")
-        return Joins(ranks, seconds, waits, cpu, clients_cpu, failed)
+                self.progress.update(label=f"{self.ranks} ranks {what}: {done + 1} answered")
+        return Phase(time.monotonic() - began, waits, tree_cpu_s(self.daemon_pid) - cpu0,
+                     _clients_cpu_s(self.procs) - clients0, failed)
 
 
 def _clients_cpu_s(procs: Sequence[multiprocessing.process.BaseProcess]) -> float:
@@ -187,14 +221,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress.advance()
     progress.close()
     print(framing(before, interpreter_ms()))
-    print(f"{'ranks':>6} {'all joined in':>14} {'joins/s':>8} {'wait median':>12} "
-          f"{'longest':>8} {'daemon CPU/join':>16} {'clients CPU/join':>17}")
-    for r in results:
-        waits = r.waits or [float("nan")]
-        print(f"{r.ranks:>6} {r.seconds:>12.2f} s {r.ranks / r.seconds:>8.0f} "
-              f"{statistics.median(waits):>10.2f} s {max(waits):>6.2f} s "
-              f"{r.per_join_ms:>13.2f} ms {r.client_per_join_ms:>14.2f} ms")
-    failed = [line for r in results for line in r.failed]
+    print(f"{'ranks':>6} {'':>6} {'all done in':>12} {'a second':>9} {'wait median':>12} "
+          f"{'longest':>8} {'daemon CPU each':>16} {'clients CPU each':>17}")
+    for life in results:
+        for what, phase in (("join", life.joins), ("leave", life.leaves)):
+            waits = phase.waits or [float("nan")]
+            daemon_ms, clients_ms = phase.per_call_ms(life.ranks)
+            print(f"{life.ranks:>6} {what:>6} {phase.seconds:>10.2f} s "
+                  f"{life.ranks / phase.seconds:>9.0f} {statistics.median(waits):>10.2f} s "
+                  f"{max(waits):>6.2f} s {daemon_ms:>13.2f} ms {clients_ms:>14.2f} ms")
+    failed = [line for life in results
+              for line in (*life.joins.failed, *life.leaves.failed, *life.failed)]
     for line in failed[:8]:
         print(f"FAILED {line}")
     if len(failed) > 8:

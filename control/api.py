@@ -110,7 +110,8 @@ def _route(method: str, path: str) -> _Route | Response:
             def act(app: Appliance, r: Request) -> Response:
                 handler = {"join": app.join, "leave": app.leave, "resync": app.resync,
                            "unicast": app.unicast}[action]
-                return Response.json(200, handler(job_id, json_object(r.body)).to_json())
+                answer = handler(job_id, json_object(r.body))
+                return Response(200, answer.encoded, "application/json")
             return _Route(act, needs_body=True)
     elif match and action is None:  # DELETE
         return _Route(lambda app, _: Response.json(200, app.abort(job_id).to_json()))

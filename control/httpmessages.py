@@ -23,7 +23,9 @@ class Limits:
     header_timeout_s: float = 10.0  # a request's head (and then its body) must arrive in this
     idle_timeout_s: float = 30.0  # a keep-alive connection waits this long for a next request
     drain_s: float = 5.0  # on stop: the longest wait for requests in flight
-    backlog: int = 1024  # listen queue (the kernel caps it at net.core.somaxconn)
+    # Listen queue (the kernel caps it at net.core.somaxconn, 4096 by default): a job's ranks
+    # connect at once, and a connection beyond it waits for a retransmitted SYN (1 s, 3 s...).
+    backlog: int = 4096
     max_head_bytes: int = 16384  # request line + headers; beyond: 431
 
     @classmethod

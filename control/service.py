@@ -25,11 +25,11 @@ from reduction_appliance.dataplane.errors import (
 from reduction_appliance.dataplane.registration import JobDescription
 from reduction_appliance.dataplane.roce import ROCE_PORTS
 from reduction_appliance.dataplane.spec import Address
-from reduction_appliance.dataplane.wire import HEADER_SIZE, number_before
+from reduction_appliance.dataplane.wire import HEADER_SIZE
 
 from . import bodies
+from .activity import Activity, merged
 from .drain import Drain, overdue
-from .joinbatch import JoinBatches
 from .registry import (
     EVICTION_CAUSES,
     ConflictError,
@@ -38,8 +38,10 @@ from .registry import (
     JobPlan,
     JobState,
     Registry,
+    UnknownJob,
 )
 from .snapshot import ApplianceSnapshot, CoreSnapshot, InterfaceSnapshot, JobSnapshot
+from .specbatch import SpecBatches
 from .supervisor import Supervisor
 
 __all__ = ["VERSION", "Appliance", "Draining"]
@@ -70,7 +72,8 @@ class Appliance:
         self.janitor_errors = 0  # the daemon's periodic chores that failed (each logged)
         self.evicted = dict.fromkeys(EVICTION_CAUSES, 0)  # jobs evicted since start, by cause
         self._lock = threading.Lock()
-        self._joins: JoinBatches[JobPlan] = JoinBatches(self._lock)
+        self._updates: SpecBatches[JobPlan] = SpecBatches(self._lock)
+        self._last_answer: tuple[JobPlan, bool, JobDescription] | None = None
         # core index -> (monotonic time, packets in, bytes in) at the last sample, and rates
         self._samples: dict[int, tuple[float, int, int]] = {}
         self._rates: dict[int, tuple[float, float]] = {}
@@ -126,17 +129,28 @@ class Appliance:
             self.registry.join(job_id, rank, secret, endpoint, rejoin,
                                silent_s=self._silent_elsewhere(job_id, rank, endpoint),
                                lanes=lanes, window_cap=window_cap)
-            ticket = self._joins.decided(job_id)
-        # The cores learn it with the joins decided meanwhile (control/joinbatch.py); the
+            ticket = self._updates.decided(job_id)
+        # The cores learn it with the changes decided meanwhile (control/specbatch.py); the
         # answer is the job as they have it.
-        plan = self._joins.await_sent(
+        return self._answer(self._sent(job_id, ticket), member=True)
+
+    def _sent(self, job_id: int, ticket: int) -> JobPlan:
+        """The job as the cores have it, once they have change `ticket` (the lock not held)."""
+        return self._updates.await_sent(
             job_id, ticket, lambda: self._update_cores(self.registry.get(job_id)))
-        return plan.describe(self.cfg, member=True)
+
+    def _answer(self, plan: JobPlan, *, member: bool) -> JobDescription:
+        """`plan` described, once for all the calls one core update answers (and encoded once:
+        `JobDescription.encoded`). A race between two threads describes it twice."""
+        last = self._last_answer
+        if last is None or last[0] is not plan or last[1] != member:
+            last = self._last_answer = (plan, member, plan.describe(self.cfg, member=member))
+        return last[2]
 
     def _update_cores(self, plan: JobPlan) -> None:
         """Every core gets the job's spec (the lock held)."""
         self.supervisor.update_job(plan.spec)
-        self._joins.sent(plan.spec.job_id, plan)
+        self._updates.sent(plan.spec.job_id, plan)
 
     def _free_name_of_abandoned(self, name: str, refused: RequestError) -> bool:
         """Whether the job called `name` was abandoned and is now evicted: ranks joined, and
@@ -176,7 +190,7 @@ class Appliance:
                     return word.silent.get(rank, 0.0)
         return 0.0
 
-    def _heard(self, act: _Activity) -> Heard | None:
+    def _heard(self, act: Activity) -> Heard | None:
         """What the cores heard of one job, when every core answered for it: heartbeats go to
         one core per appliance, so without that core's word (restarting, or too busy) another
         core alone would read live workers as silent."""
@@ -237,9 +251,15 @@ class Appliance:
         secret = bodies.string(body, "secret")
         seen = bodies.integer(body, "epoch", 0, 65535)
         with self._lock:
+            before = self.registry.get(job_id).spec
             plan = self.registry.resync(job_id, secret, seen)
-            self._update_cores(plan)
-        return plan.describe(self.cfg, member=True)
+            # Every rank asks after an outage: the first moves the epoch, and the others
+            # wait for the cores to have it (`pending`), not send it again.
+            ticket = (self._updates.decided(job_id) if plan.spec != before
+                      else self._updates.pending(job_id))
+        if ticket is not None:
+            plan = self._sent(job_id, ticket)
+        return self._answer(plan, member=True)
 
     def unicast(self, job_id: int, body: dict[str, Any]) -> JobDescription:
         """A rank hears none (or few) of the job's multicast results: every rank gets them by
@@ -270,9 +290,16 @@ class Appliance:
             if plan.state is JobState.DONE:
                 self.supervisor.remove_job(job_id)
                 self._release_roce(job_id)
-            elif plan.spec != before:  # the cores tell its peers it left, not went quiet
-                self._update_cores(plan)
-        return plan.describe(self.cfg)
+                return plan.describe(self.cfg)
+            if plan.spec == before:
+                return plan.describe(self.cfg)
+            ticket = self._updates.decided(job_id)
+        # The cores tell its peers it left, not went quiet: sent with the leaves decided
+        # meanwhile, unless the last of them ended the job first (then there is no one to tell).
+        try:
+            return self._answer(self._sent(job_id, ticket), member=False)
+        except UnknownJob:
+            return plan.describe(self.cfg)
 
     def core_restarted(self, core: int) -> None:
         """A data-plane core came back empty: every job moves to a new epoch (its workers hear
@@ -372,46 +399,11 @@ class Appliance:
             self._samples[core.config.index] = (now, packets, nbytes)
 
     # ---- views ----
-    def _job_activity(self) -> list[_Activity]:
+    def _job_activity(self) -> list[Activity]:
         return self._job_activity_of(tuple(p.spec.job_id for p in self.registry.jobs))
 
-    def _job_activity_of(self, ids: tuple[int, ...]) -> list[_Activity]:
-        per_core = self.supervisor.stats(ids) if ids else []
-        out = []
-        for job_id in ids:
-            act = _Activity(job_id)
-            for core in per_core:
-                core_now = core.now
-                st = core.jobs.get(job_id)
-                if st is None:
-                    continue
-                # The newest (round numbers wrap; 0: none yet).
-                if not act.rounds or number_before(act.rounds, st.rounds):
-                    act.rounds = st.rounds
-                act.bytes_reduced += st.bytes_reduced
-                act.segments_reduced += st.segments_reduced
-                if st.last_activity is not None:
-                    act.last_activity = max(act.last_activity or 0.0, st.last_activity)
-                for rank, since in st.waiting.items():
-                    act.lagging[rank] = max(act.lagging.get(rank, 0.0), core_now - since)
-                act.diverged = act.diverged or st.diverged
-                for rank, ago in st.heard.items():  # the core that heard it last
-                    act.heard[rank] = min(act.heard.get(rank, ago), ago)
-                act.elsewhere.update(st.elsewhere)
-                act.ended.update(st.ended)  # (found by a core a slot of which waits for it)
-                for rank, n in st.missed_from.items():
-                    act.missed[rank] = act.missed.get(rank, 0) + n
-                for rank, n in st.lost_to.items():
-                    act.lost[rank] = act.lost.get(rank, 0) + n
-                # Heartbeats go to one core per appliance: a rank is silent only if every
-                # core says so, for as long as the one that heard it last.
-                act.silent_votes.append(st.silent)
-                act.reports += 1
-                if st.quiet_s is not None:  # the core that heard the job last
-                    act.quiet_s = min(st.quiet_s, act.quiet_s if act.quiet_s is not None
-                                      else st.quiet_s)
-            out.append(act)
-        return out
+    def _job_activity_of(self, ids: tuple[int, ...]) -> list[Activity]:
+        return merged(ids, self.supervisor.stats(ids) if ids else [])
 
     def snapshot(self) -> ApplianceSnapshot:
         now = time.monotonic()
@@ -477,35 +469,3 @@ class Appliance:
             segment_bytes=self.cfg.dataplane.max_payload,
             segment_origin=self.cfg.dataplane.segment_origin,
         )
-
-
-class _Activity:
-    __slots__ = ("bytes_reduced", "diverged", "elsewhere", "ended", "heard", "job_id", "lagging",
-                 "last_activity", "lost", "missed", "quiet_s", "reports", "rounds",
-                 "segments_reduced", "silent_votes")
-
-    def __init__(self, job_id: int) -> None:
-        self.job_id = job_id
-        self.diverged: str | None = None
-        self.silent_votes: list[dict[int, float]] = []  # per core: rank -> seconds silent
-        self.rounds = 0
-        self.bytes_reduced = 0
-        self.segments_reduced = 0
-        self.last_activity: float | None = None
-        self.quiet_s: float | None = None  # since any core last heard any rank
-        self.reports = 0  # how many cores answered for the job
-        self.lagging: dict[int, float] = {}
-        self.heard: dict[int, float] = {}  # rank -> seconds since any core heard it
-        self.elsewhere: dict[int, Address] = {}  # rank -> another source its datagrams had
-        self.ended: set[int] = set()  # ranks a core found ended (dataplane.reach)
-        self.missed: dict[int, int] = {}  # rank -> its contributions that never came, all cores
-        self.lost: dict[int, int] = {}  # rank -> results it is known to have lost, all cores
-
-    @property
-    def silent(self) -> dict[int, float]:
-        """Ranks every core finds silent, for as long as the core that heard them last."""
-        if not self.silent_votes:
-            return {}
-        ranks = set.intersection(*(set(v) for v in self.silent_votes))
-        return {r: min(v[r] for v in self.silent_votes) for r in sorted(ranks)}
-

@@ -8,6 +8,8 @@ is present only in answers to the job's own ranks (None in listings).
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -108,6 +110,13 @@ class JobDescription:
             "wire_version": self.wire_version, "transport": self.transport,
             "queue_target_s": self.queue_target_s,
         }
+
+    @functools.cached_property
+    def encoded(self) -> bytes:
+        """`to_json` as the API sends it, encoded once: the ranks whose joins or leaves one
+        core update carried share one answer (control/specbatch.py), and at 4096 ranks its
+        `joined` list alone took 0.6 ms to encode."""
+        return json.dumps(self.to_json()).encode()
 
     @classmethod
     def from_json(cls, value: object) -> JobDescription:

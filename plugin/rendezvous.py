@@ -166,6 +166,9 @@ def _call_raw(appliance: str, method: str, path: str, body: dict[str, object] | 
             # ranks refused together (a full connection table) must not return together.
             time.sleep(pause * random.uniform(0.5, 1.0))
             pause = min(pause * 2, _MOST_BETWEEN_S)
+            # And each attempt waits longer than the last: an API with thousands of requests
+            # queued answers them in turn, and one given up joins the back of the queue again.
+            attempt_s = min(attempt_s * 2, timeout_s / 2)
     return reply
 
 

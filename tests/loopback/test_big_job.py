@@ -94,14 +94,17 @@ def test_the_heartbeat_bench_measures_a_core(capsys: pytest.CaptureFixture[str])
         assert stopped.value.code == 2
 
 
-def test_the_join_bench_joins_every_rank_at_once(capsys: pytest.CaptureFixture[str]) -> None:
-    """bench.joins: ranks of two client processes join a real reductiond at the same moment;
-    each is answered and listed as joined (else it fails, naming them)."""
+def test_the_join_bench_joins_and_leaves_every_rank_at_once(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """bench.joins: ranks of two client processes join a real reductiond at the same moment,
+    then leave at the same moment; each is answered, listed as joined, and the last leave
+    ends the job (else it fails, saying which)."""
     assert joins.main(["--ranks", "96", "--clients", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[1].split()[:4] == ["ranks", "all", "joined", "in"]
-    row = out[2].split()
-    assert row[0] == "96" and float(row[1]) > 0 and float(row[-2]) > 0, out
+    assert out[1].split()[:4] == ["ranks", "all", "done", "in"]
+    rows = [line.split() for line in out[2:4]]
+    assert [row[:2] for row in rows] == [["96", "join"], ["96", "leave"]], out
+    assert all(float(row[2]) > 0 and float(row[-2]) > 0 for row in rows), out
     for bad in (["--ranks", "0"], ["--ranks", "5000"], ["--ranks", "x"], ["--clients", "0"]):
         with pytest.raises(SystemExit) as stopped:
             joins.main(bad)

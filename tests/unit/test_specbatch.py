@@ -1,5 +1,6 @@
-"""Joins decided one at a time and sent to the cores in batches (control/joinbatch.py), and the
-appliance that uses them with a core that takes its time (control/service.py)."""
+"""Changes of a job (joins, leaves, resyncs) decided one at a time and sent to the cores in
+batches (control/specbatch.py), and the appliance that uses them with a core that takes its
+time (control/service.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from typing import Any, cast
 import pytest
 
 from reduction_appliance.control.config import parse
-from reduction_appliance.control.joinbatch import JoinBatches
 from reduction_appliance.control.registry import Registry
 from reduction_appliance.control.service import Appliance
+from reduction_appliance.control.specbatch import SpecBatches
 from reduction_appliance.control.supervisor import Supervisor
 from reduction_appliance.dataplane.errors import NotFound
 from reduction_appliance.dataplane.spec import JobSpec
@@ -21,7 +22,7 @@ from reduction_appliance.dataplane.spec import JobSpec
 class _Cores:
     """Sends the job as decided so far (a list of ranks standing for its spec)."""
 
-    def __init__(self, lock: threading.Lock, batches: JoinBatches[list[int]]) -> None:
+    def __init__(self, lock: threading.Lock, batches: SpecBatches[list[int]]) -> None:
         self.lock, self.batches = lock, batches
         self.decided: list[int] = []
         self.sends: list[list[int]] = []
@@ -65,7 +66,7 @@ def _all_at_once(n: int, fn: Any) -> tuple[list[Any], list[BaseException]]:
 
 def test_joins_decided_meanwhile_go_to_the_cores_in_one_send() -> None:
     lock = threading.Lock()
-    batches: JoinBatches[list[int]] = JoinBatches(lock)
+    batches: SpecBatches[list[int]] = SpecBatches(lock)
     cores = _Cores(lock, batches)
     tickets = [cores.join(rank) for rank in range(32)]
     plans, errors = _all_at_once(32, lambda i: batches.await_sent(1, tickets[i],
@@ -77,7 +78,7 @@ def test_joins_decided_meanwhile_go_to_the_cores_in_one_send() -> None:
 
 def test_each_join_returns_only_once_the_cores_have_it() -> None:
     lock = threading.Lock()
-    batches: JoinBatches[list[int]] = JoinBatches(lock)
+    batches: SpecBatches[list[int]] = SpecBatches(lock)
     cores = _Cores(lock, batches)
 
     def join_and_wait(rank: int) -> list[int]:
@@ -94,7 +95,7 @@ def test_each_join_returns_only_once_the_cores_have_it() -> None:
 def test_another_update_of_the_job_counts_as_its_send() -> None:
     """A resync or a leave sends the whole spec too: joins decided before it are in it."""
     lock = threading.Lock()
-    batches: JoinBatches[list[int]] = JoinBatches(lock)
+    batches: SpecBatches[list[int]] = SpecBatches(lock)
     cores = _Cores(lock, batches)
     ticket = cores.join(5)
     with lock:
@@ -105,7 +106,7 @@ def test_another_update_of_the_job_counts_as_its_send() -> None:
 
 def test_a_refused_send_fails_its_own_join_and_the_next_waiter_sends_again() -> None:
     lock = threading.Lock()
-    batches: JoinBatches[list[int]] = JoinBatches(lock)
+    batches: SpecBatches[list[int]] = SpecBatches(lock)
     cores = _Cores(lock, batches)
     first, second = cores.join(0), cores.join(1)
     cores.refuse = 1
@@ -120,18 +121,50 @@ def test_a_refused_send_fails_its_own_join_and_the_next_waiter_sends_again() -> 
     assert batches.await_sent(1, cores.join(2), cores.send_latest) == [0, 1, 2]
 
 
+def test_a_call_that_changed_nothing_waits_only_for_changes_not_yet_sent() -> None:
+    lock = threading.Lock()
+    batches: SpecBatches[list[int]] = SpecBatches(lock)
+    cores = _Cores(lock, batches)
+    with lock:
+        assert batches.pending(1) is None  # nothing on its way: answer at once
+    ticket = cores.join(3)
+    with lock:
+        waiting = batches.pending(1)  # e.g. a resync that found the epoch moved already
+    assert waiting == ticket
+    assert batches.await_sent(1, ticket, cores.send_latest) == [3]
+    assert batches.await_sent(1, waiting, cores.send_latest) == [3]
+    assert cores.sends == [[3]]
+    with lock:
+        assert batches.pending(1) is None
+
+
 class _SlowCores:
     """A supervisor whose update takes as long as a big job's does on a busy appliance."""
 
     def __init__(self) -> None:
         self.specs: list[JobSpec] = []
+        self.removed: list[int] = []
 
     def add_job(self, spec: JobSpec) -> None:
         self.specs.append(spec)
 
     def update_job(self, spec: JobSpec) -> None:
-        time.sleep(0.02)  # the workload: pickling, piping, comparing 4096 endpoints
+        time.sleep(0.01)  # the workload: pickling, piping, comparing 4096 endpoints
         self.specs.append(spec)
+
+    def remove_job(self, job_id: int, *, abort: str | None = None) -> None:
+        self.removed.append(job_id)
+
+
+def _joined(world: int) -> tuple[Appliance, _SlowCores, int]:
+    supervisor = _SlowCores()
+    appliance = Appliance(Registry(parse({"dataplane": {"slot_memory_mb": 64}})),
+                          cast(Supervisor, supervisor))
+    job_id = appliance.create_job({"name": "big", "world_size": world, "secret": "s"}).job_id
+    for rank in range(world):
+        appliance.join(job_id, {"rank": rank, "secret": "s", "address": "198.18.0.2",
+                                "port": 20000 + rank})
+    return appliance, supervisor, job_id
 
 
 def test_the_appliance_sends_concurrent_joins_in_batches_and_answers_each_with_its_rank() -> None:
@@ -149,3 +182,29 @@ def test_the_appliance_sends_concurrent_joins_in_batches_and_answers_each_with_i
     assert all(e == ("198.18.0.2", 20000 + r) for r, e in enumerate(updates[-1].endpoints))
     for rank, answer in enumerate(answers):
         assert answer.cookie == updates[-1].cookie and rank in answer.joined
+
+
+def test_ranks_leaving_together_are_sent_in_batches_and_the_last_ends_the_job() -> None:
+    """The leaves still waiting for their update when the last rank's leave ends the job have
+    nothing left to tell: they succeed."""
+    appliance, supervisor, job_id = _joined(48)
+    before = len(supervisor.specs)
+    answers, errors = _all_at_once(48, lambda rank: appliance.leave(job_id, {
+        "rank": rank, "secret": "s"}))
+    assert not errors
+    assert len(supervisor.specs) - before <= 36
+    assert supervisor.removed == [job_id] and appliance.jobs() == []
+    assert {a.state for a in answers} >= {"done"}
+    assert all(spec.departed <= frozenset(range(48)) for spec in supervisor.specs[before:])
+
+
+def test_ranks_that_resync_together_move_the_epoch_once_and_send_it_once() -> None:
+    appliance, supervisor, job_id = _joined(16)
+    epoch = appliance.registry.get(job_id).spec.epoch
+    before = len(supervisor.specs)
+    answers, errors = _all_at_once(16, lambda rank: appliance.resync(job_id, {
+        "secret": "s", "epoch": epoch}))
+    assert not errors
+    moved = supervisor.specs[before:]
+    assert len(moved) == 1 and moved[0].epoch != epoch
+    assert all(a.epoch == moved[0].epoch for a in answers)
