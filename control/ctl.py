@@ -43,6 +43,10 @@ def render_status(s: dict[str, Any]) -> str:
     if s.get("janitor_errors"):
         lines.append(f"! janitor: {s['janitor_errors']} periodic chore(s) failed since start "
                      "(each logged by reductiond)")
+    if s.get("api_requests_abandoned"):
+        lines.append(f"! api: {s['api_requests_abandoned']} request(s) not served since start: "
+                     "their clients gave up waiting first and asked again (the API was busier "
+                     "than their timeouts)")
     lines.append("")
     lines.append(f"{'core':>4} {'pid':>7} {'cpu':>4} {'port':>6} {'state':>10} {'restarts':>8} "
                  f"{'pps in':>9} {'GB/s in':>8} {'pkts in':>10} {'reduced':>10} {'drops':>6} "

@@ -174,6 +174,7 @@ def serve(cfg: ApplianceConfig, stop: threading.Event) -> None:
                               network_view=network_view)
         supervisor.on_restart = appliance.core_restarted
         server, where = build_server(cfg, appliance, token)
+        appliance.api_abandoned = lambda: server.abandoned
         stack.callback(server.stop)  # on an error; the normal path stops it first, below
         server.start()
         dp = cfg.dataplane

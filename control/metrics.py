@@ -106,6 +106,13 @@ def _appliance_families(snap: ApplianceSnapshot) -> Iterator[Metric]:
         "failed and were survived; each is one log line.")
     errors.add_metric([], snap.janitor_errors)
     yield errors
+    abandoned = CounterMetricFamily(
+        PREFIX + "api_requests_abandoned",
+        "API requests whose client closed its connection before a handler took them, so not "
+        "served: callers whose attempts time out before the API answers (a job of thousands "
+        "of ranks joining at once on a slow appliance), and that ask again.")
+    abandoned.add_metric([], snap.api_requests_abandoned)
+    yield abandoned
     evicted = CounterMetricFamily(
         PREFIX + "appliance_jobs_evicted",
         "Jobs the appliance removed itself since it started: idle (nothing heard from any rank "

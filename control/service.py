@@ -70,6 +70,7 @@ class Appliance:
         self.started = time.monotonic()
         self.draining = False
         self.janitor_errors = 0  # the daemon's periodic chores that failed (each logged)
+        self.api_abandoned: Callable[[], int] = lambda: 0  # the API server's count (daemon.py)
         self.evicted = dict.fromkeys(EVICTION_CAUSES, 0)  # jobs evicted since start, by cause
         self._lock = threading.Lock()
         self._updates: SpecBatches[JobPlan] = SpecBatches(self._lock)
@@ -465,6 +466,7 @@ class Appliance:
             steering_notes=notes, rdma_devices=rdma,
             fallbacks=self.supervisor.fallbacks.describe(),
             janitor_errors=self.janitor_errors + self.supervisor.errors,
+            api_requests_abandoned=self.api_abandoned(),
             jobs_evicted=dict(self.evicted),
             segment_bytes=self.cfg.dataplane.max_payload,
             segment_origin=self.cfg.dataplane.segment_origin,

@@ -89,6 +89,8 @@ class ApplianceSnapshot:
     steering_notes: tuple[str, ...] = ()  # what could not be steered here, and why
     rdma_devices: tuple[str, ...] = ()
     janitor_errors: int = 0  # the daemon's periodic chores that failed (each logged once)
+    # API requests whose client closed its end before a handler took them (not served)
+    api_requests_abandoned: int = 0
     jobs_evicted: dict[str, int] = field(default_factory=dict)  # since start, by cause
     fallbacks: tuple[str, ...] = ()  # what the appliance gave up on this host, and why
     segment_bytes: int = 0  # a UDP job's segment: the largest payload the path carries

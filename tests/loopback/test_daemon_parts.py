@@ -109,6 +109,9 @@ def test_status_shows_the_janitors_failures() -> None:
     shown = render_status(snapshot | {"janitor_errors": 4})
     assert "janitor: 4 periodic chore(s) failed" in shown.split("\n\n")[0]
     assert shown.split("\n\n")[2] == "jobs: none"  # `reductionctl jobs` still finds its part
+    assert "api:" not in shown
+    shown = render_status(snapshot | {"api_requests_abandoned": 37})
+    assert "api: 37 request(s) not served since start" in shown.split("\n\n")[0]
     quiet = render_status(snapshot | {"jobs_evicted": {"idle": 0, "abandoned": 0}})
     assert "evicted" not in quiet
     shown = render_status(snapshot | {"jobs_evicted": {"idle": 1, "abandoned": 2}})

@@ -249,7 +249,8 @@ def test_empty_appliance_renders() -> None:
     names = {s.name for s in samples(empty)}
     assert names == {"reduction_appliance_info", "reduction_appliance_uptime_seconds",
                      "reduction_appliance_segment_bytes",
-                     "reduction_appliance_janitor_errors_total", "reduction_appliance_fallbacks"}
+                     "reduction_appliance_janitor_errors_total", "reduction_appliance_fallbacks",
+                     "reduction_api_requests_abandoned_total"}
 
 
 def test_names_follow_conventions() -> None:
