@@ -1,22 +1,24 @@
-"""How long a big job's ranks take to join when they start together.
+"""How long a big job's ranks take to join when they start together, and to leave when they end.
 
     python -m reduction_appliance.bench.joins [--ranks 256,1024,4096] [--cores 2]
                                               [--clients 4]
 
 A launcher starts every rank of a job at once, and each joins the appliance (POST
-/v1/jobs/ID/join) before its first round: the last join decides when the job can start. For
-each job size this starts a real reductiond on loopback with `--cores` data-plane cores,
-registers the job, and lets `--clients` processes join all its ranks at the same moment (a
-thread per rank; a process holds a share of the ranks, as a host holds its GPUs). It reports
-the time until the last join was answered, joins a second, each join's wait (median and
-longest), and the daemon's CPU per join (its API and its cores, from /proc), then checks the
-job lists every rank as joined.
+/v1/jobs/ID/join) before its first round: the last join decides when the job can start. At
+its end every rank leaves (POST .../leave) as its process exits. For each job size this starts
+a real reductiond on loopback with `--cores` data-plane cores, registers the job, and lets
+`--clients` processes join all its ranks at the same moment (a thread per rank; a process
+holds a share of the ranks, as a host holds its GPUs), then leave them all at once. For each
+phase it reports the time until the last answer, calls a second, each call's wait (median and
+longest), the CPU per call of the daemon (its API and its cores, from /proc) and of the
+clients, and the calls that failed (a join gives up after 30 s, a leave after 10); it checks
+that the job listed every rank as joined, and that the last leave ended it.
 
 The ranks' endpoints are addresses on loopback nobody listens on: a join needs none, and the
-job never reduces. Clients on the same few cores as the appliance take CPU from it: the daemon's
-CPU per join is the figure that carries to a rack, the wall time an upper bound.
+job never reduces. Clients on the same few cores as the appliance take CPU from it (at 4096
+ranks, thousands of client threads take more than the daemon): the daemon's CPU per call is
+the figure that carries to a rack, the wall time an upper bound.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -222,14 +224,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress.close()
     print(framing(before, interpreter_ms()))
     print(f"{'ranks':>6} {'':>6} {'all done in':>12} {'a second':>9} {'wait median':>12} "
-          f"{'longest':>8} {'daemon CPU each':>16} {'clients CPU each':>17}")
+          f"{'longest':>8} {'daemon CPU each':>16} {'clients CPU each':>17} {'failed':>7}")
     for life in results:
         for what, phase in (("join", life.joins), ("leave", life.leaves)):
             waits = phase.waits or [float("nan")]
             daemon_ms, clients_ms = phase.per_call_ms(life.ranks)
             print(f"{life.ranks:>6} {what:>6} {phase.seconds:>10.2f} s "
                   f"{life.ranks / phase.seconds:>9.0f} {statistics.median(waits):>10.2f} s "
-                  f"{max(waits):>6.2f} s {daemon_ms:>13.2f} ms {clients_ms:>14.2f} ms")
+                  f"{max(waits):>6.2f} s {daemon_ms:>13.2f} ms {clients_ms:>14.2f} ms "
+                  f"{len(phase.failed):>7}")
     failed = [line for life in results
               for line in (*life.joins.failed, *life.leaves.failed, *life.failed)]
     for line in failed[:8]:

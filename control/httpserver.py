@@ -68,7 +68,7 @@ class _HandlerPool:
         again, so serving it would only delay the rest (nginx's 499). Four thousand ranks
         joining at once queued for longer than their attempts waited, and every retry
         queued behind its own abandoned request: most of them never joined
-        (benchmarks-journal.md, "Joins in batches")."""
+        (benchmarks-journal.md, "Joins and leaves in batches")."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Response] = loop.create_future()
         self._jobs.put((fn, left, future, loop))
