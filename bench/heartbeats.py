@@ -34,7 +34,7 @@ from reduction_appliance.plugin.lease import heartbeat
 from reduction_appliance.plugin.rendezvous import join, register
 
 from .cputime import tree_cpu_s
-from .gauge import framing, interpreter_ms
+from .jobsizes import each_size, job_sizes
 from .progress import ProgressBar
 
 __all__ = ["Cost", "main", "measure"]
@@ -128,25 +128,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="heartbeats a second, all ranks together (default 2000)")
     parser.add_argument("--seconds", type=float, default=10.0, help="per job size")
     args = parser.parse_args(argv)
-    try:
-        sizes = [int(x) for x in args.ranks.split(",")]
-    except ValueError:
-        parser.error(f"--ranks takes whole numbers, e.g. 64,1024: {args.ranks!r}")
-    if not all(1 <= n <= 4096 for n in sizes) or args.rate <= 0 or args.seconds <= 0:
-        parser.error("--ranks are 1..4096 (what the appliance admits); --rate and --seconds "
-                     "are positive")
+    sizes = job_sizes(parser, args.ranks)
+    if args.rate <= 0 or args.seconds <= 0:
+        parser.error("--rate and --seconds are positive")
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and max(sizes) + 64 > hard:
         parser.error(f"{max(sizes)} ranks need as many open files; this shell allows {hard}")
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    before = interpreter_ms()
-    progress = ProgressBar(len(sizes))
-    costs = []
-    for n in sizes:
-        costs.append(measure(n, args.rate, args.seconds, progress))
-        progress.advance()
-    progress.close()
-    print(framing(before, interpreter_ms()))
+    costs = each_size(sizes, lambda n, progress: measure(n, args.rate, args.seconds, progress))
     print(f"{'ranks':>6} {'heartbeats/s':>13} {'us each':>8} {'core busy':>10} "
           f"{'at the ranks own rate':>22}")
     for c in costs:

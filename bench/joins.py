@@ -40,7 +40,7 @@ from reduction_appliance.deploy.testnet.harness import local_daemon
 from reduction_appliance.plugin.rendezvous import JobInfo, join, leave, register
 
 from .cputime import tree_cpu_s
-from .gauge import framing, interpreter_ms
+from .jobsizes import each_size, job_sizes
 from .progress import ProgressBar
 
 __all__ = ["JobLife", "Phase", "main", "measure"]
@@ -207,22 +207,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=4,
                         help="processes joining the ranks between them (default 4)")
     args = parser.parse_args(argv)
-    try:
-        sizes = [int(x) for x in args.ranks.split(",")]
-    except ValueError:
-        parser.error(f"--ranks takes whole numbers, e.g. 256,1024: {args.ranks!r}")
-    if not all(1 <= n <= 4096 for n in sizes):
-        parser.error("--ranks are 1..4096 (what the appliance admits)")
+    sizes = job_sizes(parser, args.ranks)
     if not 1 <= args.cores <= 64 or not 1 <= args.clients <= 64:
         parser.error("--cores and --clients are 1..64")
-    before = interpreter_ms()
-    progress = ProgressBar(len(sizes))
-    results = []
-    for n in sizes:
-        results.append(measure(n, args.cores, args.clients, progress))
-        progress.advance()
-    progress.close()
-    print(framing(before, interpreter_ms()))
+    results = each_size(sizes, lambda n, progress: measure(n, args.cores, args.clients,
+                                                          progress))
     print(f"{'ranks':>6} {'':>6} {'all done in':>12} {'a second':>9} {'wait median':>12} "
           f"{'longest':>8} {'daemon CPU each':>16} {'clients CPU each':>17} {'failed':>7}")
     for life in results:

@@ -1,0 +1,41 @@
+"""What the big-job benchmarks share (bench.heartbeats, bench.joins): `--ranks` parsed, and
+each job size measured under one progress bar, framed by the machine's speed."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import TypeVar
+
+from .gauge import framing, interpreter_ms
+from .progress import ProgressBar
+
+__all__ = ["MOST_RANKS", "each_size", "job_sizes"]
+
+T = TypeVar("T")
+MOST_RANKS = 4096  # the largest job the appliance admits
+
+
+def job_sizes(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    """`--ranks` ("64,1024"), each 1..MOST_RANKS; anything else is the parser's error."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        parser.error(f"--ranks takes whole numbers, e.g. 64,1024: {text!r}")
+    if not all(1 <= n <= MOST_RANKS for n in sizes):
+        parser.error(f"--ranks are 1..{MOST_RANKS} (what the appliance admits)")
+    return sizes
+
+
+def each_size(sizes: list[int], measure: Callable[[int, ProgressBar], T]) -> list[T]:
+    """`measure(n, progress)` for each size, a progress bar over them, and the line that says
+    how fast the machine ran Python before and after (printed)."""
+    before = interpreter_ms()
+    progress = ProgressBar(len(sizes))
+    results = []
+    for n in sizes:
+        results.append(measure(n, progress))
+        progress.advance()
+    progress.close()
+    print(framing(before, interpreter_ms()))
+    return results
