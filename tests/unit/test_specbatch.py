@@ -149,7 +149,7 @@ class _SlowCores:
         self.specs.append(spec)
 
     def update_job(self, spec: JobSpec) -> None:
-        time.sleep(0.01)  # the workload: pickling, piping, comparing 4096 endpoints
+        time.sleep(0.02)  # the workload: pickling, piping, comparing 4096 endpoints
         self.specs.append(spec)
 
     def remove_job(self, job_id: int, *, abort: str | None = None) -> None:
@@ -176,9 +176,12 @@ def test_the_appliance_sends_concurrent_joins_in_batches_and_answers_each_with_i
         "rank": rank, "secret": "s", "address": "198.18.0.2", "port": 20000 + rank}))
     assert not errors
     updates = supervisor.specs[1:]
-    # One per join before; the batches vary with the threads' turns (3 to 13 in runs here):
-    # the bound leaves room for a busy machine and still fails one update per join.
-    assert len(updates) <= 36, f"{len(updates)} core updates for 48 joins"
+    # One per join before. The batches vary with the threads' turns for the lock (3 to 17
+    # updates in runs here, 2 to 24 for the leaves below; one run in 36 failed a bound of
+    # 40): whoever gets the lock first after an update, a join to decide or the next sender,
+    # decides the next batch. The bound is what one update per call fails; SpecBatches' own
+    # tests above hold the batching exactly.
+    assert len(updates) < 48, f"{len(updates)} core updates for 48 joins"
     assert all(e == ("198.18.0.2", 20000 + r) for r, e in enumerate(updates[-1].endpoints))
     for rank, answer in enumerate(answers):
         assert answer.cookie == updates[-1].cookie and rank in answer.joined
@@ -192,7 +195,7 @@ def test_ranks_leaving_together_are_sent_in_batches_and_the_last_ends_the_job() 
     answers, errors = _all_at_once(48, lambda rank: appliance.leave(job_id, {
         "rank": rank, "secret": "s"}))
     assert not errors
-    assert len(supervisor.specs) - before <= 36
+    assert len(supervisor.specs) - before < 47  # (one per leave but the last, before)
     assert supervisor.removed == [job_id] and appliance.jobs() == []
     assert {a.state for a in answers} >= {"done"}
     assert all(spec.departed <= frozenset(range(48)) for spec in supervisor.specs[before:])
