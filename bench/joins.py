@@ -68,6 +68,7 @@ class JobLife(NamedTuple):
     leaves: Phase
     failed: list[str]  # the job's state after each phase, where it was not as it should be
 
+
 def _client(info: JobInfo, ranks: list[int], ready: Barrier, go: Event, done: Event,
             answers: Queue[tuple[int, float, str]]) -> None:
     """One client process: a thread per rank, all joining once `go` is set (after every
