@@ -151,7 +151,7 @@ class ApiConfig:
     token_file: str = ""  # bearer token required on TCP; "" = no authentication (labs only)
     # Open connections, all listeners; beyond: 503 and close. Four times a job of 4096 ranks
     # (the most admitted), each rank joining on its own: at 4096, four thousand ranks joining
-    # at once met 503s, retried all together, and a third never joined.
+    # at once met 503s, retried all together, and most never joined.
     max_connections: int = 16384
     handler_threads: int = 8  # requests served at once (they wait on the cores)
     max_body_bytes: int = 65536  # a larger request body gets 413
