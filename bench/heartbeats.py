@@ -34,7 +34,7 @@ from reduction_appliance.plugin.lease import heartbeat
 from reduction_appliance.plugin.rendezvous import join, register
 
 from .cputime import tree_cpu_s
-from .jobsizes import each_size, job_sizes
+from .jobsizes import each_size, job_sizes, loopback_daemon
 from .progress import ProgressBar
 
 __all__ = ["Cost", "main", "measure"]
@@ -64,12 +64,6 @@ class Cost(NamedTuple):
         return self.per_heartbeat_us * 1e-6 * self.ranks * 10 / _DEFAULT_TIMEOUT_S
 
 
-def _free_port(kind: socket.SocketKind) -> int:
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _core(api: UnixApi) -> tuple[int, int, str]:
     """The one core's pid, its restarts, and why it last exited."""
     core = api.request("GET", "/v1/status")["cores"][0]
@@ -78,14 +72,8 @@ def _core(api: UnixApi) -> tuple[int, int, str]:
 
 def measure(ranks: int, rate: float, seconds: float, progress: ProgressBar) -> Cost:
     """One job of `ranks` ranks, heartbeating at `rate` a second for `seconds`."""
-    cfg = {
-        "dataplane": {"address": "127.0.0.1", "base_port": _free_port(socket.SOCK_DGRAM),
-                      "cores": 1, "cpus": [], "kernels": "numpy", "slot_memory_mb": 16},
-        "multicast": {"enabled": False},
-        "jobs": {"liveness_timeout_s": _DEFAULT_TIMEOUT_S},
-        "api": {"listen": f"127.0.0.1:{_free_port(socket.SOCK_STREAM)}"},
-    }
-    with local_daemon(cfg) as daemon, contextlib.ExitStack() as sockets:
+    with local_daemon(loopback_daemon(1, _DEFAULT_TIMEOUT_S)) as daemon, \
+            contextlib.ExitStack() as sockets:
         info = register(daemon.api, "heartbeats", world_size=ranks, secret="bench")
         beats: list[tuple[socket.socket, bytes]] = []
         for rank in range(ranks):

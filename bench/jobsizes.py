@@ -1,16 +1,18 @@
-"""What the big-job benchmarks share (bench.heartbeats, bench.joins): `--ranks` parsed, and
-each job size measured under one progress bar, framed by the machine's speed."""
+"""What the big-job benchmarks share (bench.heartbeats, bench.joins): `--ranks` parsed, the
+configuration of a reductiond on loopback, and each job size measured under one progress bar,
+framed by the machine's speed."""
 
 from __future__ import annotations
 
 import argparse
+import socket
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from .gauge import framing, interpreter_ms
 from .progress import ProgressBar
 
-__all__ = ["MOST_RANKS", "each_size", "job_sizes"]
+__all__ = ["MOST_RANKS", "each_size", "job_sizes", "loopback_daemon"]
 
 T = TypeVar("T")
 MOST_RANKS = 4096  # the largest job the appliance admits
@@ -25,6 +27,23 @@ def job_sizes(parser: argparse.ArgumentParser, text: str) -> list[int]:
     if not all(1 <= n <= MOST_RANKS for n in sizes):
         parser.error(f"--ranks are 1..{MOST_RANKS} (what the appliance admits)")
     return sizes
+
+
+def loopback_daemon(cores: int, liveness_timeout_s: float) -> dict[str, Any]:
+    """A reductiond's configuration on loopback (`harness.local_daemon`), on free ports."""
+    return {
+        "dataplane": {"address": "127.0.0.1", "base_port": _free_port(socket.SOCK_DGRAM),
+                      "cores": cores, "cpus": [], "kernels": "numpy", "slot_memory_mb": 16},
+        "multicast": {"enabled": False},
+        "jobs": {"liveness_timeout_s": liveness_timeout_s},
+        "api": {"listen": f"127.0.0.1:{_free_port(socket.SOCK_STREAM)}"},
+    }
+
+
+def _free_port(kind: socket.SocketKind) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def each_size(sizes: list[int], measure: Callable[[int, ProgressBar], T]) -> list[T]:

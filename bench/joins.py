@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import multiprocessing
 import queue
-import socket
 import statistics
 import sys
 import threading
@@ -40,7 +39,7 @@ from reduction_appliance.deploy.testnet.harness import local_daemon
 from reduction_appliance.plugin.rendezvous import JobInfo, join, leave, register
 
 from .cputime import tree_cpu_s
-from .jobsizes import each_size, job_sizes
+from .jobsizes import each_size, job_sizes, loopback_daemon
 from .progress import ProgressBar
 
 __all__ = ["JobLife", "Phase", "main", "measure"]
@@ -106,15 +105,9 @@ def _client(info: JobInfo, ranks: list[int], ready: Barrier, go: Event, done: Ev
 
 def measure(ranks: int, cores: int, clients: int, progress: ProgressBar) -> JobLife:
     """One job of `ranks` ranks joined by `clients` processes at once, then left at once."""
-    cfg = {
-        "dataplane": {"address": "127.0.0.1", "base_port": _free_port(socket.SOCK_DGRAM),
-                      "cores": cores, "cpus": [], "kernels": "numpy", "slot_memory_mb": 16},
-        "multicast": {"enabled": False},
-        # These ranks never heartbeat: at the default 5 s, a job whose joins take 10 s is
-        # evicted as abandoned before its last rank joined.
-        "jobs": {"liveness_timeout_s": 60.0},
-        "api": {"listen": f"127.0.0.1:{_free_port(socket.SOCK_STREAM)}"},
-    }
+    # These ranks never heartbeat: at the default liveness timeout of 5 s, a job whose joins
+    # take 10 s is evicted as abandoned before its last rank joined.
+    cfg = loopback_daemon(cores, liveness_timeout_s=60.0)
     # Not fork: the parent has threads (the daemon's output readers), and a lock one of them
     # holds at the fork would stay held in the child for good.
     spawn = multiprocessing.get_context("spawn")
@@ -191,12 +184,6 @@ class _Watched(NamedTuple):
 
 def _clients_cpu_s(procs: Sequence[multiprocessing.process.BaseProcess]) -> float:
     return sum(tree_cpu_s(proc.pid) for proc in procs if proc.pid is not None)
-
-
-def _free_port(kind: socket.SocketKind) -> int:
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
