@@ -1,6 +1,6 @@
 """Changes of a job (joins, leaves, resyncs) decided one at a time and sent to the cores in
 batches (control/specbatch.py), and the appliance that uses them with a core that takes its
-time (control/service.py)."""
+time (control/service.py), its lock free while the cores are at work."""
 
 from __future__ import annotations
 
@@ -165,6 +165,11 @@ class _SlowCores:
     def remove_job(self, job_id: int, *, abort: str | None = None) -> None:
         self.removed.append(job_id)
 
+    cores = (None,)  # one core, which answers for no job (so none is evicted)
+
+    def stats(self, job_ids: tuple[int, ...]) -> list[object]:
+        return []
+
 
 def _joined(world: int) -> tuple[Appliance, _SlowCores, int]:
     supervisor = _SlowCores()
@@ -223,19 +228,45 @@ def test_ranks_that_resync_together_move_the_epoch_once_and_send_it_once() -> No
     assert all(a.epoch == moved[0].epoch for a in answers)
 
 
+def _answers_meanwhile(appliance: Appliance) -> tuple[threading.Event, Any]:
+    """An event, and a function that lists the appliance's jobs from another thread and sets
+    the event if that returns within 10 s (where the lock is held, it waits for the caller)."""
+    answered = threading.Event()
+
+    def ask() -> None:
+        lister = threading.Thread(target=lambda: appliance.jobs() and answered.set())
+        lister.start()
+        lister.join(10)
+
+    return answered, ask
+
+
 def test_the_appliance_answers_other_calls_while_the_cores_take_an_update() -> None:
     """A big job's update takes the cores milliseconds; the appliance's lock is not held for
     it, so status, listings and other jobs' calls go on meanwhile."""
     appliance, supervisor, job_id = _joined(2)
-    answered = threading.Event()
+    answered, ask = _answers_meanwhile(appliance)
     slow_update = supervisor.update_job
 
     def update_job(spec: JobSpec) -> None:
-        lister = threading.Thread(target=lambda: appliance.jobs() and answered.set())
-        lister.start()
-        lister.join(10)  # (it waits for the whole update where the lock is held)
+        ask()
         slow_update(spec)
 
     supervisor.update_job = update_job  # type: ignore[method-assign]
     appliance.leave(job_id, {"rank": 0, "secret": "s"})
+    assert answered.is_set()
+
+
+def test_the_appliance_answers_other_calls_while_eviction_asks_the_cores() -> None:
+    """The janitor's pass asks every core about every job each second, and a busy core takes
+    its time to answer: joins and leaves do not wait for it."""
+    appliance, supervisor, _ = _joined(2)
+    answered, ask = _answers_meanwhile(appliance)
+
+    def stats(job_ids: tuple[int, ...]) -> list[object]:
+        ask()
+        return []
+
+    supervisor.stats = stats  # type: ignore[method-assign]
+    assert appliance.evict_idle() == []
     assert answered.is_set()
