@@ -233,8 +233,12 @@ def _answers_meanwhile(appliance: Appliance) -> tuple[threading.Event, Any]:
     the event if that returns within 10 s (where the lock is held, it waits for the caller)."""
     answered = threading.Event()
 
+    def listed() -> None:
+        appliance.jobs()
+        answered.set()
+
     def ask() -> None:
-        lister = threading.Thread(target=lambda: appliance.jobs() and answered.set())
+        lister = threading.Thread(target=listed)
         lister.start()
         lister.join(10)
 
