@@ -11,7 +11,10 @@ a real reductiond on loopback with `--cores` data-plane cores, registers the job
 holds a share of the ranks, as a host holds its GPUs), then leave them all at once. For each
 phase it reports the time until the last answer, calls a second, each call's wait (median and
 longest), the CPU per call of the daemon (its API and its cores, from /proc) and of the
-clients, and the calls that failed (a join gives up after 30 s, a leave after 10); it checks
+clients, the calls that failed (a join gives up after 30 s, a leave after 10), and the
+attempts given up (an attempt waits half its call's time, 15 s for a join and 5 for a leave:
+each one given up queues again at the back, and the API skips the request it left behind,
+`reduction_api_requests_abandoned_total`); it checks
 that the job listed every rank as joined, and that the last leave ended it.
 
 The ranks' endpoints are addresses on loopback nobody listens on: a join needs none, and the
@@ -55,6 +58,7 @@ class Phase(NamedTuple):
     daemon_cpu_s: float
     clients_cpu_s: float  # the calling processes', all of them (here, on the same cores)
     failed: list[str]  # what went wrong, one line per rank whose call failed
+    given_up: int  # attempts whose client closed before the API's turn came (not served)
 
     def per_call_ms(self, ranks: int) -> tuple[float, float]:
         """CPU per call: the daemon's, the clients'."""
@@ -126,9 +130,10 @@ def measure(ranks: int, cores: int, clients: int, progress: ProgressBar) -> JobL
         except threading.BrokenBarrierError:
             raise SystemExit("a client process did not start: exit codes "
                              f"{[proc.exitcode for proc in procs]}") from None
-        watched = _Watched(daemon.process.pid, procs, answers, ranks, progress)
-        joins = watched.phase("joining", go)
         api, job = UnixApi(daemon.unix_socket), f"/v1/jobs/{info.job_id}"
+        watched = _Watched(daemon.process.pid, procs, answers, ranks, progress,
+                           lambda: int(api.get("/v1/status")["api_requests_abandoned"]))
+        joins = watched.phase("joining", go)
         failed = []
         try:
             listed = api.request("GET", job)
@@ -158,11 +163,13 @@ class _Watched(NamedTuple):
     answers: Queue[tuple[int, float, str]]
     ranks: int
     progress: ProgressBar
+    abandoned: Callable[[], int]  # the API's count of requests not served: their client left
 
     def phase(self, what: str, start: Event) -> Phase:
         """Every rank's call, from `start` until the last answer."""
         self.progress.update(label=f"{self.ranks} ranks: {what}")
         cpu0, clients0 = tree_cpu_s(self.daemon_pid), _clients_cpu_s(self.procs)
+        abandoned0 = self.abandoned()
         began = time.monotonic()
         start.set()
         waits, failed = [], []
@@ -178,8 +185,10 @@ class _Watched(NamedTuple):
                 failed.append(f"rank {rank}: {failure}")
             if done % 256 == 255:
                 self.progress.update(label=f"{self.ranks} ranks {what}: {done + 1} answered")
-        return Phase(time.monotonic() - began, waits, tree_cpu_s(self.daemon_pid) - cpu0,
-                     _clients_cpu_s(self.procs) - clients0, failed)
+        seconds = time.monotonic() - began
+        return Phase(seconds, waits, tree_cpu_s(self.daemon_pid) - cpu0,
+                     _clients_cpu_s(self.procs) - clients0, failed,
+                     self.abandoned() - abandoned0)
 
 
 def _clients_cpu_s(procs: Sequence[multiprocessing.process.BaseProcess]) -> float:
@@ -201,7 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = each_size(sizes, lambda n, progress: measure(n, args.cores, args.clients,
                                                           progress))
     print(f"{'ranks':>6} {'':>6} {'all done in':>12} {'a second':>9} {'wait median':>12} "
-          f"{'longest':>8} {'daemon CPU each':>16} {'clients CPU each':>17} {'failed':>7}")
+          f"{'longest':>8} {'daemon CPU each':>16} {'clients CPU each':>17} {'failed':>7} "
+          f"{'given up':>9}")
     for life in results:
         for what, phase in (("join", life.joins), ("leave", life.leaves)):
             waits = phase.waits or [float("nan")]
@@ -209,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{life.ranks:>6} {what:>6} {phase.seconds:>10.2f} s "
                   f"{life.ranks / phase.seconds:>9.0f} {statistics.median(waits):>10.2f} s "
                   f"{max(waits):>6.2f} s {daemon_ms:>13.2f} ms {clients_ms:>14.2f} ms "
-                  f"{len(phase.failed):>7}")
+                  f"{len(phase.failed):>7} {phase.given_up:>9}")
     failed = [line for life in results
               for line in (*life.joins.failed, *life.leaves.failed, *life.failed)]
     for line in failed[:8]:
