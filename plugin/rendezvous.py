@@ -91,10 +91,6 @@ class JobInfo:
 
 _FIRST_RETRY_S = 0.1
 _MOST_BETWEEN_S = 2.0
-# One attempt's own timeout, so that a lost answer leaves time to retry; never more than half
-# a call's whole time, so that every call can make a second attempt (a leave's 5 s used to be
-# one attempt's, and a timed-out leave was never repeated).
-_ATTEMPT_S = 5.0
 # Past the time a held rank frees, before asking again: the appliance counts a rank gone
 # strictly after the liveness timeout, by its own clock.
 _TAKEOVER_MARGIN_S = 0.25
@@ -143,7 +139,13 @@ def _call_raw(appliance: str, method: str, path: str, body: dict[str, object] | 
     `gone_after_retry`: a 404 to a repeated attempt answers None (an earlier attempt whose
     answer was lost removed the resource: what a leave asks for)."""
     deadline = time.monotonic() + timeout_s
-    attempt_s = min(_ATTEMPT_S, timeout_s / 2)
+    # An attempt waits at most half the call's time, so that a lost answer leaves time for a
+    # second (a leave's 5 s used to be one attempt's, and a timed-out leave was never
+    # repeated); and no less, since an attempt given up joins the back of the API's queue
+    # again: 5 s attempts of 4096 ranks joining at once (a queue of seconds) gave up by the
+    # thousand and queued again behind each other (benchmarks-journal.md, "Joins pushed
+    # without the lock").
+    attempt_s = timeout_s / 2
     pause = _FIRST_RETRY_S
     attempts = 0
     while True:
@@ -166,9 +168,6 @@ def _call_raw(appliance: str, method: str, path: str, body: dict[str, object] | 
             # ranks refused together (a full connection table) must not return together.
             time.sleep(pause * random.uniform(0.5, 1.0))
             pause = min(pause * 2, _MOST_BETWEEN_S)
-            # And each attempt waits longer than the last: an API with thousands of requests
-            # queued answers them in turn, and one given up joins the back of the queue again.
-            attempt_s = min(attempt_s * 2, timeout_s / 2)
     return reply
 
 
