@@ -364,7 +364,7 @@ class Appliance:
             for gone in evicted:
                 self.evicted[gone.cause] += 1
                 self._remove_from_cores(gone.plan.spec.job_id,
-                                           abort=f"evicted: {gone.reason}")
+                                        abort=f"evicted: {gone.reason}")
                 self._release_roce(gone.plan.spec.job_id)
         return evicted
 

@@ -263,12 +263,13 @@ def test_a_request_the_appliance_had_no_time_to_read_or_take_is_repeated(status:
     assert asked == ["/v1/jobs/1/join"] * 3 and info.cookie == joined["cookie"]
 
 
+@pytest.mark.parametrize(("call_s", "attempt_s"), [(30.0, 15.0), (120.0, 30.0)])
 def test_an_attempt_waits_half_its_calls_time_from_the_first(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, call_s: float, attempt_s: float) -> None:
     """A busy API answers its queue in turn, and an attempt given up queues again at the back:
     with 5 s first attempts, 4096 ranks joining at once gave up about 1950 attempts a run,
     against none so (benchmarks-journal.md, "Joins pushed without the lock"). A second
-    attempt still fits (the test above)."""
+    attempt still fits (the test above), and a long call's attempts wait 30 s at most."""
     waits: list[float] = []
     joined = json.dumps(described()).encode()
 
@@ -284,6 +285,6 @@ def test_an_attempt_waits_half_its_calls_time_from_the_first(
     with fake_api(reply) as (where, asked):
         info = replace(_joined(where), secret="s")
         monkeypatch.setattr(rendezvous, "_attempt", attempt)
-        join(info, 0, ("127.0.0.1", 40000), timeout_s=30)
+        join(info, 0, ("127.0.0.1", 40000), timeout_s=call_s)
     assert asked == ["/v1/jobs/1/join"] * 2
-    assert waits == pytest.approx([15.0, 15.0], abs=0.1)  # (the old: 5 s, then 10)
+    assert waits == pytest.approx([attempt_s] * 2, abs=0.1)  # (the old: 5 s, then 10)
