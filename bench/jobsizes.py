@@ -9,13 +9,14 @@ import socket
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from reduction_appliance.control.registry import MOST_RANKS
+
 from .gauge import framing, interpreter_ms
 from .progress import ProgressBar
 
-__all__ = ["MOST_RANKS", "each_size", "job_sizes", "loopback_daemon"]
+__all__ = ["each_size", "job_sizes", "loopback_daemon"]
 
 T = TypeVar("T")
-MOST_RANKS = 4096  # the largest job the appliance admits
 
 
 def job_sizes(parser: argparse.ArgumentParser, text: str) -> list[int]:

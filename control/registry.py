@@ -67,6 +67,7 @@ from .config import ApplianceConfig
 
 __all__ = [
     "EVICTION_CAUSES",
+    "MOST_RANKS",
     "ConflictError",
     "Eviction",
     "Heard",
@@ -79,6 +80,7 @@ __all__ = [
     "UnknownJob",
 ]
 
+MOST_RANKS = 4096  # the largest job admitted (its world_size)
 _EPOCHS = 1 << 16  # the header's epoch field is 16 bits: epochs wrap, compared for equality
 
 
@@ -247,8 +249,8 @@ class Registry:
             raise BadRequest(
                 f"job name {request.name[:64]!r}: 1..128 characters of letters, digits and "
                 "._:@+=- (they appear in status, metrics and logs)")
-        if not 1 <= request.world_size <= 4096:
-            raise BadRequest(f"world_size must be 1..4096, got {request.world_size}")
+        if not 1 <= request.world_size <= MOST_RANKS:
+            raise BadRequest(f"world_size must be 1..{MOST_RANKS}, got {request.world_size}")
         existing = self.find(request.name)
         if existing is not None:
             if existing.request != request:

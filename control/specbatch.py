@@ -82,10 +82,9 @@ class SpecBatches(Generic[P]):
         it to the cores (called with `to_cores` held, the lock not). Their errors (the job is
         gone; a core refused) are this call's, and the next waiter tries in its turn."""
         with self._turn:
-            with self._lock:
-                job = self._jobs[job_id]
             try:
                 with self._lock:
+                    job = self._jobs[job_id]
                     if job.sent >= ticket:
                         assert job.plan is not None
                         return job.plan
@@ -101,6 +100,12 @@ class SpecBatches(Generic[P]):
                 return plan
             finally:
                 with self._lock:
-                    job.waiting -= 1
-                    if not job.waiting:
-                        del self._jobs[job_id]
+                    self._answered(job_id)
+
+    def _answered(self, job_id: int) -> None:
+        """A ticket holder of `job_id` is done (the lock held); nothing is kept for a job no
+        call waits on."""
+        job = self._jobs[job_id]
+        job.waiting -= 1
+        if not job.waiting:
+            del self._jobs[job_id]

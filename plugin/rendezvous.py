@@ -91,8 +91,11 @@ class JobInfo:
 
 _FIRST_RETRY_S = 0.1
 _MOST_BETWEEN_S = 2.0
-# The longest an attempt waits, however long its call may take (a RoCE connect may take the
-# job's deadline): as long as the slowest queue measured (4096 joins at once, 12-22 s).
+# An attempt waits half its call's time, so that a lost answer leaves time for a second (a
+# leave's 5 s used to be one attempt's, never repeated), and no less: one given up queues
+# again at the back of the API's queue, and 5 s attempts of 4096 ranks joining at once gave
+# up by the thousand (benchmarks-journal.md, "Joins pushed without the lock"). At most 30 s
+# (a RoCE connect may take the job's deadline): the slowest queue measured took 12-22 s.
 _LONGEST_ATTEMPT_S = 30.0
 # Past the time a held rank frees, before asking again: the appliance counts a rank gone
 # strictly after the liveness timeout, by its own clock.
@@ -142,12 +145,6 @@ def _call_raw(appliance: str, method: str, path: str, body: dict[str, object] | 
     `gone_after_retry`: a 404 to a repeated attempt answers None (an earlier attempt whose
     answer was lost removed the resource: what a leave asks for)."""
     deadline = time.monotonic() + timeout_s
-    # An attempt waits at most half the call's time, so that a lost answer leaves time for a
-    # second (a leave's 5 s used to be one attempt's, and a timed-out leave was never
-    # repeated); and no less (up to _LONGEST_ATTEMPT_S), since an attempt given up joins the
-    # back of the API's queue again: 5 s attempts of 4096 ranks joining at once (a queue of
-    # seconds) gave up by the thousand and queued again behind each other
-    # (benchmarks-journal.md, "Joins pushed without the lock").
     attempt_s = min(timeout_s / 2, _LONGEST_ATTEMPT_S)
     pause = _FIRST_RETRY_S
     attempts = 0
