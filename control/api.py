@@ -28,10 +28,10 @@ control/httpserver.py. Errors are JSON `{"error": reason}`. The caller's faults
 (`RequestError`) carry their own 4xx status and say what to change: 400 bad request (also a
 body that is not a JSON object, or nested deeper than 32), 401 bad token, 403 not the job's
 secret, 404 unknown job, 409 a conflict with the job's state or spec (a rank joined twice), or
-a job that does not fit; 411 a body sent without Content-Length, 413 one over
-api.max_body_bytes (both answered from the headers alone). 503: the appliance cannot serve it
-now (a core restarting, shutting down, too many connections). 500: our fault, logged as one
-line.
+a job that does not fit; 410 a job aborted (a late rank of its run: control/aborts.py); 411 a
+body sent without Content-Length, 413 one over api.max_body_bytes (both answered from the
+headers alone). 503: the appliance cannot serve it now (a core restarting, shutting down, too
+many connections). 500: our fault, logged as one line.
 """
 
 from __future__ import annotations

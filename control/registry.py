@@ -57,13 +57,15 @@ from reduction_appliance.dataplane.errors import (
     NotFound,
     RankHeld,
 )
-from reduction_appliance.dataplane.registration import JOB_NAME, EndpointInfo, JobDescription
+from reduction_appliance.dataplane.registration import JOB_NAME
 from reduction_appliance.dataplane.roce import ROCE_GROUP_PORT
 from reduction_appliance.dataplane.slots import holdable_buffers
 from reduction_appliance.dataplane.spec import Address, JobSpec
 from reduction_appliance.dataplane.verbs import ChunkTag
 
+from .aborts import Aborted, AbortMemory
 from .config import ApplianceConfig
+from .jobplan import JobPlan, JobRequest, JobState
 
 __all__ = [
     "EVICTION_CAUSES",
@@ -73,6 +75,7 @@ __all__ = [
     "Heard",
     "IllegalTransition",
     "JobEvent",
+    "JobGone",
     "JobPlan",
     "JobRequest",
     "JobState",
@@ -92,16 +95,15 @@ class UnknownJob(NotFound):
     """No job with that id (never created, or already removed)."""
 
 
+class JobGone(UnknownJob):
+    """The job was aborted, and the request comes after: a late rank of its run, or a request
+    naming its id (control/aborts.py). The message says why it was aborted."""
+
+    status = 410
+
+
 class IllegalTransition(Conflict):
     """The event does not apply to the job's state (see the table in registry.py)."""
-
-
-class JobState(Enum):
-    CREATED = "created"
-    ACTIVE = "active"
-    DONE = "done"
-    ABORTED = "aborted"
-    EVICTED = "evicted"
 
 
 class JobEvent(Enum):
@@ -150,54 +152,6 @@ class Eviction:
 EVICTION_CAUSES = ("idle", "abandoned")
 
 
-@dataclass(frozen=True)
-class JobRequest:
-    """What every rank registering a job must agree on (the secret is not part of it)."""
-
-    name: str
-    world_size: int
-    deterministic: bool = False
-    #: results to a multicast group; None: the transport's default (UDP: yes; RoCE: no, each
-    #: result is RDMA-written to every worker; yes: UD multicast chunks, `dataplane.roce`)
-    multicast: bool | None = None
-    slots: int = 0  # slot pairs per core; 0 = the appliance's default (jobs.slots)
-    transport: str = "udp"  # or "roce": every rank connects queue pairs (config [roce])
-
-
-@dataclass(frozen=True)
-class JobPlan:
-    name: str
-    request: JobRequest
-    spec: JobSpec  # what every core is told
-    created: float  # the registry clock when admitted
-    secret: str  # the join secret
-    state: JobState = JobState.CREATED
-    joined: frozenset[int] = field(default_factory=frozenset)  # ranks joined now
-    seen: frozenset[int] = field(default_factory=frozenset)  # ranks that ever joined
-    lanes: int = 0  # the lanes the joined ranks split the slots into (0: none joined yet)
-    # joined rank -> the window per core its host's receive buffer holds, where fewer than
-    # the slots (the worker says so when it joins: plugin/hostchecks.py)
-    windows_held: dict[int, int] = field(default_factory=dict)
-
-    def describe(self, cfg: ApplianceConfig, *, member: bool = False) -> JobDescription:
-        """The registration answer: with the cookie only for a member (one that joined with
-        the secret), never the secret itself (the creator gets it from `Registry.plan`)."""
-        dp = cfg.dataplane
-        return JobDescription(
-            name=self.name, job_id=self.spec.job_id,
-            cookie=self.spec.cookie if member else None,
-            world_size=self.spec.world_size, deterministic=self.spec.deterministic,
-            segment_bytes=(cfg.roce.segment_bytes if self.request.transport == "roce"
-                           else dp.max_payload), state=self.state.value,
-            joined=tuple(sorted(self.joined)), deadline_s=cfg.jobs.deadline_s,
-            endpoints=tuple(EndpointInfo(i, dp.address, dp.base_port + i, self.spec.slots)
-                            for i in range(dp.cores)),
-            multicast=self.spec.multicast, epoch=self.spec.epoch,
-            liveness_s=self.spec.liveness_timeout, transport=self.request.transport,
-            queue_target_s=cfg.jobs.queue_target_s,
-        )
-
-
 def _same_secret(given: str, secret: str) -> bool:
     return hmac.compare_digest(given.encode(), secret.encode())
 
@@ -212,6 +166,7 @@ class Registry:
         self.multicast = multicast and cfg.multicast.enabled
         self._by_id: dict[int, JobPlan] = {}
         self._next_id = 1
+        self._aborted = AbortMemory(cfg.jobs.deadline_s)
         groups = cfg.multicast.groups
         # Skip the range's first address: 239.x.0.0 style addresses confuse some switches.
         count = min(groups.num_addresses, 65536)
@@ -228,7 +183,8 @@ class Registry:
     def get(self, job_id: int) -> JobPlan:
         plan = self._by_id.get(job_id)
         if plan is None:
-            raise UnknownJob(f"no job {job_id}")
+            gone = self._aborted.of_id(job_id)
+            raise UnknownJob(f"no job {job_id}") if gone is None else JobGone(gone.told())
         return plan
 
     def slots_in_use(self) -> int:
@@ -311,7 +267,8 @@ class Registry:
         spec = JobSpec(job_id, cookie, request.world_size, slots, request.deterministic,
                        multicast, hold_buffers=hold,
                        liveness_timeout=self.cfg.jobs.liveness_timeout_s)
-        return JobPlan(request.name, request, spec, now, secret)
+        return JobPlan(request.name, request, spec, now, secret,
+                       late_for=self._aborted.of_run(request, secret, now))
 
     def commit(self, plan: JobPlan) -> None:
         """Record a plan the data plane accepted."""
@@ -352,6 +309,13 @@ class Registry:
         spec = plan.spec
         if not 0 <= rank < spec.world_size:
             raise BadRequest(f"rank {rank} outside world size {spec.world_size}")
+        if plan.late_for is not None:
+            if rank not in plan.late_for.seen:
+                raise JobGone(
+                    f"rank {rank} came after its run had ended: {plan.late_for.told()} before "
+                    f"this rank joined it. Job {job_id}, which this rank registered after the "
+                    "abort, is withdrawn; a new run of that name needs another join secret")
+            plan = replace(plan, late_for=None)  # a rank of that run again: it was restarted
         others = sorted(plan.joined - {rank})
         if others and lanes != plan.lanes:
             raise Conflict(
@@ -435,14 +399,33 @@ class Registry:
         self._record(plan)
         return plan
 
-    def abort(self, job_id: int, rank: int | None = None, secret: str | None = None) -> JobPlan:
+    def abort(self, job_id: int, rank: int | None = None, secret: str | None = None, *,
+              reason: str = "", now: float | None = None) -> JobPlan:
         """Remove the job: an operator's abort, or with `rank` and `secret` one of its ranks'
-        (one that found the job cannot go on: a path narrower than its datagrams)."""
+        (one that found the job cannot go on: a path narrower than its datagrams). With `now`
+        (the registry clock), the job is remembered, with the `reason` its ranks were told,
+        for those that come late (control/aborts.py)."""
         plan = self._move(job_id, JobEvent.ABORT, secret)
         if rank is not None and not 0 <= rank < plan.spec.world_size:
             raise BadRequest(f"rank {rank} outside world size {plan.spec.world_size}")
         self._record(plan)
+        if now is not None:
+            self._aborted.remember(Aborted(job_id, plan.name, plan.request, plan.secret,
+                                           plan.seen, reason, now))
         return plan
+
+    def withdraw_late(self, job_id: int, now: float) -> JobPlan | None:
+        """Remove the job a late rank of an aborted run registered (its join was refused with
+        `JobGone`), where no rank joined it: nobody else will. None where it stays."""
+        plan = self._by_id.get(job_id)
+        if plan is None or plan.late_for is None or plan.joined:
+            return None
+        gone = self._move(job_id, JobEvent.ABORT)
+        self._record(gone)
+        why = f"registered after {plan.late_for.told()}, by a late rank of that run"
+        self._aborted.remember(Aborted(job_id, plan.name, plan.request, plan.secret,
+                                       plan.seen, why, now), as_run=False)
+        return gone
 
     def evict(self, job_id: int) -> JobPlan:
         """Remove a job nobody is left to end, now (a new registration of its name found it

@@ -35,6 +35,7 @@ from .registry import (
     ConflictError,
     Eviction,
     Heard,
+    JobGone,
     JobPlan,
     JobState,
     Registry,
@@ -132,9 +133,13 @@ class Appliance:
         window_cap = (bodies.integer(body, "window_cap", 1, 1 << 16)
                       if body.get("window_cap") is not None else None)
         with self._lock:
-            self.registry.join(job_id, rank, secret, endpoint, rejoin,
-                               silent_s=self._silent_elsewhere(job_id, rank, endpoint),
-                               lanes=lanes, window_cap=window_cap)
+            try:
+                self.registry.join(job_id, rank, secret, endpoint, rejoin,
+                                   silent_s=self._silent_elsewhere(job_id, rank, endpoint),
+                                   lanes=lanes, window_cap=window_cap)
+            except JobGone:
+                self._withdraw_late(job_id)
+                raise
             ticket = self._updates.decided(job_id)
         # The cores learn it with the changes decided meanwhile (control/specbatch.py); the
         # answer is the job as they have it.
@@ -158,6 +163,15 @@ class Appliance:
         with self._to_cores:
             self.supervisor.update_job(plan.spec)
             self._updates.sent(plan.spec.job_id, plan)
+
+    def _withdraw_late(self, job_id: int) -> None:
+        """The job a late rank of an aborted run made, gone with its refusal (the lock held)."""
+        gone = self.registry.withdraw_late(job_id, time.monotonic())
+        if gone is not None:
+            self._remove_from_cores(job_id)
+            self._release_roce(job_id)
+            _log.info("withdrew job %d (%s): a late rank of an aborted run registered it",
+                      job_id, gone.name)
 
     def _remove_from_cores(self, job_id: int, *, abort: str | None = None) -> None:
         """The cores drop the job (the lock held), after any push of it still on its way."""
@@ -334,7 +348,7 @@ class Appliance:
             secret = bodies.string(body, "secret")
             why = f"at rank {rank}'s request: {bodies.text(body, 'reason')}"
         with self._lock:
-            plan = self.registry.abort(job_id, rank, secret)
+            plan = self.registry.abort(job_id, rank, secret, reason=why, now=time.monotonic())
             self._remove_from_cores(job_id, abort=why)
             self._release_roce(job_id)
         return plan.describe(self.cfg)

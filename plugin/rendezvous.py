@@ -11,9 +11,10 @@ job's epoch; the appliance accepts this rank's datagrams from that endpoint only
 worker joins with `rejoin=True`, which retires its old endpoint and starts a new epoch (without
 it, once the appliance has not heard the old endpoint for the liveness timeout: `join` waits
 for that as the appliance's 409 says, `retry_after_s`, within its own deadline; `register`
-likewise when a name's old job may be abandoned, which it then replaces). All
-ranks of a job must agree on the name, the world size and the mode; the appliance refuses a
-mismatch with 409, a wrong secret with 403.
+likewise when a name's old job may be abandoned, which it then replaces). All ranks of a job
+must agree on the name, the world size and the mode; the appliance refuses a mismatch with 409,
+a wrong secret with 403, and a rank that joins after its peers aborted the job with 410, which
+`join` raises as the `JobAborted` they got.
 
 The answers follow `dataplane.registration`, the schema the appliance writes them with.
 
@@ -37,15 +38,14 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, replace
 
-from reduction_appliance.dataplane.errors import ReductionError
+from reduction_appliance.dataplane.errors import JobAborted, ReductionError
 from reduction_appliance.dataplane.registration import EndpointInfo, JobDescription, SchemaError
 from reduction_appliance.dataplane.wire import VERSION
 
 from .session import Address, Endpoint
 
 __all__ = ["JobInfo", "RendezvousError", "api_address", "api_endpoint", "api_refuses", "connect",
-           "join",
-           "leave", "leave_quietly", "register", "resync", "unicast"]
+           "join", "leave", "leave_quietly", "register", "resync", "unicast"]
 
 _log = logging.getLogger(__name__)
 
@@ -172,7 +172,11 @@ def _call_raw(appliance: str, method: str, path: str, body: dict[str, object] | 
 
 
 class _Gone(RendezvousError):
-    """The API answered 404: no such job (or path)."""
+    """The API answered 404: no such job (or path); or 410 (`_Aborted`)."""
+
+
+class _Aborted(_Gone):
+    """410: the job was aborted; the message says why."""
 
 
 class _HeldBack(RendezvousError):
@@ -221,8 +225,8 @@ def _attempt(appliance: str, method: str, path: str, body: dict[str, object] | N
         # it (429): a second attempt may pass, and every call is safe to repeat.
         if exc.code >= 500 or exc.code in (408, 429):
             raise _Retryable(message) from exc
-        if exc.code == 404:
-            raise _Gone(message) from exc
+        if exc.code in (404, 410):
+            raise (_Gone if exc.code == 404 else _Aborted)(message) from exc
         if exc.code in (403, 409):
             with contextlib.suppress(ValueError, TypeError, KeyError):  # no wait named
                 raise _HeldBack(message, float(json.loads(detail)["retry_after_s"])) from exc
@@ -304,19 +308,10 @@ def _info(appliance: str, job: JobDescription, secret: str | None,
                    queue_target_s=job.queue_target_s)
 
 
-def register(
-    appliance: str,
-    name: str,
-    world_size: int,
-    *,
-    secret: str | None = None,
-    deterministic: bool = False,
-    multicast: bool | None = None,
-    token: str | None = None,
-    timeout_s: float = 30.0,
-    transport: str = "udp",
-    local_address: str = "0.0.0.0",
-) -> JobInfo:
+def register(appliance: str, name: str, world_size: int, *, secret: str | None = None,
+             deterministic: bool = False, multicast: bool | None = None,
+             token: str | None = None, timeout_s: float = 30.0, transport: str = "udp",
+             local_address: str = "0.0.0.0") -> JobInfo:
     """Register (or look up) job `name` at `appliance` ("host:port" of its API, or
     "http://host:port": `api_address`; the job's `appliance` is the former). `secret` is
     the job's join secret; without one, the creator gets a fresh one (`JobInfo.secret`) to hand
@@ -373,12 +368,14 @@ def join(info: JobInfo, rank: int, endpoint: Address, *, rejoin: bool = False,
     if not info.secret:
         raise RendezvousError(f"joining job {info.name!r} needs its join secret (from the rank "
                               "that created it)")
-    job = _call_waiting(info.appliance, "POST", f"/v1/jobs/{info.job_id}/join",
-                        {"rank": rank, "secret": info.secret, "address": endpoint[0],
-                         "port": endpoint[1], "rejoin": rejoin, "lanes": lanes,
-                         **({} if window_cap is None else {"window_cap": window_cap})},
-                        info.token,
-                        timeout_s)
+    try:
+        job = _call_waiting(info.appliance, "POST", f"/v1/jobs/{info.job_id}/join",
+                            {"rank": rank, "secret": info.secret, "address": endpoint[0],
+                             "port": endpoint[1], "rejoin": rejoin, "lanes": lanes,
+                             **({} if window_cap is None else {"window_cap": window_cap})},
+                            info.token, timeout_s)
+    except _Aborted as exc:  # this rank came late: its peers were told the same
+        raise JobAborted(str(exc)) from None
     if job.cookie is None:
         raise RendezvousError(f"appliance {info.appliance} answered the join of job "
                               f"{info.job_id} without its cookie")
@@ -392,10 +389,13 @@ def connect(info: JobInfo, rank: int, address: str, queue_pairs: list[dict[str, 
     the cores' ends, and the address to join with. Busy answers (a core restarting: 503) are
     retried until `timeout_s`; so is a refused connection, unless `unreachable_is_final` (a
     reconnecting worker: an appliance whose API is gone will not bring its cores back)."""
-    reply = _call_raw(info.appliance, "POST", f"/v1/jobs/{info.job_id}/connect",
-                      {"rank": rank, "secret": info.secret or "", "address": address,
-                       "queue_pairs": list(queue_pairs)}, info.token, timeout_s,
-                      unreachable_is_final=unreachable_is_final)
+    try:
+        reply = _call_raw(info.appliance, "POST", f"/v1/jobs/{info.job_id}/connect",
+                          {"rank": rank, "secret": info.secret or "", "address": address,
+                           "queue_pairs": list(queue_pairs)}, info.token, timeout_s,
+                          unreachable_is_final=unreachable_is_final)
+    except _Aborted as exc:  # (as `join`'s)
+        raise JobAborted(str(exc)) from None
     try:
         assert isinstance(reply, dict)
         host, port = reply["address"]

@@ -2,12 +2,13 @@
 with ranks that are gone (or never agree). Workers that pause longer than the idle timeout
 between all_reduces keep their job (they heartbeat); workers gone without leaving free it
 within two liveness timeouts; a restarted worker takes over its rank once the old one is
-silent for one."""
+silent for one; a rank that comes after its peers aborted the job is told why at once."""
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 from reduction_appliance.client import (
     AllreduceTimeout,
     ApplianceClient,
+    JobAborted,
     RankEnded,
     RankLeft,
     ReductionError,
@@ -368,3 +370,47 @@ def _waiting_allreduce(client: ApplianceClient) -> tuple[threading.Thread, list[
     driver.start()
     wait_until(lambda: client._driver == "the-driver", 10, what="the driver inside wait")
     return driver, outcome
+
+
+def test_a_rank_that_comes_after_its_peers_aborted_the_job_is_told_why_at_once() -> None:
+    """Rank 2 found the job cannot go on and aborted it; rank 1 started late and registered the
+    name after that. It once made a fresh job and waited there for its peers, which had gone,
+    until its deadline (a CI run's netns test waited out 60 s). Now its join is refused with
+    the abort's reason, and the job it made goes with it; a restart of the run (its ranks
+    again, with the same name and secret) goes on."""
+    why = "its path to the appliance is too narrow (the test says so)"
+    secret = "secret-of-the-test"
+    with local_daemon(_config()) as daemon:
+        api = UnixApi(daemon.unix_socket)
+        first = register(daemon.api, "aborted", world_size=3, secret=secret)
+        with ApplianceClient([first], 0, local_address="127.0.0.1") as waits:
+            rendezvous.abort(waits.jobs[0], 2, why)
+            with pytest.raises(JobAborted) as peer:
+                waits.allreduce(np.ones(1000, np.float32))
+            assert f"(at rank 2's request: {why})" in str(peer.value), peer.value
+        started = time.monotonic()
+        late = register(daemon.api, "aborted", world_size=3, secret=secret)
+        assert late.job_id != first.job_id  # (no job of that name: the registration made one)
+        with pytest.raises(JobAborted) as told:
+            ApplianceClient([late], 1, local_address="127.0.0.1")
+        text = str(told.value)
+        assert time.monotonic() - started < 5, text  # not the 60 s deadline
+        assert (f"410 rank 1 came after its run had ended: job {first.job_id} ('aborted') was "
+                f"aborted (at rank 2's request: {why}) before this rank joined it.") in text, text
+        assert api.get("/v1/jobs") == []  # the job it made went with it
+        wait_until(lambda: "a late rank of an aborted run registered it" in daemon.stderr.text(),
+                   5, what="the log line of the withdrawal")
+        # The run restarted: a rank of the aborted job joins first, and the job goes on.
+        again = register(daemon.api, "aborted", world_size=3, secret=secret)
+        grads = [np.full(1000, float(r + 1), np.float32) for r in range(3)]
+        with ApplianceClient([again], 0, local_address="127.0.0.1") as r0, \
+                ApplianceClient([again], 1, local_address="127.0.0.1") as r1, \
+                ApplianceClient([again], 2, local_address="127.0.0.1") as r2:
+            others = [threading.Thread(target=c.allreduce, args=(g,))
+                      for c, g in zip((r1, r2), grads[1:], strict=True)]
+            for t in others:
+                t.start()
+            r0.allreduce(grads[0])
+            for t in others:
+                t.join(30)
+            assert all(np.all(g == 6.0) for g in grads)

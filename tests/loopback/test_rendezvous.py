@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 
+from reduction_appliance.client import JobAborted
 from reduction_appliance.control.config import parse
 from reduction_appliance.control.registry import JobRequest, Registry
 from reduction_appliance.dataplane.wire import VERSION
@@ -288,3 +289,26 @@ def test_an_attempt_waits_half_its_calls_time_from_the_first(
         join(info, 0, ("127.0.0.1", 40000), timeout_s=call_s)
     assert asked == ["/v1/jobs/1/join"] * 2
     assert waits == pytest.approx([attempt_s] * 2, abs=0.1)  # (the old: 5 s, then 10)
+
+
+@pytest.mark.parametrize("call", ["join", "connect"])
+def test_a_rank_refused_for_coming_after_the_abort_raises_job_aborted(call: str) -> None:
+    """410: the job was aborted before this rank joined (control/aborts.py). The rank raises
+    what its peers raised, `JobAborted`, with the appliance's reason, and asks once."""
+    with api_replying([410]) as (where, asked), pytest.raises(JobAborted) as told:
+        info = replace(_joined(where), cookie=None, secret="s")
+        if call == "join":
+            join(info, 1, ("127.0.0.1", 40000), timeout_s=5)
+        else:
+            rendezvous.connect(info, 1, "127.0.0.1", [], timeout_s=5)
+    assert str(told.value) == (f"appliance {where} refused POST /v1/jobs/1/{call}: 410 "
+                               "status 410")
+    assert asked == [f"/v1/jobs/1/{call}"]
+
+
+def test_a_leave_after_the_abort_is_gone_as_after_a_removal() -> None:
+    """A leave's repeated attempt that finds the job aborted is done, as one that finds it
+    removed (404): what a rank on its way out asks for holds."""
+    with api_replying([503, 410]) as (where, asked):
+        leave(_joined(where), 1, timeout_s=5)
+    assert asked == ["/v1/jobs/1/leave"] * 2
