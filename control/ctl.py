@@ -78,6 +78,13 @@ def render_status(s: dict[str, Any]) -> str:
     if evicted:
         lines.append("jobs evicted since start: " + ", ".join(
             f"{n} {cause}" for cause, n in sorted(evicted.items())) + " (the log says which)")
+    aborted = {by: n for by, n in s.get("jobs_aborted", {}).items() if n}
+    late = s.get("late_ranks_refused", 0)
+    if aborted or late:
+        lines.append("jobs aborted since start: " + (", ".join(
+            f"{n} by {'the operator' if by == 'operator' else 'one of their ranks'}"
+            for by, n in sorted(aborted.items())) or "none") + (
+            f"; {late} late rank(s) told so at join" if late else "") + " (the log says why)")
     lines.append("")
     for i in s["interfaces"]:
         lines.append(f"interface {i['name']}: {'up' if i['up'] else 'DOWN'}, MTU {i['mtu']}, "

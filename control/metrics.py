@@ -121,6 +121,20 @@ def _appliance_families(snap: ApplianceSnapshot) -> Iterator[Metric]:
     for cause, count in sorted(snap.jobs_evicted.items()):
         evicted.add_metric([cause], count)
     yield evicted
+    aborted = CounterMetricFamily(
+        PREFIX + "appliance_jobs_aborted",
+        "Jobs aborted since the appliance started: by an operator (reductionctl abort), or by "
+        "one of their ranks that found the job cannot go on (a path too narrow).",
+        labels=["by"])
+    for by, count in sorted(snap.jobs_aborted.items()):
+        aborted.add_metric([by], count)
+    yield aborted
+    late = CounterMetricFamily(
+        PREFIX + "appliance_late_ranks_refused",
+        "Joins refused because their job had been aborted before the rank came (a worker "
+        "that started late): it is told why, and a job it registered after the abort goes.")
+    late.add_metric([], snap.late_ranks_refused)
+    yield late
     yield GaugeMetricFamily(
         PREFIX + "appliance_fallbacks",
         "Things the appliance gave up on this host (slower kernels, unicast instead of "

@@ -41,7 +41,7 @@ from .registry import (
     Registry,
     UnknownJob,
 )
-from .snapshot import ApplianceSnapshot, CoreSnapshot, InterfaceSnapshot, JobSnapshot
+from .snapshot import ApplianceSnapshot, CoreSnapshot, InterfaceSnapshot, job_snapshot
 from .specbatch import SpecBatches
 from .supervisor import Supervisor
 
@@ -74,6 +74,8 @@ class Appliance:
         self.janitor_errors = 0  # the daemon's periodic chores that failed (each logged)
         self.api_abandoned: Callable[[], int] = lambda: 0  # the API server's count (daemon.py)
         self.evicted = dict.fromkeys(EVICTION_CAUSES, 0)  # jobs evicted since start, by cause
+        self.aborted = {"operator": 0, "rank": 0}  # jobs aborted since start, by whom
+        self.late_refused = 0  # joins of ranks that came after their job's abort
         self._lock = threading.Lock()
         # Held by whoever changes a job on the cores, from taking the job as the registry has
         # it (under _lock) until the cores have it: they get a job's specs, and its removal,
@@ -137,7 +139,9 @@ class Appliance:
                 self.registry.join(job_id, rank, secret, endpoint, rejoin,
                                    silent_s=self._silent_elsewhere(job_id, rank, endpoint),
                                    lanes=lanes, window_cap=window_cap)
-            except JobGone:
+            except JobGone as late:  # a rank of an aborted run, after the abort
+                self.late_refused += 1
+                _log.info("refused rank %d's join of job %d: %s", rank, job_id, late)
                 self._withdraw_late(job_id)
                 raise
             ticket = self._updates.decided(job_id)
@@ -351,6 +355,8 @@ class Appliance:
             plan = self.registry.abort(job_id, rank, secret, reason=why, now=time.monotonic())
             self._remove_from_cores(job_id, abort=why)
             self._release_roce(job_id)
+            self.aborted["operator" if rank is None else "rank"] += 1
+        _log.info("aborted job %d (%s): %s", job_id, plan.name, why)
         return plan.describe(self.cfg)
 
     def job(self, job_id: int) -> JobDescription:
@@ -442,31 +448,9 @@ class Appliance:
         activity = self._job_activity_of(tuple(plans))  # (the cores asked without the lock)
         jobs = []
         for act in activity:
-            plan = plans[act.job_id]
-            mc = plan.spec.multicast
-            jobs.append(JobSnapshot(
-                job_id=act.job_id, name=plan.name, state=plan.state.value,
-                world_size=plan.spec.world_size, joined=tuple(sorted(plan.joined)),
-                deterministic=plan.spec.deterministic, transport=plan.request.transport,
-                multicast_group=mc[0] if mc else None, slots_per_core=plan.spec.slots,
-                created_s=now - plan.created, rounds=act.rounds,
-                bytes_reduced=act.bytes_reduced, segments_reduced=act.segments_reduced,
-                last_activity_s=None if act.last_activity is None else now - act.last_activity,
-                lagging={r: round(w, 3) for r, w in sorted(act.lagging.items())},
-                epoch=plan.spec.epoch, diverged=act.diverged,
-                silent={r: round(s, 1) for r, s in sorted(act.silent.items())},
-                ended=tuple(sorted(act.ended)),
-                heard_s={r: round(s, 3) for r, s in sorted(act.heard.items())},
-                seen_elsewhere={r: f"{a[0]}:{a[1]}" for r, a in sorted(act.elsewhere.items())},
-                contributions_missed=dict(sorted(act.missed.items())),
-                results_lost=dict(sorted(act.lost.items())),
-                windows_held=dict(sorted(plan.windows_held.items())),
-                endpoints={r: f"{a[0]}:{a[1]}" for r, a in enumerate(plan.spec.endpoints)
-                           if a is not None},
-                disruptions=tuple(
-                    f"{time.strftime('%H:%M:%S', time.localtime(d.at))} {d.why}"
-                    for d in self.supervisor.disruptions.get(act.job_id, [])),
-            ))
+            jobs.append(job_snapshot(plans[act.job_id], act, now, tuple(
+                f"{time.strftime('%H:%M:%S', time.localtime(d.at))} {d.why}"
+                for d in self.supervisor.disruptions.get(act.job_id, []))))
         cores = []
         queue_pairs = self.supervisor.queue_pairs() if self.cfg.roce.enabled else []
         for core in self.supervisor.cores:
@@ -496,7 +480,8 @@ class Appliance:
             fallbacks=self.supervisor.fallbacks.describe(),
             janitor_errors=self.janitor_errors + self.supervisor.errors,
             api_requests_abandoned=self.api_abandoned(),
-            jobs_evicted=dict(self.evicted),
+            jobs_evicted=dict(self.evicted), jobs_aborted=dict(self.aborted),
+            late_ranks_refused=self.late_refused,
             segment_bytes=self.cfg.dataplane.max_payload,
             segment_origin=self.cfg.dataplane.segment_origin,
         )

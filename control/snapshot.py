@@ -10,7 +10,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["ApplianceSnapshot", "CoreSnapshot", "InterfaceSnapshot", "JobSnapshot"]
+from .activity import Activity
+from .jobplan import JobPlan
+
+__all__ = ["ApplianceSnapshot", "CoreSnapshot", "InterfaceSnapshot", "JobSnapshot",
+           "job_snapshot"]
 
 
 @dataclass(frozen=True)
@@ -92,9 +96,38 @@ class ApplianceSnapshot:
     # API requests whose client closed its end before a handler took them (not served)
     api_requests_abandoned: int = 0
     jobs_evicted: dict[str, int] = field(default_factory=dict)  # since start, by cause
+    jobs_aborted: dict[str, int] = field(default_factory=dict)  # since start: operator, rank
+    late_ranks_refused: int = 0  # joins that came after their job's abort (control/aborts.py)
     fallbacks: tuple[str, ...] = ()  # what the appliance gave up on this host, and why
     segment_bytes: int = 0  # a UDP job's segment: the largest payload the path carries
     segment_origin: str = ""  # how that was chosen ("MTU 9000 of interface eth1, ...")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def job_snapshot(plan: JobPlan, act: Activity, now: float,
+                 disruptions: tuple[str, ...]) -> JobSnapshot:
+    """One job as the registry has it (`plan`) and its cores saw it (`act`), ages at `now`."""
+    mc = plan.spec.multicast
+    return JobSnapshot(
+        job_id=act.job_id, name=plan.name, state=plan.state.value,
+        world_size=plan.spec.world_size, joined=tuple(sorted(plan.joined)),
+        deterministic=plan.spec.deterministic, transport=plan.request.transport,
+        multicast_group=mc[0] if mc else None, slots_per_core=plan.spec.slots,
+        created_s=now - plan.created, rounds=act.rounds,
+        bytes_reduced=act.bytes_reduced, segments_reduced=act.segments_reduced,
+        last_activity_s=None if act.last_activity is None else now - act.last_activity,
+        lagging={r: round(w, 3) for r, w in sorted(act.lagging.items())},
+        epoch=plan.spec.epoch, diverged=act.diverged,
+        silent={r: round(s, 1) for r, s in sorted(act.silent.items())},
+        ended=tuple(sorted(act.ended)),
+        heard_s={r: round(s, 3) for r, s in sorted(act.heard.items())},
+        seen_elsewhere={r: f"{a[0]}:{a[1]}" for r, a in sorted(act.elsewhere.items())},
+        contributions_missed=dict(sorted(act.missed.items())),
+        results_lost=dict(sorted(act.lost.items())),
+        windows_held=dict(sorted(plan.windows_held.items())),
+        endpoints={r: f"{a[0]}:{a[1]}" for r, a in enumerate(plan.spec.endpoints)
+                   if a is not None},
+        disruptions=disruptions,
+    )

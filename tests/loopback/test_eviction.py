@@ -398,8 +398,17 @@ def test_a_rank_that_comes_after_its_peers_aborted_the_job_is_told_why_at_once()
         assert (f"410 rank 1 came after its run had ended: job {first.job_id} ('aborted') was "
                 f"aborted (at rank 2's request: {why}) before this rank joined it.") in text, text
         assert api.get("/v1/jobs") == []  # the job it made went with it
-        wait_until(lambda: "a late rank of an aborted run registered it" in daemon.stderr.text(),
-                   5, what="the log line of the withdrawal")
+        # The operator sees it: counted in status (and metrics), and why in the log.
+        status = api.get("/v1/status")
+        assert (status["jobs_aborted"], status["late_ranks_refused"]) == (
+            {"operator": 0, "rank": 1}, 1)
+        assert ("jobs aborted since start: 1 by one of their ranks; 1 late rank(s) told so at "
+                "join (the log says why)") in render_status(status)
+        for line in (f"aborted job {first.job_id} (aborted): at rank 2's request: {why}",
+                     f"refused rank 1's join of job {late.job_id}: rank 1 came after its run",
+                     f"withdrew job {late.job_id} (aborted): a late rank of an aborted run "
+                     "registered it"):
+            wait_until(lambda line=line: line in daemon.stderr.text(), 5, what=line)
         # The run restarted: a rank of the aborted job joins first, and the job goes on.
         again = register(daemon.api, "aborted", world_size=3, secret=secret)
         grads = [np.full(1000, float(r + 1), np.float32) for r in range(3)]

@@ -111,6 +111,8 @@ SNAPSHOT = ApplianceSnapshot(
     interfaces=(InterfaceSnapshot(name="eth1", mtu=9000, up=True, multicast_routes=()),),
     fallbacks=("reduce kernels numpy, not torch (ImportError: no torch) (cores 0, 1)",),
     jobs_evicted={"idle": 1, "abandoned": 3},
+    jobs_aborted={"operator": 2, "rank": 1},
+    late_ranks_refused=4,
 )
 
 
@@ -135,6 +137,9 @@ def test_appliance_info_and_uptime() -> None:
     assert value("reduction_appliance_fallbacks") == 1
     assert value("reduction_appliance_jobs_evicted_total", reason="idle") == 1
     assert value("reduction_appliance_jobs_evicted_total", reason="abandoned") == 3
+    assert value("reduction_appliance_jobs_aborted_total", by="operator") == 2
+    assert value("reduction_appliance_jobs_aborted_total", by="rank") == 1
+    assert value("reduction_appliance_late_ranks_refused_total") == 4
 
 
 @pytest.mark.parametrize(
@@ -250,7 +255,8 @@ def test_empty_appliance_renders() -> None:
     assert names == {"reduction_appliance_info", "reduction_appliance_uptime_seconds",
                      "reduction_appliance_segment_bytes",
                      "reduction_appliance_janitor_errors_total", "reduction_appliance_fallbacks",
-                     "reduction_api_requests_abandoned_total"}
+                     "reduction_api_requests_abandoned_total",
+                     "reduction_appliance_late_ranks_refused_total"}
 
 
 def test_names_follow_conventions() -> None:
