@@ -93,6 +93,15 @@ def render(snapshot: ApplianceSnapshot) -> bytes:
     return generate_latest(registry)
 
 
+def _counter(name: str, documentation: str, values: dict[tuple[str, ...], int],
+             labels: list[str] | None = None) -> CounterMetricFamily:
+    """A counter family of `values` by their label values (`()` where it has no labels)."""
+    family = CounterMetricFamily(PREFIX + name, documentation, labels=labels or [])
+    for label_values, value in values.items():
+        family.add_metric(list(label_values), value)
+    return family
+
+
 def _appliance_families(snap: ApplianceSnapshot) -> Iterator[Metric]:
     info = InfoMetricFamily(
         PREFIX + "appliance",
@@ -100,41 +109,32 @@ def _appliance_families(snap: ApplianceSnapshot) -> Iterator[Metric]:
     )
     info.add_metric([], {"version": snap.version, "config": snap.config})
     yield info
-    errors = CounterMetricFamily(
-        PREFIX + "appliance_janitor_errors",
+    yield _counter(
+        "appliance_janitor_errors",
         "Periodic chores of the daemon (rates, idle eviction) and core-monitor passes that "
-        "failed and were survived; each is one log line.")
-    errors.add_metric([], snap.janitor_errors)
-    yield errors
-    abandoned = CounterMetricFamily(
-        PREFIX + "api_requests_abandoned",
+        "failed and were survived; each is one log line.", {(): snap.janitor_errors})
+    yield _counter(
+        "api_requests_abandoned",
         "API requests whose client closed its connection before a handler took them, so not "
         "served: callers whose attempts time out before the API answers (a job of thousands "
-        "of ranks joining at once on a slow appliance), and that ask again.")
-    abandoned.add_metric([], snap.api_requests_abandoned)
-    yield abandoned
-    evicted = CounterMetricFamily(
-        PREFIX + "appliance_jobs_evicted",
+        "of ranks joining at once on a slow appliance), and that ask again.",
+        {(): snap.api_requests_abandoned})
+    yield _counter(
+        "appliance_jobs_evicted",
         "Jobs the appliance removed itself since it started: idle (nothing heard from any rank "
         "for jobs.idle_timeout_s) or abandoned (every joined rank silent for twice the "
-        "liveness timeout: workers gone without leaving).", labels=["reason"])
-    for cause, count in sorted(snap.jobs_evicted.items()):
-        evicted.add_metric([cause], count)
-    yield evicted
-    aborted = CounterMetricFamily(
-        PREFIX + "appliance_jobs_aborted",
+        "liveness timeout: workers gone without leaving).",
+        {(cause,): n for cause, n in sorted(snap.jobs_evicted.items())}, ["reason"])
+    yield _counter(
+        "appliance_jobs_aborted",
         "Jobs aborted since the appliance started: by an operator (reductionctl abort), or by "
         "one of their ranks that found the job cannot go on (a path too narrow).",
-        labels=["by"])
-    for by, count in sorted(snap.jobs_aborted.items()):
-        aborted.add_metric([by], count)
-    yield aborted
-    late = CounterMetricFamily(
-        PREFIX + "appliance_late_ranks_refused",
+        {(by,): n for by, n in sorted(snap.jobs_aborted.items())}, ["by"])
+    yield _counter(
+        "appliance_late_ranks_refused",
         "Joins refused because their job had been aborted before the rank came (a worker "
-        "that started late): it is told why, and a job it registered after the abort goes.")
-    late.add_metric([], snap.late_ranks_refused)
-    yield late
+        "that started late): it is told why, and a job it registered after the abort goes.",
+        {(): snap.late_ranks_refused})
     yield GaugeMetricFamily(
         PREFIX + "appliance_fallbacks",
         "Things the appliance gave up on this host (slower kernels, unicast instead of "
