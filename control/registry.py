@@ -23,6 +23,9 @@ Job states and the events that move them (anything else raises `IllegalTransitio
     ACTIVE    create       ACTIVE     idem
     CREATED   join         CREATED    a rank joined; not all yet
     CREATED   join (last)  ACTIVE     every rank has joined
+    CREATED   join (late)  (refused)  registered after its run's abort, joined first by a rank
+                                      that run never saw: JobGone (aborts.py); withdraw_late
+                                      then aborts the job, nobody having joined it
     ACTIVE    join         ACTIVE     a rank re-joins (restarted worker): new epoch
     CREATED   resync       CREATED    new epoch
     ACTIVE    resync       ACTIVE     new epoch

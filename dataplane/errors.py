@@ -121,7 +121,8 @@ class AllreduceTimeout(ReductionError):
 
 class JobAborted(ReductionError):
     """The appliance removed the job (an operator's abort, idle eviction or its shutdown) and
-    said so. Register the job again to continue."""
+    said so; or this rank joined after its peers aborted it (control/aborts.py). Register the
+    job again to continue."""
 
 
 class RankSilent(ReductionError):
