@@ -14,6 +14,11 @@ apart: a rank the aborted job had seen joined is its run restarted (a launcher's
 mark is dropped and the job goes on), any other is the old run's late rank, refused with the
 abort's reason (`JobGone`, 410), and the job it made is withdrawn. A request naming the
 aborted job's id is answered the same way.
+
+The one case taken wrongly: a restart within that time, with the same name, spec and secret,
+whose first rank to join is one the aborted job never saw (that run had a late rank too). It is
+refused with the abort's reason. The torch plugin makes a new secret for each run unless one is
+configured (REDUCTION_JOB_SECRET), and a new secret is a new run here.
 """
 
 from __future__ import annotations
