@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,13 +23,13 @@ import torch
 
 from reduction_appliance.control.config import parse
 from reduction_appliance.control.registry import JobRequest, Registry
-from reduction_appliance.dataplane.errors import AllreduceTimeout, ReductionError
+from reduction_appliance.dataplane.errors import AllreduceTimeout, JobAborted, ReductionError
 from reduction_appliance.deploy.testnet.harness import (
     ApplianceProcess,
     LoopbackNetwork,
     start_appliance,
 )
-from reduction_appliance.plugin.rendezvous import leave
+from reduction_appliance.plugin.rendezvous import abort, leave
 from reduction_appliance.plugin.rtt import Timing
 from reduction_appliance.plugin.torch_backend import (
     ApplianceConfig,
@@ -180,6 +181,29 @@ def test_a_rank_refused_by_one_appliance_withdraws_from_the_others() -> None:
             assert not appliance.local_api.get("/v1/jobs"), refused
             if refused == "join":  # the other appliance was asked to let the rank go too
                 assert asked[-1].endswith("/leave"), asked
+
+
+def test_a_rank_that_connects_after_its_peer_aborted_the_job_fails_at_once_saying_why() -> None:
+    """Rank 0 joined and aborted the job (its path too narrow, say); rank 1's process started
+    late and connects after that. It once made a fresh job and waited there for the group's
+    timeout (30 minutes by default); it now fails at once with the abort's reason, and leaves
+    no job behind."""
+    with LoopbackNetwork.create(multicast=False) as net, \
+            start_appliance(net, cores=1, multicast=False) as appliance:
+        config = ApplianceConfig((appliance.api,), None, None, "127.0.0.1", False)
+        first, _ = connect(config, "late-torch", "the-run's-secret", 0, 2)
+        try:
+            abort(first.jobs[0], 0, "the test aborts it")
+        finally:
+            first.close()
+        started = time.monotonic()
+        with pytest.raises(JobAborted) as told:
+            connect(config, "late-torch", "the-run's-secret", 1, 2)
+        assert time.monotonic() - started < 10, told.value
+        said = str(told.value)
+        assert "rank 1 came after its run had ended: job " in said, said
+        assert "('late-torch') was aborted (at rank 0's request: the test aborts it)" in said
+        assert appliance.local_api.get("/v1/jobs") == []
 
 
 def test_ranks_wait_for_a_checkpointing_peer_as_long_as_the_group_allows(
