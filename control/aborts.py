@@ -23,7 +23,6 @@ configured (REDUCTION_JOB_SECRET), and a new secret is a new run here.
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,8 +37,7 @@ class Aborted:
     """One aborted job, as the registry remembers it."""
 
     job_id: int
-    name: str
-    request: JobRequest  # a late rank registers the same spec
+    request: JobRequest  # its name and spec: a late rank registers the same
     secret: str
     seen: frozenset[int]  # ranks that joined it at some time
     reason: str  # what its ranks were told
@@ -47,7 +45,7 @@ class Aborted:
 
     def told(self) -> str:
         """The job's end, as a request that came after it is told."""
-        return f"job {self.job_id} ({self.name!r}) was aborted ({self.reason})"
+        return f"job {self.job_id} ({self.request.name!r}) was aborted ({self.reason})"
 
 
 class AbortMemory:
@@ -67,21 +65,19 @@ class AbortMemory:
         self._forget_before(gone.at - self.keep_s)
         self._by_id[gone.job_id] = gone
         if as_run:
-            self._by_name[gone.name] = gone
+            self._by_name[gone.request.name] = gone
 
     def of_id(self, job_id: int) -> Aborted | None:
         """The aborted job `job_id`, if remembered (possibly a little past `keep_s`: it is
         forgotten when the clock is next read, and is no less aborted for that)."""
         return self._by_id.get(job_id)
 
-    def of_run(self, request: JobRequest, secret: str, now: float) -> Aborted | None:
-        """The job aborted in the last `keep_s` that a registration of `request` with `secret`
-        may be a late rank of: same name, spec and secret."""
+    def of_run(self, request: JobRequest, now: float) -> Aborted | None:
+        """The last job of `request`'s name aborted in the last `keep_s`, where its spec was
+        `request` too (the caller compares the secrets)."""
         self._forget_before(now - self.keep_s)
         gone = self._by_name.get(request.name)
-        if gone is None or gone.request != request or not secret:
-            return None
-        return gone if hmac.compare_digest(secret.encode(), gone.secret.encode()) else None
+        return gone if gone is not None and gone.request == request else None
 
     def _forget_before(self, oldest: float) -> None:
         while self._by_id:
@@ -89,6 +85,6 @@ class AbortMemory:
             if first.at >= oldest:
                 return
             del self._by_id[first.job_id]
-            if self._by_name.get(first.name) is first:
-                del self._by_name[first.name]
+            if self._by_name.get(first.request.name) is first:
+                del self._by_name[first.request.name]
 

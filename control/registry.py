@@ -270,8 +270,10 @@ class Registry:
         spec = JobSpec(job_id, cookie, request.world_size, slots, request.deterministic,
                        multicast, hold_buffers=hold,
                        liveness_timeout=self.cfg.jobs.liveness_timeout_s)
-        return JobPlan(request.name, request, spec, now, secret,
-                       late_for=self._aborted.of_run(request, secret, now))
+        late_for = self._aborted.of_run(request, now)
+        if late_for is not None and not _same_secret(secret, late_for.secret):
+            late_for = None  # another run of the same name
+        return JobPlan(request.name, request, spec, now, secret, late_for=late_for)
 
     def commit(self, plan: JobPlan) -> None:
         """Record a plan the data plane accepted."""
@@ -413,8 +415,7 @@ class Registry:
             raise BadRequest(f"rank {rank} outside world size {plan.spec.world_size}")
         self._record(plan)
         if now is not None:
-            self._aborted.remember(Aborted(job_id, plan.name, plan.request, plan.secret,
-                                           plan.seen, reason, now))
+            self._remember(plan, reason, now)
         return plan
 
     def withdraw_late(self, job_id: int, now: float) -> JobPlan | None:
@@ -425,10 +426,13 @@ class Registry:
             return None
         gone = self._move(job_id, JobEvent.ABORT)
         self._record(gone)
-        why = f"registered after {plan.late_for.told()}, by a late rank of that run"
-        self._aborted.remember(Aborted(job_id, plan.name, plan.request, plan.secret,
-                                       plan.seen, why, now), as_run=False)
+        self._remember(plan, f"registered after {plan.late_for.told()}, by a late rank of that "
+                       "run", now, as_run=False)
         return gone
+
+    def _remember(self, plan: JobPlan, reason: str, now: float, *, as_run: bool = True) -> None:
+        self._aborted.remember(Aborted(plan.spec.job_id, plan.request, plan.secret, plan.seen,
+                                       reason, now), as_run=as_run)
 
     def evict(self, job_id: int) -> JobPlan:
         """Remove a job nobody is left to end, now (a new registration of its name found it

@@ -113,16 +113,16 @@ def test_the_memory_forgets_after_its_time_and_keeps_the_last_run_of_a_name() ->
     memory = AbortMemory(keep_s=10.0)
 
     def gone(job_id: int, at_s: float, name: str = "a") -> Aborted:
-        return Aborted(job_id, name, JobRequest(name, 2), SECRET, frozenset({0}), "why", at_s)
+        return Aborted(job_id, JobRequest(name, 2), SECRET, frozenset({0}), "why", at_s)
 
     memory.remember(gone(1, 0.0))
     memory.remember(gone(2, 5.0))  # the same name again: the later run counts
     memory.remember(gone(3, 6.0, "b"), as_run=False)  # by id only
-    assert memory.of_run(JobRequest("a", 2), SECRET, now=9.0) == gone(2, 5.0)
-    assert memory.of_run(JobRequest("b", 2), SECRET, now=9.0) is None
-    assert memory.of_run(JobRequest("a", 2), "", now=9.0) is None  # no secret: no run
+    assert memory.of_run(JobRequest("a", 2), now=9.0) == gone(2, 5.0)
+    assert memory.of_run(JobRequest("b", 2), now=9.0) is None
+    assert memory.of_run(JobRequest("a", 3), now=9.0) is None  # another spec: another run
     assert [memory.of_id(i) is not None for i in (1, 2, 3)] == [True, True, True]
-    assert memory.of_run(JobRequest("a", 2), SECRET, now=12.0) == gone(2, 5.0)
+    assert memory.of_run(JobRequest("a", 2), now=12.0) == gone(2, 5.0)
     assert memory.of_id(1) is None and len(memory) == 2  # 12 s old: forgotten
-    assert memory.of_run(JobRequest("a", 2), SECRET, now=15.5) is None
+    assert memory.of_run(JobRequest("a", 2), now=15.5) is None
     assert len(memory) == 1 and memory.of_id(3) is not None  # 9.5 s old
